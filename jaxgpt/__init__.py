@@ -1,0 +1,1 @@
+"""jaxgpt: GPT language models in JAX/Flax, from one CPU to TPU pods."""

@@ -1,0 +1,465 @@
+"""Independent float64 numpy reference for the jaxgpt family of decoder-only transformers.
+
+Why this file exists: the Flax model is checked against this module in tests, so this module must be
+derived only from the written specification (and the seed articles it cites), never from the Flax code.
+Everything is computed in float64 with plain numpy, deterministically (dropout is always off), so that
+any mismatch larger than float32 round-off points at a real bug in one of the two implementations.
+
+Shape suffixes on variable names follow the usual convention:
+    B batch, T sequence length, C n_embd, H n_head, D head_dim, F d_ff, V vocab_size, K classes,
+    P rows of a position table.
+E.g. ``x_BTC`` has shape (B, T, C) and ``att_BHTT`` has shape (B, H, T_query, T_key).
+
+Parameter tree (nested dicts of arrays)::
+
+    {"wte": {"embedding": (V, C)},
+     "wpe": {"embedding": (P, C)},                       # position == "learned" only
+     "h_0": {"ln_1": {"scale": (C,), "bias": (C,)},      # "bias" only if use_bias
+             "attn": {"qkv": {"kernel": (C, 3, H, D), "bias": (3, H, D)},
+                      "out": {"kernel": (H, D, C), "bias": (C,)}},
+             "ln_2": {...},
+             "mlp": {"fc": {"kernel": (C, F), "bias": (F,)},
+                     "proj": {"kernel": (F, C), "bias": (C,)}}},
+     "h_1": ..., ...,
+     "ln_f": {...},                                      # final_norm only
+     "lm_head": {"kernel": (C, V), "bias": (V,)},        # untied embeddings only
+     "cls_head": {"kernel": (C, K), "bias": (K,)}}       # classifier only
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+Params = Mapping[str, Any]
+Config = Mapping[str, Any]
+
+POSITION_KINDS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
+NORM_KINDS = ("layernorm", "unbiased_std")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+# math.erf applied element-wise: numpy has no erf and scipy is deliberately not a dependency.
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small utilities
+# ----------------------------------------------------------------------------------------------------
+
+
+def to_float64(tree: Any) -> Any:
+    """Return a copy of a (nested dict) parameter tree with every leaf as a float64 numpy array.
+
+    The caller may hand us float32 (or jax) arrays; promoting once on entry keeps every later
+    computation in float64 so the reference itself contributes no meaningful round-off.
+    """
+    if isinstance(tree, Mapping):
+        return {key: to_float64(value) for key, value in tree.items()}
+    return np.array(tree, dtype=np.float64)  # np.array copies, so the caller's arrays are never aliased
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax; entries equal to -inf get exactly zero probability.
+
+    Subtracting the (finite) maximum avoids overflow; callers must guarantee at least one finite entry
+    along ``axis`` (attention always keeps the diagonal visible, so this holds there).
+    """
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    unnormalised = np.exp(shifted)
+    return unnormalised / np.sum(unnormalised, axis=axis, keepdims=True)
+
+
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable log-softmax via the log-sum-exp trick."""
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+def activation(x: np.ndarray, kind: str) -> np.ndarray:
+    """The feed-forward non-linearity.
+
+    "gelu" is the exact Gaussian-CDF form (what torch.nn.GELU computes by default);
+    "gelu_tanh" is the tanh approximation popularised by GPT-2.
+    """
+    if kind == "relu":
+        return np.maximum(x, 0.0)
+    if kind == "gelu":
+        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    if kind == "gelu_tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    raise ValueError(f"unknown activation {kind!r}; expected one of {ACTIVATIONS}")
+
+
+def _maybe_bias(value: np.ndarray, layer: Params, use_bias: bool) -> np.ndarray:
+    """Add ``layer["bias"]`` only when the config says biases exist (the tree then must contain one)."""
+    if use_bias:
+        return value + layer["bias"]
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------
+# Normalisation
+# ----------------------------------------------------------------------------------------------------
+
+
+def norm(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
+    """Normalise over the feature axis, then apply the learned scale (and bias if use_bias).
+
+    Two variants exist in the seed material and give different numbers, so both are supported:
+      * "layernorm": standard LayerNorm, biased (population) variance, eps inside the square root.
+      * "unbiased_std": the Annotated-Transformer LayerNorm, which uses the unbiased (n-1) standard
+        deviation and adds eps to the standard deviation rather than to the variance.
+    """
+    kind = cfg["norm"]
+    eps = float(cfg["norm_eps"])
+    n_features = x_BTC.shape[-1]
+    mean_BT1 = np.mean(x_BTC, axis=-1, keepdims=True)
+    centred_BTC = x_BTC - mean_BT1
+    sum_sq_BT1 = np.sum(centred_BTC**2, axis=-1, keepdims=True)
+    if kind == "layernorm":
+        var_BT1 = sum_sq_BT1 / n_features
+        normed_BTC = centred_BTC / np.sqrt(var_BT1 + eps)
+    elif kind == "unbiased_std":
+        if n_features < 2:
+            raise ValueError("unbiased_std normalisation needs at least 2 features")
+        std_BT1 = np.sqrt(sum_sq_BT1 / (n_features - 1))
+        normed_BTC = centred_BTC / (std_BT1 + eps)
+    else:
+        raise ValueError(f"unknown norm {kind!r}; expected one of {NORM_KINDS}")
+    return _maybe_bias(normed_BTC * p["scale"], p, bool(cfg["use_bias"]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Padding and positions
+# ----------------------------------------------------------------------------------------------------
+
+
+def padding_mask(tokens_BT: np.ndarray, cfg: Config, mask: np.ndarray | None = None) -> np.ndarray:
+    """Boolean (B, T): True where the token is padding.
+
+    Padding can be announced two ways and both count: an explicit ``mask`` (False = padding) and,
+    if ``pad_id`` is configured, any token equal to it (seed 001 derives padding from pad_id alone).
+    """
+    is_pad_BT = np.zeros(tokens_BT.shape, dtype=bool)
+    if mask is not None:
+        mask_BT = np.asarray(mask).astype(bool)
+        if mask_BT.shape != tokens_BT.shape:
+            raise ValueError(f"mask shape {mask_BT.shape} != tokens shape {tokens_BT.shape}")
+        is_pad_BT |= ~mask_BT
+    pad_id = cfg.get("pad_id")
+    if pad_id is not None:
+        is_pad_BT |= tokens_BT == pad_id
+    return is_pad_BT
+
+
+def position_ids(tokens_BT: np.ndarray, cfg: Config, mask: np.ndarray | None = None) -> np.ndarray:
+    """Integer (B, T) row indices into the position table.
+
+    Plain scheme: 0, 1, ..., T-1.  With pad_positions (seed 001): the token at index t gets t + 1 and
+    every padding token gets 0, so row 0 of the table is reserved for padding.  Note that t + 1 is the
+    index in the row, not a count of real tokens, exactly as seed 001 does it.
+    """
+    batch, seq_len = tokens_BT.shape
+    index_BT = np.broadcast_to(np.arange(seq_len), (batch, seq_len))
+    if not cfg.get("pad_positions", False):
+        return index_BT.copy()
+    return np.where(padding_mask(tokens_BT, cfg, mask), 0, index_BT + 1)
+
+
+def sinusoidal_table(n_pos: int, dim: int, kind: str) -> np.ndarray:
+    """Fixed (n_pos, dim) sinusoidal position table.
+
+    Both kinds use the same frequencies, omega_i = 10000 ** (-2 i / dim) for i in [0, dim/2), and differ
+    only in where the sin and cos of each frequency go:
+      * "sinusoidal" (seed 000, Annotated Transformer): interleaved, column 2i = sin, 2i+1 = cos, with the
+        frequency written as exp(-(2i) * ln(10000) / dim).
+      * "sinusoidal_concat" (seed 002): all sines first, then all cosines, with the frequency written as
+        1 / 10000 ** (i / (dim/2)).
+    The two formulas are kept literally as in their sources so that each kind is checked against its
+    own recipe.
+    """
+    if dim % 2 != 0:
+        raise ValueError(f"sinusoidal tables need an even dimension, got {dim}")
+    half = dim // 2
+    pos_P1 = np.arange(n_pos, dtype=np.float64)[:, None]
+    if kind == "sinusoidal":
+        two_i = np.arange(0, dim, 2, dtype=np.float64)
+        freq_half = np.exp(-two_i * math.log(10000.0) / dim)
+        angle_Ph = pos_P1 * freq_half[None, :]
+        table_PC = np.zeros((n_pos, dim), dtype=np.float64)
+        table_PC[:, 0::2] = np.sin(angle_Ph)
+        table_PC[:, 1::2] = np.cos(angle_Ph)
+        return table_PC
+    if kind == "sinusoidal_concat":
+        depth = float(half)
+        rate_half = 1.0 / (10000.0 ** (np.arange(half, dtype=np.float64) / depth))
+        angle_Ph = pos_P1 * rate_half[None, :]
+        return np.concatenate([np.sin(angle_Ph), np.cos(angle_Ph)], axis=-1)
+    raise ValueError(f"unknown sinusoidal kind {kind!r}")
+
+
+def embed(params: Params, tokens_BT: np.ndarray, cfg: Config, mask: np.ndarray | None = None) -> np.ndarray:
+    """Token embedding (optionally times sqrt(C), as in seeds 000/002) plus the positional term."""
+    n_embd = int(cfg["n_embd"])
+    x_BTC = params["wte"]["embedding"][tokens_BT]
+    if cfg.get("scale_embeddings", False):
+        x_BTC = x_BTC * math.sqrt(n_embd)
+    kind = cfg["position"]
+    if kind == "none":
+        return x_BTC
+    pos_BT = position_ids(tokens_BT, cfg, mask)
+    if kind == "learned":
+        table_PC = params["wpe"]["embedding"]
+    elif kind in ("sinusoidal", "sinusoidal_concat"):
+        table_PC = sinusoidal_table(int(pos_BT.max()) + 1, n_embd, kind)
+    else:
+        raise ValueError(f"unknown position kind {kind!r}; expected one of {POSITION_KINDS}")
+    if pos_BT.max() >= table_PC.shape[0]:
+        raise ValueError(f"position {pos_BT.max()} out of range for a table with {table_PC.shape[0]} rows")
+    return x_BTC + table_PC[pos_BT]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention, MLP, blocks
+# ----------------------------------------------------------------------------------------------------
+
+
+def attention_visibility(is_pad_BT: np.ndarray) -> np.ndarray:
+    """Boolean (B, T_query, T_key): may query i look at key j?
+
+    Rule: j <= i (causal) and (key j is real or j == i).  Keeping the diagonal always visible means no
+    row is ever fully masked, so softmax never divides by zero and never spreads a padded query's mass
+    uniformly over future positions (which is what a finite -1e9 fill does in seed 001).
+    """
+    seq_len = is_pad_BT.shape[1]
+    causal_TT = np.tril(np.ones((seq_len, seq_len), dtype=bool))
+    diagonal_TT = np.eye(seq_len, dtype=bool)
+    key_real_B1T = ~is_pad_BT[:, None, :]
+    return causal_TT[None] & (key_real_B1T | diagonal_TT[None])
+
+
+def attention(
+    x_BTC: np.ndarray, p: Params, visible_BTT: np.ndarray, cfg: Config
+) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-head scaled dot-product self-attention.
+
+    Returns (output_BTC, probabilities_BHTT).  Heads have their own size D = head_dim, which need not
+    equal C / H (seed 004's Keras layer sets a per-head key_dim independently of the model width).
+    """
+    use_bias = bool(cfg["use_bias"])
+    head_dim = int(cfg["head_dim"])
+    w_C3HD = p["qkv"]["kernel"]
+    qkv_3BTHD = np.einsum("btc,cshd->sbthd", x_BTC, w_C3HD)
+    if use_bias:
+        qkv_3BTHD = qkv_3BTHD + p["qkv"]["bias"][:, None, None, :, :]
+    q_BTHD, k_BTHD, v_BTHD = qkv_3BTHD[0], qkv_3BTHD[1], qkv_3BTHD[2]
+
+    scores_BHTT = np.einsum("bqhd,bkhd->bhqk", q_BTHD, k_BTHD) / math.sqrt(head_dim)
+    scores_BHTT = np.where(visible_BTT[:, None, :, :], scores_BHTT, -np.inf)
+    att_BHTT = softmax(scores_BHTT, axis=-1)
+
+    y_BTHD = np.einsum("bhqk,bkhd->bqhd", att_BHTT, v_BTHD)
+    out_BTC = np.einsum("bthd,hdc->btc", y_BTHD, p["out"]["kernel"])
+    return _maybe_bias(out_BTC, p["out"], use_bias), att_BHTT
+
+
+def mlp(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
+    """Position-wise feed-forward network: proj(act(fc(x)))."""
+    use_bias = bool(cfg["use_bias"])
+    hidden_BTF = _maybe_bias(x_BTC @ p["fc"]["kernel"], p["fc"], use_bias)
+    hidden_BTF = activation(hidden_BTF, cfg["activation"])
+    return _maybe_bias(hidden_BTF @ p["proj"]["kernel"], p["proj"], use_bias)
+
+
+def block(
+    x_BTC: np.ndarray, p: Params, visible_BTT: np.ndarray, cfg: Config
+) -> tuple[np.ndarray, np.ndarray]:
+    """One transformer layer; returns (new x_BTC, attention probabilities_BHTT).
+
+    "pre" (GPT-2, seed 000): normalise the input of each sub-layer, residual stays un-normalised.
+    "post" (GPT-1, seeds 001/004): add the residual first, then normalise the sum.
+    """
+    placement = cfg["norm_placement"]
+    if placement == "pre":
+        att_out_BTC, att_BHTT = attention(norm(x_BTC, p["ln_1"], cfg), p["attn"], visible_BTT, cfg)
+        x_BTC = x_BTC + att_out_BTC
+        x_BTC = x_BTC + mlp(norm(x_BTC, p["ln_2"], cfg), p["mlp"], cfg)
+    elif placement == "post":
+        att_out_BTC, att_BHTT = attention(x_BTC, p["attn"], visible_BTT, cfg)
+        x_BTC = norm(x_BTC + att_out_BTC, p["ln_1"], cfg)
+        x_BTC = norm(x_BTC + mlp(x_BTC, p["mlp"], cfg), p["ln_2"], cfg)
+    else:
+        raise ValueError(f"unknown norm_placement {placement!r}; expected 'pre' or 'post'")
+    return x_BTC, att_BHTT
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_tokens(tokens: np.ndarray, cfg: Config) -> np.ndarray:
+    """Validate the token batch: 2-D integers, in vocabulary, no longer than the context window."""
+    tokens_BT = np.asarray(tokens)
+    if tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer):
+        raise ValueError(f"tokens must be an integer (B, T) array, got {tokens_BT.dtype} {tokens_BT.shape}")
+    if tokens_BT.shape[1] > int(cfg["block_size"]):
+        raise ValueError(f"sequence length {tokens_BT.shape[1]} exceeds block_size {cfg['block_size']}")
+    if tokens_BT.size and (tokens_BT.min() < 0 or tokens_BT.max() >= int(cfg["vocab_size"])):
+        raise ValueError("token id out of vocabulary range")
+    return tokens_BT
+
+
+def hidden_states(
+    params: Params, tokens: np.ndarray, cfg: Config, mask: np.ndarray | None = None
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Run embedding + all layers (+ final norm). Returns (h_BTC, per-layer attention probabilities)."""
+    params = to_float64(params)
+    tokens_BT = _check_tokens(tokens, cfg)
+    visible_BTT = attention_visibility(padding_mask(tokens_BT, cfg, mask))
+    x_BTC = embed(params, tokens_BT, cfg, mask)
+    attentions: list[np.ndarray] = []
+    for layer in range(int(cfg["n_layer"])):
+        x_BTC, att_BHTT = block(x_BTC, params[f"h_{layer}"], visible_BTT, cfg)
+        attentions.append(att_BHTT)
+    if cfg["final_norm"]:
+        x_BTC = norm(x_BTC, params["ln_f"], cfg)
+    return x_BTC, attentions
+
+
+def lm_logits(params: Params, h_BTC: np.ndarray, cfg: Config) -> np.ndarray:
+    """Vocabulary logits from final hidden states: tied (h @ wte^T, no bias) or a separate lm_head."""
+    params = to_float64(params)
+    if cfg["tie_embeddings"]:
+        return h_BTC @ params["wte"]["embedding"].T
+    head = params["lm_head"]
+    return _maybe_bias(h_BTC @ head["kernel"], head, bool(cfg["use_bias"]))
+
+
+def forward(
+    params: Params, tokens: np.ndarray, cfg: Config, mask: np.ndarray | None = None
+) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """Full language-model pass.
+
+    Returns (logits_BTV, [attention probabilities (B, H, T, T) per layer], final hidden states h_BTC).
+    """
+    params = to_float64(params)
+    h_BTC, attentions = hidden_states(params, tokens, cfg, mask)
+    return lm_logits(params, h_BTC, cfg), attentions, h_BTC
+
+
+def log_probs(params: Params, tokens: np.ndarray, cfg: Config, mask: np.ndarray | None = None) -> np.ndarray:
+    """log_softmax of the logits over the vocabulary, (B, T, V) (what seed 000's Generator returns)."""
+    logits_BTV, _, _ = forward(params, tokens, cfg, mask)
+    return log_softmax(logits_BTV, axis=-1)
+
+
+def loss(
+    params: Params,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    cfg: Config,
+    mask: np.ndarray | None = None,
+) -> float:
+    """Mean next-token cross-entropy over all B*T positions (padding positions are not excluded).
+
+    ``targets[b, t]`` is the token that should follow ``tokens[b, : t + 1]``.
+    """
+    logp_BTV = log_probs(params, tokens, cfg, mask)
+    targets_BT = np.asarray(targets)
+    if targets_BT.shape != logp_BTV.shape[:2]:
+        raise ValueError(f"targets shape {targets_BT.shape} != tokens shape {logp_BTV.shape[:2]}")
+    picked_BT = np.take_along_axis(logp_BTV, targets_BT[..., None].astype(np.int64), axis=-1)[..., 0]
+    return float(-np.mean(picked_BT))
+
+
+def classifier_forward(
+    params: Params,
+    tokens: np.ndarray,
+    cfg: Config,
+    cls_token_id: int,
+    mask: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """GPT-1 style LM + classification heads (seed 001's GPTClsHead). Returns (lm_logits_BTV, cls_logits_BK).
+
+    Each row is classified from the hidden state at the LAST position holding ``cls_token_id``.  The
+    classification bias is added when the tree has one (seed 001's classifier is a biased nn.Linear).
+    """
+    params = to_float64(params)
+    tokens_BT = _check_tokens(tokens, cfg)
+    logits_BTV, _, h_BTC = forward(params, tokens_BT, cfg, mask)
+    is_cls_BT = tokens_BT == cls_token_id
+    if not np.all(is_cls_BT.any(axis=1)):
+        raise ValueError(f"every row must contain cls_token_id={cls_token_id}")
+    seq_len = tokens_BT.shape[1]
+    last_cls_B = seq_len - 1 - np.argmax(is_cls_BT[:, ::-1], axis=1)
+    pooled_BC = h_BTC[np.arange(tokens_BT.shape[0]), last_cls_B]
+    head = params["cls_head"]
+    cls_logits_BK = pooled_BC @ head["kernel"]
+    if "bias" in head:
+        cls_logits_BK = cls_logits_BK + head["bias"]
+    return logits_BTV, cls_logits_BK
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parameter construction (for tests of this module and as a layout oracle)
+# ----------------------------------------------------------------------------------------------------
+
+
+def position_table_rows(cfg: Config) -> int:
+    """Rows of the learned position table: block_size, plus one reserved padding row if pad_positions."""
+    return int(cfg["block_size"]) + (1 if cfg.get("pad_positions", False) else 0)
+
+
+def random_params(cfg: Config, seed: int = 0, n_classes: int | None = None, std: float = 0.5) -> dict:
+    """Random float64 parameters in the documented tree layout (norm scales around 1).
+
+    ``std`` is deliberately large compared with usual GPT initialisation so that every term (biases,
+    positions, every layer) visibly influences the outputs in tests.
+    """
+    rng = np.random.default_rng(seed)
+    n_embd, n_head, head_dim = int(cfg["n_embd"]), int(cfg["n_head"]), int(cfg["head_dim"])
+    d_ff, vocab = int(cfg["d_ff"]), int(cfg["vocab_size"])
+    use_bias = bool(cfg["use_bias"])
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, std, size=shape)
+
+    def dense(*shape: int, bias_shape: tuple[int, ...]) -> dict:
+        layer = {"kernel": normal(*shape)}
+        if use_bias:
+            layer["bias"] = normal(*bias_shape)
+        return layer
+
+    def norm_params() -> dict:
+        layer = {"scale": 1.0 + normal(n_embd)}
+        if use_bias:
+            layer["bias"] = normal(n_embd)
+        return layer
+
+    params: dict[str, Any] = {"wte": {"embedding": normal(vocab, n_embd)}}
+    if cfg["position"] == "learned":
+        params["wpe"] = {"embedding": normal(position_table_rows(cfg), n_embd)}
+    for layer in range(int(cfg["n_layer"])):
+        params[f"h_{layer}"] = {
+            "ln_1": norm_params(),
+            "attn": {
+                "qkv": dense(n_embd, 3, n_head, head_dim, bias_shape=(3, n_head, head_dim)),
+                "out": dense(n_head, head_dim, n_embd, bias_shape=(n_embd,)),
+            },
+            "ln_2": norm_params(),
+            "mlp": {
+                "fc": dense(n_embd, d_ff, bias_shape=(d_ff,)),
+                "proj": dense(d_ff, n_embd, bias_shape=(n_embd,)),
+            },
+        }
+    if cfg["final_norm"]:
+        params["ln_f"] = norm_params()
+    if not cfg["tie_embeddings"]:
+        params["lm_head"] = dense(n_embd, vocab, bias_shape=(vocab,))
+    if n_classes is not None:
+        params["cls_head"] = {"kernel": normal(n_embd, n_classes), "bias": normal(n_classes)}
+    return params

@@ -1,0 +1,294 @@
+"""The Flax GPT family against the independent numpy reference, plus property tests."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpy_reference as ref
+from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
+from jaxgpt.model import GPT, GPTClassifier, init_params, stack_layers, unstack_layers
+from jaxgpt.presets import PRESETS, get_preset
+from jaxgpt.summary import count_params, param_shapes, summary
+
+TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=48)
+
+
+def shrink(cfg: ModelConfig) -> ModelConfig:
+    """A preset at test size, keeping every architectural choice (including head_dim = n_embd)."""
+    head_dim = TINY["n_embd"] if cfg.head_dim == cfg.n_embd else None
+    return cfg.replace(**TINY, head_dim=head_dim, pad_id=None if cfg.pad_id is None else 0)
+
+
+@functools.cache
+def _apply(cfg: ModelConfig, classifier: bool = False):
+    model = GPTClassifier(cfg, n_class=3, cls_token_id=7) if classifier else GPT(cfg)
+
+    @jax.jit
+    def run(params, idx, mask):
+        out, state = model.apply({"params": params}, idx, mask, mutable=["intermediates"])
+        return out, state.get("intermediates", {})
+
+    return run
+
+
+def attn_weights(cfg: ModelConfig, intermediates: dict) -> list[np.ndarray]:
+    if cfg.scan_layers:
+        stacked = intermediates["h"]["attn"]["attn_weights"][0]
+        return [np.asarray(stacked[i]) for i in range(cfg.n_layer)]
+    return [np.asarray(intermediates[f"h_{i}"]["attn"]["attn_weights"][0]) for i in range(cfg.n_layer)]
+
+
+def to_jax(params: dict) -> dict:
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+
+
+def sample_inputs(cfg: ModelConfig, seed: int, padded: bool, batch: int = 3) -> tuple[np.ndarray, np.ndarray | None]:
+    rng = np.random.default_rng(seed)
+    T = cfg.block_size
+    idx = rng.integers(1, cfg.vocab_size, size=(batch, T))
+    if not padded:
+        return idx, None
+    mask = np.ones((batch, T), bool)
+    mask[0, :5] = False  # left padding
+    mask[1, -4:] = False  # right padding
+    mask[2] = rng.random(T) > 0.3  # scattered
+    if cfg.pad_id is not None:
+        idx = np.where(mask, idx, cfg.pad_id)
+    return idx, mask
+
+
+def assert_matches_reference(cfg: ModelConfig, seed: int, padded: bool) -> None:
+    params64 = ref.random_params(cfg.to_dict(), seed=seed, std=0.3)
+    idx, mask = sample_inputs(cfg, seed, padded)
+    params = to_jax(params64)
+    if cfg.scan_layers:
+        params = stack_layers(params, cfg.n_layer)
+    logits, inter = _apply(cfg)(params, jnp.asarray(idx), None if mask is None else jnp.asarray(mask))
+    want, want_attn, _ = ref.forward(params64, idx, cfg.to_dict(), mask)
+    scale = max(1.0, np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-5 * scale)
+    if cfg.attention_impl == "einsum":
+        for got_l, want_l in zip(attn_weights(cfg, inter), want_attn, strict=True):
+            np.testing.assert_allclose(got_l, want_l, rtol=0, atol=1e-5)
+
+
+SEED_PRESETS = ["seed000", "seed001", "seed002", "seed004", "gpt2", "gpt2-medium"]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", SEED_PRESETS)
+def test_presets_match_reference(name: str, padded: bool) -> None:
+    assert_matches_reference(shrink(get_preset(name)), seed=1, padded=padded)
+
+
+def random_config(rng: np.random.Generator) -> ModelConfig:
+    """One point of the knob space that changes the math (dropout is off: the reference is deterministic)."""
+    n_head = int(rng.choice([1, 2, 4]))
+    n_embd = int(rng.choice([16, 24, 32]))
+    if n_embd % n_head:
+        n_head = 2
+    pad_positions = bool(rng.random() < 0.3)
+    return ModelConfig(
+        vocab_size=int(rng.integers(20, 80)), block_size=int(rng.integers(4, 13)), n_layer=int(rng.integers(1, 4)),
+        n_head=n_head, n_embd=n_embd, head_dim=int(rng.choice([n_embd // n_head, 8, 12])),
+        d_ff=int(rng.choice([16, 40, 64])),
+        position=str(rng.choice(["learned", "sinusoidal", "sinusoidal_concat", "none"])),
+        pad_positions=pad_positions, pad_id=0 if pad_positions or rng.random() < 0.3 else None,
+        scale_embeddings=bool(rng.random() < 0.5), norm_placement=str(rng.choice(["pre", "post"])),
+        final_norm=bool(rng.random() < 0.6), norm=str(rng.choice(["layernorm", "unbiased_std"])),
+        norm_eps=float(rng.choice([1e-6, 1e-5, 1e-3])), activation=str(rng.choice(["relu", "gelu", "gelu_tanh"])),
+        use_bias=bool(rng.random() < 0.7), tie_embeddings=bool(rng.random() < 0.5),
+        attention_impl=str(rng.choice(["einsum", "einsum", "xla"])), scan_layers=bool(rng.random() < 0.3),
+    )
+
+
+@pytest.mark.parametrize("case", range(50))
+def test_random_knob_sweep_matches_reference(case: int) -> None:
+    cfg = random_config(np.random.default_rng(1000 + case))
+    assert_matches_reference(cfg, seed=case, padded=case % 2 == 1)
+
+
+def test_classifier_matches_reference() -> None:
+    cfg = shrink(get_preset("seed001"))
+    params64 = ref.random_params(cfg.to_dict(), seed=3, n_classes=3, std=0.3)
+    idx, mask = sample_inputs(cfg, 3, padded=True)
+    idx[:, 9] = 7  # the classification token; row 0 has two, the last one counts
+    idx[0, 11] = 7
+    mask[:, [9, 11]] = True
+    (lm, cls), _ = _apply(cfg, classifier=True)(to_jax(params64), jnp.asarray(idx), jnp.asarray(mask))
+    want_lm, want_cls = ref.classifier_forward(params64, idx, cfg.to_dict(), cls_token_id=7, mask=mask)
+    np.testing.assert_allclose(np.asarray(lm), want_lm, atol=1e-5 * np.abs(want_lm).max())
+    np.testing.assert_allclose(np.asarray(cls), want_cls, atol=1e-5 * max(1, np.abs(want_cls).max()))
+
+
+@pytest.mark.parametrize("name", ["seed000", "seed001", "seed004", "gpt2"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_init_layout_matches_reference_layout(name: str, scan: bool) -> None:
+    cfg = shrink(get_preset(name)).replace(scan_layers=scan)
+    params = init_params(cfg, jax.random.key(0))
+    if scan:
+        assert params["h"]["attn"]["qkv"]["kernel"].shape == (cfg.n_layer, 32, 3, 4, cfg.head_dim)
+        params = unstack_layers(params, cfg.n_layer)
+    want = jax.tree.map(np.shape, ref.random_params(cfg.to_dict()))
+    assert jax.tree.map(np.shape, params) == want
+
+
+def test_gpt2_124m_parameter_count_and_summary() -> None:
+    assert count_params(param_shapes(PRESETS["gpt2"])) == 124_439_808
+    table = summary(PRESETS["gpt2"])
+    assert "124,439,808" in table and "h_11/attn" in table
+
+
+def test_xavier_init_bounds_are_per_projection() -> None:
+    cfg = shrink(get_preset("seed000"))
+    params = init_params(cfg, jax.random.key(0))
+    qkv = params["h_0"]["attn"]["qkv"]["kernel"]  # three (C, H*D) projections
+    bound = np.sqrt(6.0 / (cfg.n_embd + cfg.n_head * cfg.head_dim))
+    assert np.abs(qkv).max() <= bound and np.abs(qkv).max() > 0.9 * bound
+    assert np.all(params["h_0"]["attn"]["qkv"]["bias"] == 0)
+
+
+def test_gpt2_init_scales_residual_projections() -> None:
+    cfg = shrink(get_preset("gpt2")).replace(n_layer=8, n_embd=64, d_ff=256)
+    params = init_params(cfg, jax.random.key(0))
+    std_fc = float(np.std(params["h_0"]["mlp"]["fc"]["kernel"]))
+    std_proj = float(np.std(params["h_0"]["mlp"]["proj"]["kernel"]))
+    assert abs(std_fc - 0.02) < 0.002 and abs(std_proj - 0.02 / 4) < 0.0008
+
+
+# ---- properties --------------------------------------------------------------------------------------------
+
+
+def test_causality_through_gradients() -> None:
+    """d logits[t] / d (embedding of a later token) is exactly zero, and nonzero for earlier ones."""
+    cfg = ModelConfig(**TINY, tie_embeddings=False)
+    params = init_params(cfg, jax.random.key(0))
+    idx = jnp.asarray(np.random.default_rng(0).permutation(cfg.vocab_size)[: cfg.block_size][None])
+    t = 9
+
+    def out_at_t(wte, wpe):
+        p = {**params, "wte": {"embedding": wte}, "wpe": {"embedding": wpe}}
+        return GPT(cfg).apply({"params": p}, idx)[0, t].sum()
+
+    g_wte, g_wpe = jax.grad(out_at_t, argnums=(0, 1))(params["wte"]["embedding"], params["wpe"]["embedding"])
+    row_norm = np.abs(np.asarray(g_wte)[np.asarray(idx[0])]).sum(-1)
+    assert np.all(row_norm[t + 1:] == 0) and np.all(row_norm[: t + 1] > 0)
+    pos_norm = np.abs(np.asarray(g_wpe)).sum(-1)
+    assert np.all(pos_norm[t + 1:] == 0) and np.all(pos_norm[: t + 1] > 0)
+
+
+def _loss_and_grad(cfg: ModelConfig, params: dict, idx: jax.Array):
+    def loss(p):
+        logits = GPT(cfg).apply({"params": p}, idx[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), idx[:, 1:, None], -1))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_scanned_equals_unrolled() -> None:
+    cfg = ModelConfig(**TINY)
+    params = init_params(cfg, jax.random.key(0))
+    idx = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    scfg = cfg.replace(scan_layers=True)
+    l1, g1 = _loss_and_grad(cfg, params, idx)
+    l2, g2 = _loss_and_grad(scfg, stack_layers(params, cfg.n_layer), idx)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, unstack_layers(g2, cfg.n_layer))
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_equals_no_remat(remat: str, scan: bool) -> None:
+    cfg = ModelConfig(**TINY, scan_layers=scan)
+    params = init_params(cfg, jax.random.key(0))
+    idx = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    l1, g1 = _loss_and_grad(cfg, params, idx)
+    l2, g2 = _loss_and_grad(cfg.replace(remat=remat), params, idx)
+    assert float(l1) == pytest.approx(float(l2), rel=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g2)
+
+
+DROPOUT = dict(embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, ff_dropout=0.1)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_dropout_off_is_deterministic_and_on_follows_only_the_rng(scan: bool) -> None:
+    cfg = ModelConfig(**TINY, **DROPOUT, scan_layers=scan)
+    params = init_params(cfg, jax.random.key(0))
+    model = GPT(cfg)
+    a = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    b = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size)
+    run = jax.jit(lambda idx, key: model.apply({"params": params}, idx, deterministic=False, rngs={"dropout": key}))
+    k1, k2 = jax.random.key(10), jax.random.key(11)
+    off = jax.jit(lambda idx: model.apply({"params": params}, idx))
+    np.testing.assert_array_equal(off(a), off(a))
+    first = run(a, k1)
+    assert not np.allclose(first, off(a))  # dropout is really on
+    assert not np.allclose(first, run(a, k2))  # ... and varies with the key
+    run(b, k1), run(b, k2)  # other batches in between change nothing: there is no hidden RNG state
+    np.testing.assert_array_equal(first, run(a, k1))
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(norm="layernorm", activation="gelu_tanh", position="learned"),
+        dict(norm="unbiased_std", activation="relu", position="sinusoidal", scale_embeddings=True),
+        dict(norm="layernorm", activation="gelu", position="sinusoidal_concat", norm_placement="post",
+             final_norm=False),
+        dict(norm="unbiased_std", activation="gelu", position="none", tie_embeddings=False),
+        dict(position="learned", pad_positions=True, pad_id=0, norm_placement="post", head_dim=12),
+    ],
+)
+def test_gradients_match_float64_finite_differences(knobs: dict) -> None:
+    """Directional derivatives of the loss, one direction per parameter tensor, against central differences."""
+    cfg = ModelConfig(**{**TINY, "n_layer": 1, "block_size": 8, **knobs})
+    params64 = ref.random_params(cfg.to_dict(), seed=5, std=0.2)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, cfg.block_size + 1))
+    _, grads = _loss_and_grad(cfg, to_jax(params64), jnp.asarray(tokens))
+    flat_g, _ = jax.tree.flatten(grads)
+    flat_p, treedef = jax.tree.flatten(params64)
+    eps = 1e-5
+    for i, (p, g) in enumerate(zip(flat_p, flat_g, strict=True)):
+        d = rng.normal(size=p.shape)
+        shifted = [[q + s * eps * d if j == i else q for j, q in enumerate(flat_p)] for s in (1, -1)]
+        plus, minus = (ref.loss(jax.tree.unflatten(treedef, leaves), tokens[:, :-1], tokens[:, 1:], cfg.to_dict())
+                       for leaves in shifted)
+        fd = (plus - minus) / (2 * eps)
+        got = float(np.sum(np.asarray(g, np.float64) * d))
+        assert abs(got - fd) <= 1e-4 * max(1.0, abs(fd)), (jax.tree_util.keystr(jax.tree.leaves_with_path(
+            grads)[i][0]), got, fd)
+
+
+def test_bf16_compute_stays_close_to_float32() -> None:
+    cfg = ModelConfig(**TINY)
+    params = init_params(cfg, jax.random.key(0))
+    idx = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    full = GPT(cfg).apply({"params": params}, idx)
+    half = GPT(cfg.replace(dtype="bfloat16")).apply({"params": params}, idx)
+    assert half.dtype == jnp.float32
+    np.testing.assert_allclose(half, full, atol=0.05 * float(jnp.abs(full).max()))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(n_embd=30, n_head=4), "not divisible"),
+        (dict(activation="swish"), "activation"),
+        (dict(resid_dropout=1.0), "[0, 1)"),
+        (dict(position="rotary"), "position"),
+        (dict(n_layer=0), "positive integer"),
+        (dict(attention_impl="xla", attn_dropout=0.1), "attn_dropout"),
+        (dict(pad_id=1000), "pad_id"),
+    ],
+)
+def test_config_validation_names_the_problem(changes: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        ModelConfig(**changes)
