@@ -115,16 +115,13 @@ class ModelConfig:
         return self.block_size + int(self.pad_positions)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A validated copy with some fields changed (derived sizes are recomputed if not given)."""
-        fields = dataclasses.asdict(self)
-        if "n_embd" in changes or "n_head" in changes:
-            fields.setdefault("head_dim", None)
-            if "head_dim" not in changes and self.head_dim == self.n_embd // self.n_head:
-                fields["head_dim"] = None
-            if "d_ff" not in changes and self.d_ff == 4 * self.n_embd:
-                fields["d_ff"] = None
-        fields.update(changes)
-        return ModelConfig(**fields)
+        """A validated copy with some fields changed; derived sizes follow new sizes unless given."""
+        fields = self.to_dict()
+        if self.head_dim == self.n_embd // self.n_head:
+            fields["head_dim"] = None
+        if self.d_ff == 4 * self.n_embd:
+            fields["d_ff"] = None
+        return ModelConfig(**{**fields, **changes})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -91,6 +91,33 @@ class Norm(nn.Module):
         return y.astype(cfg.dtype)
 
 
+class EinsumDense(nn.Module):
+    """A projection with a multi-axis kernel: y = einsum(spec, x, kernel) + bias.
+
+    Keeping heads as their own kernel axis lets the sharding rules split them (tensor parallelism)
+    without reshapes, and the initializer sees the true shape (DenseGeneral flattens it).
+    """
+
+    cfg: ModelConfig
+    spec: str
+    kernel_shape: tuple[int, ...]
+    kernel_names: tuple[str | None, ...]
+    bias_names: tuple[str | None, ...]
+    residual: bool = False
+    fans: tuple[int, int] | None = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.cfg
+        kernel = self.param("kernel", _init(cfg, self.kernel_names, residual=self.residual, fans=self.fans),
+                            self.kernel_shape, cfg.param_dtype)
+        y = jnp.einsum(self.spec, x.astype(cfg.dtype), kernel.astype(cfg.dtype))
+        if cfg.use_bias:
+            bias_shape = self.kernel_shape[-len(self.bias_names):]
+            y = y + self.param("bias", _zeros(self.bias_names), bias_shape, cfg.param_dtype).astype(cfg.dtype)
+        return y
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention over visible keys, optionally reading/writing a KV cache."""
 
@@ -101,10 +128,8 @@ class CausalSelfAttention(nn.Module):
                  cache: Cache | None = None, cache_index: Array | None = None) -> tuple[Array, Cache | None]:
         cfg = self.cfg
         H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
-        qkv = nn.DenseGeneral(
-            (3, H, D), use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="qkv",
-            kernel_init=_init(cfg, ("embed", None, "heads", "head_dim"), fans=(C, H * D)),
-            bias_init=_zeros((None, "heads", "head_dim")))(x_BTC)
+        qkv = EinsumDense(cfg, "btc,ckhd->btkhd", (C, 3, H, D), ("embed", None, "heads", "head_dim"),
+                          (None, "heads", "head_dim"), fans=(C, H * D), name="qkv")(x_BTC)
         q_BTHD, k_BTHD, v_BTHD = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
             k_BSHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_BTHD.astype(cache["k"].dtype), cache_index, 1)
@@ -126,10 +151,8 @@ class CausalSelfAttention(nn.Module):
                 q_BTHD, k_BSHD, v_BSHD, mask=visible_BTS[:, None],
                 implementation=None if cfg.attention_impl == "xla" else "cudnn")
 
-        y_BTC = nn.DenseGeneral(
-            C, axis=(-2, -1), use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="out",
-            kernel_init=_init(cfg, ("heads", "head_dim", "embed"), residual=True),
-            bias_init=_zeros(("embed",)))(y_BTHD)
+        y_BTC = EinsumDense(cfg, "bthd,hdc->btc", (H, D, C), ("heads", "head_dim", "embed"), ("embed",),
+                            residual=True, fans=(H * D, C), name="out")(y_BTHD)
         return y_BTC, cache
 
 

@@ -1,0 +1,114 @@
+"""Checkpoints with orbax: asynchronous, atomic, the last N plus the best by validation loss.
+
+A checkpoint step directory holds three items: `params`, `opt_state` (both OCDBT pytrees,
+restorable onto any mesh) and `meta` (JSON: step, resolved configs, the dataset's
+tokenizer, losses). Sampling restores `params` and `meta` only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import linen as nn
+from orbax.checkpoint import checkpoint_managers as policies
+
+from jaxgpt.config import ModelConfig, model_config_from_dict
+from jaxgpt.errors import UserError
+
+
+def checkpoint_dir(workdir: str | os.PathLike[str]) -> Path:
+    return Path(workdir).absolute() / "checkpoints"  # orbax insists on absolute paths
+
+
+class Checkpointer:
+    """Thin policy layer over `ocp.CheckpointManager` (which does the work)."""
+
+    def __init__(self, workdir: str | os.PathLike[str], keep: int = 2, keep_best: bool = True,
+                 read_only: bool = False) -> None:
+        keep_policies: list[Any] = [policies.LatestN(n=keep)]
+        if keep_best:
+            keep_policies.append(policies.BestN(get_metric_fn=lambda m: -m["val_loss"], n=1,
+                                                keep_checkpoints_without_metrics=False))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policies.AnyPreservationPolicy(keep_policies), cleanup_tmp_directories=True,
+            create=not read_only, read_only=read_only, enable_async_checkpointing=True)
+        self.directory = checkpoint_dir(workdir)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_names=("params", "opt_state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def best_step(self) -> int | None:
+        """The step with the lowest recorded validation loss (None if no checkpoint has one)."""
+        scored = [(m["val_loss"], s) for s in self.manager.all_steps()
+                  if (m := self.read_meta(s)).get("val_loss") is not None]
+        return min(scored)[1] if scored else None
+
+    def save(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Start an asynchronous save of `state` at its step; arrays may be donated right after."""
+        step = int(jax.device_get(state["step"]))
+        val_loss = meta.get("val_loss")
+        self.manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state["params"]), opt_state=ocp.args.StandardSave(state["opt_state"]),
+            meta=ocp.args.JsonSave({**meta, "step": step})),
+            metrics=None if val_loss is None else {"val_loss": float(val_loss)}, force=True)
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
+        """Restore params and optimizer state onto the shardings given in `abstract_state`."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_state["params"]),
+            opt_state=ocp.args.StandardRestore(abstract_state["opt_state"])))
+        return {"params": restored["params"], "opt_state": restored["opt_state"], "step": abstract_state["step"]}
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params)))
+        return restored["params"]
+
+    def wait(self) -> None:
+        """Block until the background save has committed (its tmp directory renamed into place)."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def abstract_params(model: nn.Module, cfg: ModelConfig, sharding: Any = None) -> Any:
+    """ShapeDtypeStructs of a model's parameters (with target shardings when given)."""
+    import jax.numpy as jnp
+
+    idx = jnp.zeros((1, min(cfg.block_size, 8)), jnp.int32)
+    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), idx)["params"])
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
+
+
+def load_for_inference(workdir: str | os.PathLike[str], which: str = "latest") -> tuple[Any, ModelConfig, dict]:
+    """Params (on the default device), model config and meta of a work directory's latest or best checkpoint."""
+    from jaxgpt.model import GPT
+
+    if which not in ("latest", "best"):
+        raise UserError(f"checkpoint {which!r} is unknown: use 'latest' or 'best'")
+    if not checkpoint_dir(workdir).is_dir():
+        raise UserError(f"{workdir} has no checkpoints: train first (python train.py --config ... "
+                        f"--config.workdir={workdir}) or pass the right --workdir")
+    ckpt = Checkpointer(workdir, read_only=True)
+    step = ckpt.latest_step() if which == "latest" else ckpt.best_step()
+    if step is None:
+        raise UserError(f"{workdir} has no {'finished' if which == 'latest' else 'evaluated'} checkpoint: "
+                        "train (longer) first" + ("" if which == "latest" else ", or use --which latest"))
+    meta = ckpt.read_meta(step)
+    cfg = model_config_from_dict(meta["model"])
+    params = ckpt.restore_params(step, abstract_params(GPT(cfg), cfg))
+    ckpt.close()
+    return params, cfg, meta

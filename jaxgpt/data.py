@@ -1,0 +1,570 @@
+"""Datasets as flat token files, and a batch loader that is a pure function of (seed, step).
+
+A prepared dataset is a directory with `train.bin` and `val.bin` (the token stream as little-endian
+uint16, read back with np.memmap so any size works) and `meta.json` (tokenizer, token counts, sha256 of
+each file, where the text came from). `meta.json` is written last, so a directory without it is never
+mistaken for a dataset.
+
+The loader keeps no state: the global batch of step i depends only on (seed, i), which makes resuming
+exact (restore the step, get the same batches) and lets every host of a multi-host job compute the
+same global batch while reading only its own rows.
+
+Command line:
+    python -m jaxgpt.data --dataset stdlib_char --out data/stdlib_char
+    python -m jaxgpt.data --text a.txt b.txt --tokenizer char --out data/mine [--overwrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import platform
+import secrets
+import sys
+import sysconfig
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt.errors import UserError
+from jaxgpt.tokenizer import CharTokenizer, Tokenizer, load_bpe, tokenizer_from_meta
+
+FORMAT_VERSION = 1
+TOKEN_DTYPE = np.dtype("<u2")
+META_FILE = "meta.json"
+SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
+# Hashing reads the whole file; below this size that costs well under a second, so it is on by default.
+VERIFY_MAX_BYTES = 256 * 2**20
+CHUNK_BYTES = 16 * 2**20
+
+BUILTIN_DATASETS = ("stdlib_char", "shakespeare_char", "shakespeare", "openwebtext")
+# Directories of the standard library that are not "library code": test suites, third-party packages and
+# bytecode caches (lib2to3/tests, idlelib/idle_test, unittest/test, ... are all matched by name).
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
+)
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DOWNLOAD_TIMEOUT_S = 15.0
+# FineWeb's 10B-token sample: parquet shards that `datasets` streams without a loading script (the
+# original Skylion007/openwebtext needs one, which recent `datasets` releases no longer run).
+HUB_CORPUS = ("HuggingFaceFW/fineweb", "sample-10BT")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing a dataset
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _content_key(meta: dict[str, Any]) -> tuple:
+    """What makes two datasets the same: the tokens and how to read them (not where they came from)."""
+    keys = ("tokenizer", "dtype", "n_train", "n_val", "train_sha256", "val_sha256")
+    return tuple(meta.get(k) for k in keys)
+
+
+def _check_may_write(out_dir: Path, new_meta: dict[str, Any], overwrite: bool) -> None:
+    """Refuse to replace a different dataset unless asked to: it may be the only copy of hours of work."""
+    meta_path = out_dir / META_FILE
+    if overwrite or not meta_path.exists():
+        return
+    try:
+        old = json.loads(meta_path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"{meta_path} exists but is unreadable ({e}): pass --overwrite (overwrite=True) to replace the "
+            "dataset, or choose another output directory"
+        ) from e
+    if _content_key(old) != _content_key(new_meta):
+        raise UserError(
+            f"{out_dir} already holds a different dataset ({old.get('source', 'unknown source')}): pass "
+            "--overwrite (overwrite=True) to replace it, or choose another output directory"
+        )
+
+
+def _temp_file(directory: Path, name: str) -> Path:
+    """A new empty file in `directory` (same file system, so it can be renamed into place atomically).
+    Created with the umask's permissions, unlike tempfile.mkstemp's owner-only 0600: datasets are shared."""
+    path = directory / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    path.open("xb").close()
+    return path
+
+
+def _split_tail(all_path: Path, val_path: Path, n_train: int) -> None:
+    """Move the tokens after `n_train` into `val_path`, leaving the train tokens in `all_path`."""
+    with open(all_path, "r+b") as src, open(val_path, "wb") as dst:
+        src.seek(n_train * TOKEN_DTYPE.itemsize)
+        while block := src.read(CHUNK_BYTES):
+            dst.write(block)
+        src.truncate(n_train * TOKEN_DTYPE.itemsize)
+
+
+def _write_dataset(
+    out_dir: Path,
+    chunks: Iterable[np.ndarray],
+    tokenizer: Tokenizer,
+    *,
+    val_fraction: float,
+    source: str,
+    overwrite: bool,
+) -> dict[str, Any]:
+    """Stream token chunks to disk, split off the last `val_fraction` as validation, write meta.json.
+
+    Everything goes to temp files in `out_dir` first; the old meta.json is removed before the .bin files
+    are renamed into place and the new meta.json is renamed in last, so a killed process leaves either
+    the old dataset, no dataset, or the complete new one: never a mix that passes `load_dataset`.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"val_fraction {val_fraction} must be between 0 and 1 (exclusive), e.g. 0.1")
+    if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise UserError(
+            f"vocabulary of {tokenizer.vocab_size} tokens does not fit uint16 token files: use a tokenizer "
+            "with at most 65536 tokens"
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output directory {out_dir} ({e.strerror}): use another --out") from e
+    temps = {name: _temp_file(out_dir, name) for name in ("train", "val", "meta")}
+    try:
+        with open(temps["train"], "wb") as f:
+            for chunk in chunks:
+                f.write(np.asarray(chunk).astype(TOKEN_DTYPE).tobytes())
+        n_total = temps["train"].stat().st_size // TOKEN_DTYPE.itemsize
+        n_val = int(n_total * val_fraction)
+        n_train = n_total - n_val
+        if n_val < 1 or n_train < 1:
+            raise UserError(
+                f"corpus has only {n_total} tokens, too few to split into train and validation at "
+                f"val_fraction {val_fraction}: use more text"
+            )
+        _split_tail(temps["train"], temps["val"], n_train)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "tokenizer": tokenizer.to_meta(),
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": "uint16",
+            "n_train": n_train,
+            "n_val": n_val,
+            "train_sha256": _sha256_file(temps["train"]),
+            "val_sha256": _sha256_file(temps["val"]),
+            "source": source,
+        }
+        _check_may_write(out_dir, meta, overwrite)
+        temps["meta"].write_text(json.dumps(meta, indent=1) + "\n")
+        (out_dir / META_FILE).unlink(missing_ok=True)
+        for split, name in SPLIT_FILES.items():
+            os.replace(temps[split], out_dir / name)
+        os.replace(temps["meta"], out_dir / META_FILE)
+        return meta
+    finally:
+        for path in temps.values():
+            path.unlink(missing_ok=True)
+
+
+def _read_text_file(path: Path) -> str:
+    """Bytes decoded as strict UTF-8 (no newline translation), so the dataset reflects the file exactly."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read text file {path} ({e.strerror}): check the path") from e
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{path} is not UTF-8 text (bad byte at offset {e.start}): convert it to UTF-8"
+        ) from e
+
+
+def _document_chunks(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:
+    """Token chunks of the documents in order; the end-of-text token (if any) separates documents."""
+    separator = None if tokenizer.eot_token is None else np.array([tokenizer.eot_token])
+    for i, document in enumerate(documents):
+        if i and separator is not None:
+            yield separator
+        yield tokenizer.encode_array(document)
+
+
+def prepare_text(
+    texts_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    tokenizer: Tokenizer | None = None,
+    val_fraction: float = 0.1,
+    source: str | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenize documents into a dataset in `out_dir` and return its meta.
+
+    Items that are `str` are the text itself; `os.PathLike` items (e.g. `Path`) are UTF-8 files to read.
+    `tokenizer=None` builds a character vocabulary of exactly this corpus. Documents are concatenated in
+    order (with the end-of-text token between them for BPE), and the last `val_fraction` of the token
+    stream becomes the validation split, so validation text is never also training text.
+    """
+    items = [texts_or_paths] if isinstance(texts_or_paths, (str, os.PathLike)) else list(texts_or_paths)
+    documents = [item if isinstance(item, str) else _read_text_file(Path(item)) for item in items]
+    if not any(documents):
+        raise UserError("no text to prepare (the texts or files are empty): give at least one non-empty text")
+    if tokenizer is None:
+        tokenizer = CharTokenizer("".join(sorted(set().union(*map(set, documents)))))
+    if source is None:
+        paths = [os.fspath(item) for item in items if not isinstance(item, str)]
+        source = f"files: {', '.join(paths)}" if paths else f"{len(items)} text(s) given in Python"
+    return _write_dataset(
+        Path(out_dir), _document_chunks(documents, tokenizer), tokenizer,
+        val_fraction=val_fraction, source=source, overwrite=overwrite,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Built-in datasets
+
+
+def _stdlib_root() -> Path:
+    """The running interpreter's standard library (for a venv: the base installation's)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files(root: Path) -> list[str]:
+    """Relative POSIX paths of the library's .py files, sorted so the corpus order never depends on the
+    file system's directory order."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS]
+        rel_dir = Path(dirpath).relative_to(root)
+        found += [(rel_dir / name).as_posix() for name in filenames if name.endswith(".py")]
+    return sorted(found)
+
+
+def stdlib_corpus(root: Path) -> tuple[str, str]:
+    """(corpus text, description) of the .py sources under `root`: each file's text after a
+    `# file: relative/path.py` line, files separated by a newline. Files that are not valid UTF-8 are
+    skipped (the same ones every time), since a character model should not learn decoding garbage."""
+    parts, skipped = [], 0
+    files = _stdlib_files(root)
+    for rel in files:
+        try:
+            text = (root / rel).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            skipped += 1
+            continue
+        parts.append(f"# file: {rel}\n{text}")
+    if not parts:
+        raise UserError(f"no Python sources found under {root}: this interpreter has no standard library "
+                        "sources; prepare a text file instead (--text FILE --tokenizer char)")
+    description = (f"Python {platform.python_version()} standard library at {root}: {len(parts)} .py files"
+                   f" ({skipped} skipped as not UTF-8), tests and site-packages excluded")
+    return "\n".join(parts), description
+
+
+def _download(url: str, dest: Path, fallback_hint: str) -> Path:
+    """Fetch `url` to `dest` once (atomically: a partial download never sits at `dest`)."""
+    if dest.is_file():
+        return dest
+    try:
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            data = response.read()
+    except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+        raise UserError(f"download of {url} failed ({e}): {fallback_hint}") from e
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    partial.write_bytes(data)
+    os.replace(partial, dest)
+    return dest
+
+
+def _hub_documents(repo: str, config: str, max_documents: int | None) -> Iterator[str]:
+    """Stream the `text` field of a Hugging Face Hub dataset, turning every failure into a UserError."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise UserError(
+            f"dataset openwebtext streams {repo} ({config}) with the Hugging Face `datasets` package, which "
+            "is not installed: pip install datasets (and allow access to huggingface.co), or prepare your "
+            "own text files with --text FILE... --tokenizer gpt2"
+        ) from e
+    try:
+        stream = datasets.load_dataset(repo, name=config, split="train", streaming=True)
+        for i, row in enumerate(stream):
+            if max_documents is not None and i >= max_documents:
+                return
+            yield row["text"]
+    except Exception as e:  # network, auth and missing-dataset errors come from several libraries
+        raise UserError(
+            f"streaming {repo} ({config}) from the Hugging Face Hub failed ({type(e).__name__}: {e}): "
+            "check network access to huggingface.co, or prepare local text files with --text FILE... "
+            "--tokenizer gpt2"
+        ) from e
+
+
+def _prepare_hub(out_dir: Path, tokenizer: Tokenizer, *, val_fraction: float, overwrite: bool,
+                 max_documents: int | None) -> dict[str, Any]:
+    """Tokenize a Hub corpus as it streams (single process, one document at a time: simple rather than
+    fast; a 10B-token corpus takes hours, so `max_documents` allows a small sample)."""
+    if (out_dir / META_FILE).exists() and not overwrite:
+        # Comparing contents would mean streaming the whole corpus first: refuse up front instead.
+        raise UserError(f"{out_dir} already holds a dataset: pass --overwrite (overwrite=True) to replace "
+                        "it, or choose another output directory")
+    repo, config = HUB_CORPUS
+    limit = "all documents" if max_documents is None else f"first {max_documents} documents"
+    return _write_dataset(
+        out_dir, _document_chunks(_hub_documents(repo, config, max_documents), tokenizer), tokenizer,
+        val_fraction=val_fraction, source=f"{repo} ({config}), {limit}", overwrite=overwrite,
+    )
+
+
+def prepare_builtin(
+    name: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    val_fraction: float = 0.1,
+    bpe_file: str | os.PathLike[str] | None = None,
+    max_documents: int | None = None,
+) -> dict[str, Any]:
+    """Prepare one of `BUILTIN_DATASETS` in `out_dir` and return its meta.
+
+    stdlib_char needs no download (the interpreter's own library sources, character-level);
+    shakespeare_char / shakespeare download tiny Shakespeare (char / GPT-2 BPE); openwebtext streams a
+    web-text corpus through the Hugging Face `datasets` package (GPT-2 BPE; `max_documents` caps it).
+    """
+    out = Path(out_dir)
+    if name == "stdlib_char":
+        text, source = stdlib_corpus(_stdlib_root())
+        return prepare_text([text], out, None, val_fraction, source, overwrite)
+    if name in ("shakespeare_char", "shakespeare"):
+        kind = "char" if name == "shakespeare_char" else "gpt2"
+        hint = (f"fetch it elsewhere, then run `python -m jaxgpt.data --text input.txt --tokenizer {kind} "
+                f"--out {out}`")
+        path = _download(SHAKESPEARE_URL, out / "input.txt", hint)
+        tokenizer = None if kind == "char" else load_bpe("gpt2", bpe_file)
+        return prepare_text([path], out, tokenizer, val_fraction, f"tiny shakespeare ({SHAKESPEARE_URL})",
+                            overwrite)
+    if name == "openwebtext":
+        return _prepare_hub(out, load_bpe("gpt2", bpe_file), val_fraction=val_fraction, overwrite=overwrite,
+                            max_documents=max_documents)
+    raise UserError(f"unknown dataset {name!r}: use one of {', '.join(BUILTIN_DATASETS)}, or --text FILE...")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading a dataset
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """A prepared dataset: memory-mapped token splits plus their meta.
+
+    The tokenizer is built on first use: training never needs it, and for BPE datasets building it
+    requires the ranks file, which a training-only host may not have.
+    """
+
+    train: np.memmap
+    val: np.memmap
+    meta: dict[str, Any]
+    bpe_file: str | os.PathLike[str] | None = None
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return tokenizer_from_meta(self.meta["tokenizer"], self.bpe_file)
+
+
+META_FIELDS = {"format_version": int, "tokenizer": dict, "vocab_size": int, "dtype": str, "n_train": int,
+               "n_val": int, "train_sha256": str, "val_sha256": str}
+
+
+def _read_meta(data_dir: Path) -> dict[str, Any]:
+    """Parse and sanity-check meta.json; every problem names the file and says how to fix it."""
+    path = data_dir / META_FILE
+    fix = f"re-run preparation into {data_dir} with --overwrite"
+    if not path.is_file():
+        raise UserError(f"{path} not found: {data_dir} is not a prepared dataset (or its preparation was "
+                        f"interrupted); run `python -m jaxgpt.data --dataset NAME --out {data_dir}`")
+    try:
+        meta = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): {fix}") from e
+    if not isinstance(meta, dict):
+        raise UserError(f"{path} does not hold a JSON object: {fix}")
+    for field, kind in META_FIELDS.items():
+        if not isinstance(meta.get(field), kind):
+            raise UserError(f"{path} lacks a valid {field!r} field: {fix}")
+    if meta["format_version"] != FORMAT_VERSION or meta["dtype"] != "uint16":
+        raise UserError(f"{path} has format {meta['format_version']} / dtype {meta['dtype']}, this jaxgpt "
+                        f"reads format {FORMAT_VERSION} / uint16: {fix}")
+    if meta["n_train"] < 1 or meta["n_val"] < 1:
+        raise UserError(f"{path} describes an empty split: {fix}")
+    return meta
+
+
+def _open_split(data_dir: Path, split: str, meta: dict[str, Any], verify: bool | None) -> np.memmap:
+    """Memory-map one split after checking its size (always) and sha256 (`verify`; None = if small)."""
+    path = data_dir / SPLIT_FILES[split]
+    fix = f"re-run preparation into {data_dir} with --overwrite"
+    expected_bytes = meta[f"n_{split}"] * TOKEN_DTYPE.itemsize
+    if not path.is_file():
+        raise UserError(f"{path} is missing: {fix}")
+    size = path.stat().st_size
+    if size != expected_bytes:
+        raise UserError(f"{path} has {size} bytes but meta.json expects {expected_bytes} "
+                        f"({meta[f'n_{split}']} uint16 tokens): truncated or from another dataset; {fix}")
+    check_hash = verify or (verify is None and size < VERIFY_MAX_BYTES)
+    if check_hash and _sha256_file(path) != meta[f"{split}_sha256"]:
+        raise UserError(f"{path} does not match the sha256 in meta.json (corrupted or modified): {fix}")
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+def load_dataset(data_dir: str | os.PathLike[str], *, verify: bool | None = None,
+                 bpe_file: str | os.PathLike[str] | None = None) -> Dataset:
+    """Open a prepared dataset, validating it first so that a broken one fails here with a clear message
+    instead of as odd losses later. `verify` forces (True) or skips (False) the sha256 check, which by
+    default runs for files under 256 MB. `bpe_file` is used if the tokenizer is needed (BPE datasets)."""
+    root = Path(data_dir)
+    meta = _read_meta(root)
+    train, val = (_open_split(root, split, meta, verify) for split in SPLIT_FILES)
+    return Dataset(train=train, val=val, meta=meta, bpe_file=bpe_file)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loader
+
+# Appended to the (seed, index) entropy of evaluation batches. It must be non-zero: SeedSequence pads
+# short entropy with zeros, so (seed, step) and (seed, step, 0) would be the same stream.
+EVAL_STREAM = 1
+
+
+def _check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) -> None:
+    if batch_size < 1 or block_size < 1:
+        raise UserError(f"batch_size {batch_size} and block_size {block_size} must be positive")
+    if block_size >= n_tokens:
+        raise UserError(f"block size {block_size} is larger than the {split} split ({n_tokens} tokens): "
+                        "use a smaller block_size or more data")
+
+
+def _local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+    """This process's contiguous share of the global batch's rows."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+    if batch_size % process_count:
+        raise UserError(f"batch_size {batch_size} is not divisible by the {process_count} processes: use a "
+                        f"multiple of {process_count}")
+    local = batch_size // process_count
+    return slice(process_index * local, (process_index + 1) * local)
+
+
+def _global_starts(entropy: list[int], n_starts: int, batch_size: int) -> np.ndarray:
+    """`batch_size` window offsets in [0, n_starts), a pure function of `entropy`.
+
+    Uses the raw output of the PCG64 bit generator, whose stream NumPy keeps stable across releases
+    (Generator methods like `integers` may change), so a checkpoint resumes on the same batches after a
+    NumPy upgrade. The modulo bias is below n_starts / 2**64: nil for any corpus.
+    """
+    if entropy[0] < 0:
+        raise UserError(f"seed {entropy[0]} is negative: use a seed >= 0")
+    raw = np.random.PCG64(entropy).random_raw(batch_size)
+    return (raw % np.uint64(n_starts)).astype(np.int64)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) int32 rows: x = tokens[s : s + block_size], y = the same window one token later. Reads
+    only these windows, so a memmap of any size costs just the rows requested."""
+    window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
+    return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
+
+
+def batch_for_step(
+    tokens: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    batch_size: int,
+    block_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = "train",
+) -> tuple[np.ndarray, np.ndarray]:
+    """This process's rows of the global training batch of `step`.
+
+    The global batch (`batch_size` random windows) depends only on (seed, step); process p of P gets rows
+    [p * batch_size / P, (p + 1) * batch_size / P), so concatenating all processes' results in order gives
+    exactly the single-process batch, and no host reads another host's rows. Returns (x, y), int32, of
+    shape (batch_size // process_count, block_size). `split` only names the data in error messages.
+    """
+    _check_shapes(len(tokens), batch_size, block_size, split)
+    rows = _local_rows(batch_size, process_index, process_count)
+    starts = _global_starts([seed, step], len(tokens) - block_size, batch_size)[rows]
+    return _windows(tokens, starts, block_size)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    batch_size: int,
+    block_size: int,
+    n_batches: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = "validation",
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A fixed list of `n_batches` (x, y) batches: the same every call, so evaluation losses are
+    comparable across a run and across resumes. Drawn from a stream separate from training batches;
+    rows are split across processes exactly as in `batch_for_step`."""
+    _check_shapes(len(tokens), batch_size, block_size, split)
+    rows = _local_rows(batch_size, process_index, process_count)
+    n_starts = len(tokens) - block_size
+    return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)
+            for i in range(n_batches)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jaxgpt.data", description="Prepare a jaxgpt dataset.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--dataset", choices=BUILTIN_DATASETS, help="a built-in dataset")
+    what.add_argument("--text", nargs="+", metavar="FILE", help="UTF-8 text files, concatenated in order")
+    parser.add_argument("--tokenizer", choices=("char", "gpt2"), default="char", help="for --text")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace a different existing dataset")
+    parser.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of tokens for val")
+    parser.add_argument("--bpe_file", help="GPT-2 ranks file (gpt2.tiktoken); else $JAXGPT_BPE_FILE")
+    parser.add_argument("--max_documents", type=int, help="openwebtext: stop after this many documents")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Prepare the requested dataset and print one summary line; user errors print `error: ...`, exit 2."""
+    args = _parse_args(argv)
+    started = time.perf_counter()
+    try:
+        if args.dataset:
+            meta = prepare_builtin(args.dataset, args.out, overwrite=args.overwrite,
+                                   val_fraction=args.val_fraction, bpe_file=args.bpe_file,
+                                   max_documents=args.max_documents)
+        else:
+            tokenizer = None if args.tokenizer == "char" else load_bpe("gpt2", args.bpe_file)
+            meta = prepare_text([Path(p) for p in args.text], args.out, tokenizer, args.val_fraction,
+                                overwrite=args.overwrite)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: {meta['n_train']} train + {meta['n_val']} val tokens, vocab {meta['vocab_size']} "
+          f"({meta['tokenizer']['type']}), {time.perf_counter() - started:.1f}s; {meta['source']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

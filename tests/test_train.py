@@ -1,0 +1,236 @@
+"""Training end to end: exact resume across SIGKILL, atomic checkpoints, bad input, NaN handling."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import traverse_util
+
+from jaxgpt import optim
+from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.data import prepare_text
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "tests" / "tiny_config.py")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~150k characters of real Python source: enough for train and val splits of block 32."""
+    import json as json_mod  # any stdlib modules will do; their text is stable for a given interpreter
+
+    sources = [Path(m.__file__).read_text() for m in (json_mod.decoder, json_mod.encoder, signal, subprocess)]
+    out = tmp_path_factory.mktemp("data")
+    prepare_text(sources, out, None, 0.1, "test sources", False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("xla"))
+
+
+def train_cmd(workdir: Path, data_dir: Path, cache: str, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), f"--config={TINY}", f"--config.workdir={workdir}",
+            f"--config.data.dir={data_dir}", f"--config.compilation_cache_dir={cache}", *extra]
+
+
+def run_train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if check and proc.returncode:
+        raise AssertionError(proc.stderr[-3000:])
+    return proc
+
+
+def final_params(workdir: Path) -> dict:
+    ckpt = Checkpointer(workdir, read_only=True)
+    step = ckpt.latest_step()
+    restored = ckpt.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+    ckpt.close()
+    return traverse_util.flatten_dict(dict(restored["params"]))
+
+
+def train_losses(workdir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train_loss"] for r in rows if "lr" in r}
+
+
+def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
+    steps = ["--config.max_steps=300", "--config.ckpt_interval=50", "--config.eval_interval=100",
+             "--config.model.resid_dropout=0.1"]  # dropout on: its randomness must resume too
+    straight = tmp_path / "straight"
+    run_train(*train_cmd(straight, data_dir, xla_cache, *steps))
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(killed, data_dir, xla_cache, *steps), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "checkpoints" / "50").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "training ended before the first checkpoint"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = Checkpointer(killed, read_only=True)
+    killed_at = before.latest_step()
+    before.close()
+    assert killed_at is not None and killed_at < 300, "the kill must land mid-run"
+    resumed = run_train(*train_cmd(killed, data_dir, xla_cache, *steps))
+    assert f"resuming at step {killed_at}" in resumed.stdout
+
+    want, got = final_params(straight), final_params(killed)
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=str(k))
+    assert train_losses(killed) == train_losses(straight)
+
+
+def test_kill_during_checkpoint_save_keeps_previous(tmp_path: Path) -> None:
+    """A process SIGKILLed while an asynchronous save is in flight leaves the previous step restorable."""
+    script = f"""
+import os, signal, numpy as np, jax.numpy as jnp
+from jaxgpt.checkpoint import Checkpointer
+ck = Checkpointer({str(tmp_path)!r})
+small = {{"params": {{"w": jnp.ones((4, 4))}}, "opt_state": {{"m": jnp.zeros((4,))}}, "step": jnp.asarray(1)}}
+ck.save(small, {{"model": {{}}}}); ck.wait()
+big = {{"params": {{"w": jnp.ones((8192, 8192))}}, "opt_state": {{"m": jnp.ones((8192, 8192))}},
+       "step": jnp.asarray(2)}}
+ck.save(big, {{"model": {{}}}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    ckpt = Checkpointer(tmp_path, read_only=True)
+    assert ckpt.manager.all_steps() == [1]
+    restored = ckpt.manager.restore(1, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+    np.testing.assert_array_equal(restored["params"]["w"], np.ones((4, 4)))
+
+
+def test_keeps_last_n_plus_best(tmp_path: Path) -> None:
+    import jax.numpy as jnp
+
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step, val in [(1, 3.0), (2, 1.0), (3, 2.0), (4, None), (5, 2.5)]:
+        state = {"params": {"w": jnp.full((2,), step)}, "opt_state": {"m": jnp.zeros(1)}, "step": jnp.asarray(step)}
+        ckpt.save(state, {"model": {}, **({"val_loss": val} if val is not None else {})})
+        ckpt.wait()
+    assert ckpt.manager.all_steps() == [2, 4, 5]
+    assert ckpt.best_step() == 2 and ckpt.latest_step() == 5
+    ckpt.close()
+
+
+def test_train_in_process_learns_and_writes_outputs(tmp_path: Path, data_dir: Path) -> None:
+    from tests_helpers import load_tiny
+
+    from jaxgpt.trainer import train
+
+    c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=60, eval_interval=30)
+    out = train(c)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [30, 60]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] < np.log(out["state"]["params"]["wte"]["embedding"].shape[0])
+    assert list((tmp_path / "run" / "tensorboard").iterdir())
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["max_steps"] == 60
+    assert out["tokens_per_sec"] > 0 and 0 < out["mfu_vs_measured_peak"] < 1
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, data_dir: Path) -> None:
+    from tests_helpers import load_tiny
+
+    from jaxgpt.trainer import train
+
+    runs = {}
+    for accum in (1, 4):
+        c = load_tiny(workdir=str(tmp_path / f"a{accum}"), data_dir=str(data_dir), max_steps=5, eval_interval=5,
+                      grad_accum=accum)
+        c.optim.warmup_steps = 1
+        runs[accum] = train(c)["state"]["params"]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), runs[1], runs[4])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--config.optim.lrr=1"], "lrr"),
+        (["--config.model.resid_dropout=1.5"], "resid_dropout"),
+        (["--config.optim.lr=-1"], "optim.lr"),
+        (["--config.model.n_head=3"], "not divisible"),
+        (["--config.model.block_size=100000", "--config.model.position=sinusoidal"], "larger than"),
+        (["--config.batch_size=6", "--config.grad_accum=4"], "grad_accum"),
+        (["--config.model.vocab_size=10"], "vocab"),
+    ],
+)
+def test_bad_config_is_one_line_error(tmp_path: Path, data_dir: Path, xla_cache: str, extra: list[str],
+                                      message: str) -> None:
+    proc = run_train(*train_cmd(tmp_path / "w", data_dir, xla_cache, *extra), check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_bad_data_and_workdir_are_one_line_errors(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
+    missing = run_train(*train_cmd(tmp_path / "w", tmp_path / "nodata", xla_cache), check=False)
+    assert missing.returncode == 2 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for f in data_dir.iterdir():
+        (corrupt / f.name).write_bytes(f.read_bytes())
+    with (corrupt / "val.bin").open("r+b") as f:
+        f.write(b"\xff\xff")
+    bad = run_train(*train_cmd(tmp_path / "w", corrupt, xla_cache), check=False)
+    assert bad.returncode == 2 and "val.bin" in bad.stderr and "Traceback" not in bad.stderr
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a file where the work directory should go")
+    ro = run_train(*train_cmd(blocker / "run", data_dir, xla_cache), check=False)
+    assert ro.returncode == 2 and "not writable" in ro.stderr and "Traceback" not in ro.stderr
+
+
+def test_existing_run_is_not_overwritten_without_resume(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
+    run_train(*train_cmd(tmp_path / "w", data_dir, xla_cache, "--config.max_steps=20"))
+    proc = run_train(*train_cmd(tmp_path / "w", data_dir, xla_cache, "--config.resume=False"), check=False)
+    assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr
+    changed = run_train(*train_cmd(tmp_path / "w", data_dir, xla_cache, "--config.model.n_layer=3"), check=False)
+    assert changed.returncode == 2 and "n_layer" in changed.stderr
+    assert Checkpointer(tmp_path / "w", read_only=True).latest_step() == 20
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
+    proc = run_train(*train_cmd(tmp_path / "w", data_dir, xla_cache, "--config.optim.lr=1e9",
+                                "--config.optim.min_lr=0", "--config.optim.grad_clip=0",
+                                "--config.optim.warmup_steps=0", "--config.ckpt_interval=1",
+                                "--config.log_interval=1"), check=False)
+    assert proc.returncode == 2 and "loss is nan" in proc.stderr.lower(), proc.stderr[-2000:]
+    ckpt = Checkpointer(tmp_path / "w", read_only=True)
+    step = ckpt.latest_step()
+    assert step is not None
+    rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["train_loss"]) for r in rows if r["step"] <= step)
+
+
+def test_weight_decay_mask_is_by_name_even_when_scanned() -> None:
+    from jaxgpt.config import ModelConfig
+    from jaxgpt.model import init_params
+
+    params = init_params(ModelConfig(scan_layers=True, tie_embeddings=False), jax.random.key(0))
+    mask = traverse_util.flatten_dict(optim.decay_mask(params))
+    decayed = sorted("/".join(k) for k, v in mask.items() if v)
+    assert decayed == ["h/attn/out/kernel", "h/attn/qkv/kernel", "h/mlp/fc/kernel", "h/mlp/proj/kernel",
+                       "lm_head/kernel"]
+
+
+def test_schedule_warms_up_then_decays_to_min() -> None:
+    sched = optim.schedule(optim.OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=100))
+    assert float(sched(0)) == pytest.approx(1e-4) and float(sched(10)) == pytest.approx(1e-3)
+    assert float(sched(100)) == pytest.approx(1e-4) and float(sched(1000)) == pytest.approx(1e-4)
+    assert float(sched(55)) == pytest.approx(5.5e-4, rel=1e-3)
