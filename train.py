@@ -27,6 +27,25 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(2)
 
 
+def print_sample(c, result: dict) -> None:
+    """A taste of the trained model: config.sample's prompt continued with the KV-cache sampler."""
+    import jax
+
+    from jaxgpt.sampling import stream
+    from jaxgpt.tokenizer import tokenizer_from_meta
+
+    if c.sample.max_new_tokens <= 0 or jax.process_index() != 0:
+        return
+    tokenizer = tokenizer_from_meta(result["tokenizer_meta"], c.data.bpe_file or None)
+    prompt = tokenizer.encode(c.sample.prompt) or [tokenizer.eot_token or 0]
+    print(f"--- sample (temperature {c.sample.temperature}) ---\n{c.sample.prompt}", end="", flush=True)
+    for chunk in stream(result["state"]["params"], result["model_cfg"], prompt, max_new_tokens=c.sample.max_new_tokens,
+                        key=c.seed, temperature=c.sample.temperature, top_k=c.sample.top_k or None,
+                        top_p=c.sample.top_p, eot_token=tokenizer.eot_token):
+        print(tokenizer.decode(chunk[0].tolist()), end="", flush=True)
+    print("\n---")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.key=value")
@@ -36,7 +55,7 @@ def main(argv: list[str]) -> int:
     from jaxgpt.trainer import train
 
     try:
-        train(_CONFIG.value)
+        print_sample(_CONFIG.value, train(_CONFIG.value))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -227,7 +227,7 @@ def train(c: ConfigDict) -> dict[str, Any]:
     if is_main:
         print(summary["report"], flush=True)
     multihost_utils.sync_global_devices("jaxgpt-train-end")
-    return {**last_eval, **summary, "state": state, "tokenizer_meta": dataset.meta["tokenizer"]}
+    return {**last_eval, **summary, "state": state, "model_cfg": cfg.model, "tokenizer_meta": dataset.meta["tokenizer"]}
 
 
 def _abstract_opt_state(tx: Any, abstract: Any, param_sh: Any, repl: Any) -> Any:

@@ -7,9 +7,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as ref
 import pytest
 
-import numpy_reference as ref
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPT, GPTClassifier, init_params, stack_layers, unstack_layers

@@ -1,0 +1,30 @@
+"""GPT-2 124M on an OpenWebText-style web corpus (GPT-2 BPE), nanoGPT's reproduction recipe.
+
+About 0.5M tokens per step (480 sequences of 1024), 600k steps; bf16 compute with fp32 parameters
+and optimizer state. On a pod, set the mesh, e.g. --config.mesh.data=-1 --config.mesh.fsdp=8.
+The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
+"""
+
+from jaxgpt.presets import get_preset
+from jaxgpt.train_config import base_config, model_fields
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/gpt2_124m"
+    c.data.name = "openwebtext"
+    c.data.dir = "data/openwebtext"
+    c.model = model_fields(get_preset("gpt2"), vocab_size=50304, dtype="bfloat16", param_dtype="float32")
+    c.batch_size = 480
+    c.grad_accum = 8
+    c.max_steps = 600_000
+    c.optim.lr = 6e-4
+    c.optim.min_lr = 6e-5
+    c.optim.warmup_steps = 2000
+    c.optim.weight_decay = 0.1
+    c.optim.b2 = 0.95
+    c.eval_interval = 1000
+    c.eval_batches = 100
+    c.ckpt_interval = 1000
+    c.log_interval = 10
+    return c

@@ -1,0 +1,28 @@
+"""Every shipped config loads, resolves to valid typed configs, and builds its model abstractly."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxgpt.model import GPT
+from jaxgpt.train_config import resolve
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_resolves_and_builds(path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    cfg = resolve(c, vocab_size=50257 if c.data.name in ("shakespeare", "openwebtext") else 100)
+    assert cfg.workdir and cfg.optim.decay_steps >= cfg.optim.warmup_steps
+    idx = jnp.zeros((1, 4), jnp.int32)
+    shapes = jax.eval_shape(GPT(cfg.model).init, jax.random.key(0), idx)
+    assert shapes["params"]

@@ -1,0 +1,194 @@
+"""Training curves, attention heatmaps and the parameter-summary command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from matplotlib import image as mpimg
+
+from jaxgpt import plots
+from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
+from jaxgpt.model import init_params, stack_layers
+from jaxgpt.summary import main as summary_main
+from jaxgpt.tokenizer import CharTokenizer
+
+CHARS = "".join(sorted(set(" .,?HTabcdefghiklmnorstuwy\n")))
+CFG = ModelConfig(vocab_size=len(CHARS), block_size=32, n_layer=2, n_head=4, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def params() -> dict:
+    """Init weights, scaled up so attention is peaked rather than near-uniform (a more telling picture)."""
+    p = init_params(CFG, jax.random.key(0))
+    return jax.tree.map(lambda a: a * 15 if a.ndim > 1 else a, p)
+
+
+def assert_png(path, min_bytes: int = 10_000) -> np.ndarray:
+    """The file is a PNG with real content: big enough and not a single flat color."""
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > min_bytes
+    pixels = mpimg.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 300 and pixels.shape[1] > 300
+    assert pixels[..., :3].std() > 0.05
+    return pixels
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_attention_maps_are_causal_distributions(params, scan):
+    cfg = CFG.replace(scan_layers=scan, attention_impl="xla")  # the data function must force einsum itself
+    p = stack_layers(params, CFG.n_layer) if scan else params
+    ids = CharTokenizer(CHARS).encode("Hello, how are you today?")
+    maps = plots.attention_maps(p, cfg, ids)
+    T = len(ids)
+    assert maps.shape == (CFG.n_layer, CFG.n_head, T, T)
+    assert np.all(maps[..., np.triu_indices(T, k=1)[0], np.triu_indices(T, k=1)[1]] == 0.0)
+    np.testing.assert_allclose(maps.sum(-1), 1.0, atol=1e-5)
+    assert maps.min() >= 0.0
+    assert maps[..., 0, 0].min() == pytest.approx(1.0)  # the first token can only see itself
+    if scan:  # same numbers whichever way the layers are stored
+        np.testing.assert_allclose(maps, plots.attention_maps(params, CFG, ids), atol=1e-6)
+
+
+def test_attention_maps_reject_bad_prompts(params):
+    with pytest.raises(UserError, match="empty"):
+        plots.attention_maps(params, CFG, [])
+    with pytest.raises(UserError, match="at most 32"):
+        plots.attention_maps(params, CFG, [1] * 33)
+    with pytest.raises(UserError, match=r"\[0, 27\)"):
+        plots.attention_maps(params, CFG, [1, 99])
+
+
+def test_token_labels_show_whitespace():
+    tok = CharTokenizer(CHARS)
+    assert plots.token_labels(tok, tok.encode("a b\n")) == ["a", "·", "b", "↵"]
+
+
+def test_attention_heatmap_png(params, tmp_path):
+    tok = CharTokenizer(CHARS)
+    ids = tok.encode("To be, or not to be?")
+    maps = plots.attention_maps(params, CFG, ids)
+    out = plots.plot_attention(maps[1], plots.token_labels(tok, ids), tmp_path / "attn.png", title="layer 1")
+    assert_png(out)
+
+
+def test_attention_cli(params, tmp_path, monkeypatch, capsys):
+    """--workdir goes through `load_for_inference` (faked: a checkpoint with a char tokenizer); --hf through
+    the GPT-2 importer, with --ids when the vocabulary has no known tokenizer."""
+    import jaxgpt.checkpoint
+    from jaxgpt.hf import save_hf_gpt2
+
+    meta = {"tokenizer": CharTokenizer(CHARS).to_meta()}
+    monkeypatch.setattr(jaxgpt.checkpoint, "load_for_inference", lambda workdir, which="latest": (params, CFG, meta))
+    out = tmp_path / "a.png"
+    argv = ["attention", "--workdir", str(tmp_path), "--prompt", "How are you?", "--layer", "-1", "--out", str(out)]
+    assert plots.main(argv) == 0
+    assert "4 heads of layer 1, 12 tokens" in capsys.readouterr().out
+    assert_png(out)
+
+    save_hf_gpt2(params, CFG, tmp_path / "hf")
+    hf_argv = ["attention", "--hf", str(tmp_path / "hf"), "--layer", "0", "--out", str(tmp_path / "b.png")]
+    assert plots.main([*hf_argv, "--ids", "3,4,5,6"]) == 0
+    assert_png(tmp_path / "b.png")
+    assert plots.main([*hf_argv, "--prompt", "hi"]) == 2
+    assert "pass token ids with --ids" in capsys.readouterr().err
+    assert plots.main([*argv[:-4], "--layer", "2", "--out", str(out)]) == 2
+    assert "layers 0..1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training curves
+
+
+def write_metrics(workdir, steps: int = 60, torn_last_line: bool = True) -> None:
+    """A metrics.jsonl shaped like the trainer's: periodic records, evaluation records, a resume that
+    repeats two steps, and (optionally) a half-written last line."""
+    lines = []
+    for step in range(10, steps + 1, 10):
+        loss = 4.0 * np.exp(-step / 30) + 1.0
+        lines.append({"step": step, "train_loss": loss, "lr": 1e-3 * min(1.0, step / 20), "grad_norm": 1 / step,
+                      "tokens_per_sec": 9000 + 100 * np.sin(step)})
+        if step % 20 == 0:
+            lines.append({"step": step, "train_loss": loss - 0.05, "val_loss": loss + 0.1})
+    lines += lines[-2:]  # logged again after resuming from a checkpoint
+    text = "".join(json.dumps(r) + "\n" for r in lines)
+    if torn_last_line:
+        text += '{"step": 70, "train_lo'
+    (workdir / plots.METRICS_FILE).write_text(text)
+
+
+def test_metric_series(tmp_path):
+    write_metrics(tmp_path)
+    records = plots.read_metrics(tmp_path)
+    steps, values = plots.metric_series(records, "train_loss", eval_records=False)
+    assert steps.tolist() == [10, 20, 30, 40, 50, 60]
+    assert values[0] == pytest.approx(4.0 * np.exp(-1 / 3) + 1.0)
+    val_steps, _ = plots.metric_series(records, "val_loss")
+    assert val_steps.tolist() == [20, 40, 60]
+    eval_steps, eval_train = plots.metric_series(records, "train_loss", eval_records=True)
+    assert eval_steps.tolist() == [20, 40, 60] and eval_train[0] == pytest.approx(values[1] - 0.05)
+
+
+def test_metrics_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        plots.read_metrics(tmp_path)
+    (tmp_path / plots.METRICS_FILE).write_text('{"step": 1, "lr": 0.1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(UserError, match=r"metrics.jsonl:2 is not valid JSON"):
+        plots.read_metrics(tmp_path)
+    (tmp_path / plots.METRICS_FILE).write_text('{"event": "start"}\n')
+    with pytest.raises(UserError, match="no records"):
+        plots.read_metrics(tmp_path)
+
+
+def test_curves_png_and_cli(tmp_path, capsys):
+    write_metrics(tmp_path, steps=200)
+    out = tmp_path / "plots" / "curves.png"
+    assert plots.main(["curves", "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert_png(out)
+    assert plots.main(["curves", "--workdir", str(tmp_path / "none"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_curves_with_missing_quantities(tmp_path):
+    (tmp_path / plots.METRICS_FILE).write_text("".join(json.dumps({"step": s, "train_loss": 3.0 / s}) + "\n"
+                                                       for s in range(1, 30)))
+    assert_png(plots.plot_training_curves(plots.read_metrics(tmp_path), tmp_path / "c.png"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parameter summary command
+
+
+def test_summary_command_gpt2(capsys):
+    assert summary_main(["--preset", "gpt2"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("124,439,808")
+    assert "wte" in out and "h_11/mlp" in out and "4,722,432" in out
+
+
+def test_summary_command_config_and_errors(tmp_path, capsys):
+    (tmp_path / "m.json").write_text(json.dumps({"model": {"vocab_size": 10, "n_layer": 1, "n_embd": 8,
+                                                           "n_head": 2, "block_size": 4}}))
+    assert summary_main(["--config", str(tmp_path / "m.json")]) == 0
+    # wte 80 + wpe 32 + ln 2*16 + attn (8*24+24 + 8*8+8) + mlp (8*32+32 + 32*8+8) + ln_f 16
+    assert capsys.readouterr().out.rstrip().endswith(f"{80 + 32 + 32 + 288 + 552 + 16:,}")
+    assert summary_main(["--preset", "gpt5"]) == 2
+    assert "unknown model preset 'gpt5'" in capsys.readouterr().err
+
+
+def test_summary_module_entry_point():
+    done = subprocess.run([sys.executable, "-m", "jaxgpt.summary", "--preset", "gpt2-medium"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().endswith("354,823,168")
