@@ -118,7 +118,7 @@ def resolve(c: ConfigDict, vocab_size: int) -> TrainConfig:
                         f"({vocab_size}): raise it or leave it unset")
     optim = dict(c.optim.to_dict())
     if optim["decay_steps"] is None:
-        optim["decay_steps"] = c.max_steps
+        optim["decay_steps"] = max(c.max_steps, optim["warmup_steps"] + 1)
     try:
         optim_cfg = OptimConfig(**optim)
     except TypeError as e:

@@ -22,15 +22,13 @@ from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from jaxgpt import sharding
-from jaxgpt.checkpoint import Checkpointer, abstract_params
+from jaxgpt import distributed, sharding
+from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.data import Dataset, batch_for_step, eval_batches, load_dataset, prepare_builtin
 from jaxgpt.errors import UserError
 from jaxgpt.flops import flops_per_token, measure_matmul_peak
 from jaxgpt.model import GPT
-from jaxgpt.optim import make_optimizer
 from jaxgpt.train_config import TrainConfig, resolve
-from jaxgpt.train_step import make_eval_step, make_train_step
 
 
 def setup_runtime(c: ConfigDict) -> None:
@@ -38,14 +36,7 @@ def setup_runtime(c: ConfigDict) -> None:
     if c.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    d = c.distributed
-    if d.enabled:
-        kwargs: dict[str, Any] = dict(initialization_timeout=d.initialization_timeout,
-                                      heartbeat_timeout_seconds=d.heartbeat_timeout)
-        if d.coordinator_address:
-            kwargs.update(coordinator_address=d.coordinator_address, num_processes=d.num_processes,
-                          process_id=d.process_id)
-        jax.distributed.initialize(**kwargs)
+    distributed.initialize(c.distributed)
 
 
 def open_dataset(c: ConfigDict) -> Dataset:
@@ -102,11 +93,6 @@ class MetricsLog:
             self.tb.close()
 
 
-def to_global(local: np.ndarray, sharding_: jax.sharding.NamedSharding) -> jax.Array:
-    """Assemble the global batch from each process's own rows (no host reads another's data)."""
-    return jax.make_array_from_process_local_data(sharding_, local)
-
-
 def micro_batches(x: np.ndarray, grad_accum: int) -> np.ndarray:
     """(b, T) local rows -> (A, b/A, T), interleaved so each process's rows stay contiguous per micro-batch."""
     b, T = x.shape
@@ -123,52 +109,54 @@ def train(c: ConfigDict) -> dict[str, Any]:
                      seed=cfg.seed, split=split)
     workdir = check_workdir(cfg.workdir)
     is_main = jax.process_index() == 0
-    model, tx = GPT(cfg.model), make_optimizer(cfg.optim)
-
     mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check_divisibility(cfg.model, mesh, cfg.batch_size)
-    rules = sharding.rules_for(cfg.model, mesh)
-    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    param_sh = sharding.logical_to_sharding(specs["params"], mesh, rules)
-    repl = sharding.replicated(mesh)
-    abstract = abstract_params(model, cfg.model, param_sh)
-    opt_sh = jax.tree.map(lambda s: s.sharding, _abstract_opt_state(tx, abstract, param_sh, repl))
-    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": repl}
-    batch_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
-    eval_sh = sharding.batch_sharding(mesh)
+    prog = distributed.build_program(cfg, mesh)  # the same sharded program that `jaxgpt.aot` compiles for TPUs
+    model, tx, state_sh, abstract = prog.model, prog.tx, prog.state_sh, prog.abstract_state["params"]
 
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
     ckpt = Checkpointer(workdir, keep=cfg.keep_checkpoints)
     meta = {"model": cfg.model.to_dict(), "config": json.loads(c.to_json()), "dataset": dataset.meta,
             "tokenizer": dataset.meta["tokenizer"]}
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        state, start = _initial_state(c, cfg, ckpt, model, tx, abstract, state_sh, init_key)
+    pretrained = None
+    if c.init_from and ckpt.latest_step() is None:  # read outside the mesh context: plain host arrays
+        from jaxgpt.init_from import load_initial_params
+
+        pretrained = jax.device_get(load_initial_params(c.init_from, cfg.model))
+    with prog.activate():
+        state, start = _initial_state(cfg, ckpt, model, tx, abstract, state_sh, init_key, pretrained)
         if is_main:
             (workdir / "config.json").write_text(json.dumps(meta["config"], indent=2) + "\n")
             n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
             print(f"model: {n_params:,} parameters; mesh {dict(mesh.shape)}; "
                   f"{'resuming at step ' + str(start) if start else 'starting from step 0'}", flush=True)
-        step_fn = jax.jit(make_train_step(model, tx), in_shardings=(state_sh, batch_sh, repl),
-                          out_shardings=(state_sh, repl), donate_argnums=(0,))
-        eval_fn = jax.jit(make_eval_step(model), in_shardings=(param_sh, eval_sh), out_shardings=repl)
-        local = dict(process_index=jax.process_index(), process_count=jax.process_count())
-        batch_size, T = cfg.batch_size, cfg.model.block_size
+        batch_size, T, A = cfg.batch_size, cfg.model.block_size, cfg.grad_accum
+        # Each process reads only the rows its devices hold (all of them if the batch is replicated over hosts).
+        train_shape, eval_shape = (A, batch_size // A, T), (batch_size // A, T)
+        train_rows = distributed.local_rows(prog.batch_sh, train_shape, dim=1)
+        eval_rows = distributed.local_rows(prog.eval_sh, eval_shape, dim=0)
 
         def batch(step: int) -> dict[str, jax.Array]:
-            x, y = batch_for_step(dataset.train, seed=cfg.seed, step=step, batch_size=batch_size, block_size=T,
-                                  **local)
-            return {k: to_global(micro_batches(v, cfg.grad_accum), batch_sh) for k, v in (("x", x), ("y", y))}
+            x, y = distributed.read_rows(lambda i, n: batch_for_step(
+                dataset.train, seed=cfg.seed, step=step, batch_size=batch_size, block_size=T, process_index=i,
+                process_count=n), train_rows, batch_size, unit=A)
+            return {k: distributed.global_array(prog.batch_sh, micro_batches(v, A), train_shape)
+                    for k, v in (("x", x), ("y", y))}
 
-        evals = {split: [{"x": to_global(x, eval_sh), "y": to_global(y, eval_sh)} for x, y in eval_batches(
-            getattr(dataset, split), batch_size=batch_size // cfg.grad_accum, block_size=T, n_batches=cfg.eval_batches,
-            seed=cfg.seed, split=split, **local)] for split in ("train", "val")}
+        def eval_split(split: str) -> list[dict[str, jax.Array]]:
+            batches = distributed.read_rows(lambda i, n: eval_batches(
+                getattr(dataset, split), batch_size=batch_size // A, block_size=T, n_batches=cfg.eval_batches,
+                seed=cfg.seed, split=split, process_index=i, process_count=n), eval_rows, batch_size // A)
+            return [{k: distributed.global_array(prog.eval_sh, v, eval_shape) for k, v in zip("xy", xy, strict=True)}
+                    for xy in batches]
+
+        evals = {split: eval_split(split) for split in ("train", "val")}
 
         def evaluate(params: Any) -> dict[str, float]:
-            return {f"{split}_loss": float(np.mean(jax.device_get([eval_fn(params, b) for b in batches])))
+            return {f"{split}_loss": float(np.mean(jax.device_get([prog.eval_step(params, b) for b in batches])))
                     for split, batches in evals.items()}
 
         t0 = time.perf_counter()
-        compiled = step_fn.lower(state, batch(start), dropout_key).compile()
+        compiled = prog.train_step.lower(state, batch(start), dropout_key).compile()
         compile_s = time.perf_counter() - t0
         log = MetricsLog(workdir, start)
         bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
@@ -230,18 +218,8 @@ def train(c: ConfigDict) -> dict[str, Any]:
     return {**last_eval, **summary, "state": state, "model_cfg": cfg.model, "tokenizer_meta": dataset.meta["tokenizer"]}
 
 
-def _abstract_opt_state(tx: Any, abstract: Any, param_sh: Any, repl: Any) -> Any:
-    """Optimizer state shapes with shardings: moments follow their parameter, counters are replicated."""
-    import optax
-
-    shapes = jax.eval_shape(tx.init, abstract)
-    shardings = optax.tree_map_params(tx, lambda _, s: s, shapes, param_sh, transform_non_params=lambda _: repl,
-                                      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-
-
-def _initial_state(c: ConfigDict, cfg: TrainConfig, ckpt: Checkpointer, model: GPT, tx: Any, abstract: Any,
-                   state_sh: dict, key: jax.Array) -> tuple[dict, int]:
+def _initial_state(cfg: TrainConfig, ckpt: Checkpointer, model: GPT, tx: Any, abstract: Any, state_sh: dict,
+                   key: jax.Array, pretrained: Any = None) -> tuple[dict, int]:
     """Resume from the latest checkpoint, or initialize (from scratch or from `init_from`) directly sharded."""
     latest = ckpt.latest_step()
     if latest is not None:
@@ -254,14 +232,13 @@ def _initial_state(c: ConfigDict, cfg: TrainConfig, ckpt: Checkpointer, model: G
             raise UserError(f"the checkpoint in {cfg.workdir} was trained with different model settings {diff}: "
                             "use the same model config or a new --config.workdir")
         abstract_state = {"params": abstract, "step": None,
-                          "opt_state": _abstract_opt_state(tx, abstract, state_sh["params"], state_sh["step"])}
+                          "opt_state": distributed.abstract_opt_state(tx, abstract, state_sh["params"],
+                                                                   state_sh["step"])}
         state = ckpt.restore(latest, abstract_state)
         state["step"] = jax.device_put(jnp.asarray(latest, jnp.int32), state_sh["step"])
         return state, latest
-    if c.init_from:
-        from jaxgpt.init_from import load_initial_params
-
-        params = jax.device_put(load_initial_params(c.init_from, cfg.model), state_sh["params"])
+    if pretrained is not None:
+        params = jax.device_put(pretrained, state_sh["params"])
     else:
         dummy = jnp.zeros((1, min(cfg.model.block_size, 8)), jnp.int32)
         params = jax.jit(lambda k: nn.unbox(model.init(k, dummy)["params"]), out_shardings=state_sh["params"])(key)

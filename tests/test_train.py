@@ -234,3 +234,24 @@ def test_schedule_warms_up_then_decays_to_min() -> None:
     assert float(sched(0)) == pytest.approx(1e-4) and float(sched(10)) == pytest.approx(1e-3)
     assert float(sched(100)) == pytest.approx(1e-4) and float(sched(1000)) == pytest.approx(1e-4)
     assert float(sched(55)) == pytest.approx(5.5e-4, rel=1e-3)
+
+
+def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_dir: Path) -> None:
+    from jaxgpt.hf import save_hf_gpt2
+    from jaxgpt.init_from import load_initial_params
+    from jaxgpt.trainer import train
+    from tests_helpers import load_tiny
+
+    first = train(load_tiny(workdir=str(tmp_path / "first"), data_dir=str(data_dir), max_steps=20))
+    cfg, params = first["model_cfg"], first["state"]["params"]
+    save_hf_gpt2(params, cfg, tmp_path / "hf")
+    for spec in (f"workdir:{tmp_path / 'first'}", f"hf:{tmp_path / 'hf'}"):
+        loaded = load_initial_params(spec, cfg.replace(scan_layers=True))
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)),
+                     loaded["h"], params["h_0"])
+    c = load_tiny(workdir=str(tmp_path / "second"), data_dir=str(data_dir), max_steps=1, eval_interval=1)
+    c.init_from = f"workdir:{tmp_path / 'first'}"
+    second = train(c)
+    assert second["val_loss"] < first["val_loss"] + 0.05  # starts where the first run ended, not from scratch
+    with pytest.raises(Exception, match="different architecture"):
+        load_initial_params(f"workdir:{tmp_path / 'first'}", cfg.replace(n_layer=3))
