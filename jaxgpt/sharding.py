@@ -16,15 +16,17 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxgpt.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch's rows are split over
 
 # logical axis name -> mesh axis (or axes, or None for replicated)
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("length", None),
     ("act_embed", None),
     ("act_mlp", "tensor"),
@@ -59,12 +61,23 @@ def resolve_mesh_shape(shape: Sequence[int], n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes (GSPMD propagation; Explicit axes break nn.Embed)."""
+    """A (data, fsdp, tensor) mesh with Auto axes (GSPMD propagation; Explicit axes break nn.Embed).
+
+    On TPUs and GPUs the devices are laid out by `mesh_utils.create_device_mesh`, which follows the
+    physical interconnect (the tensor axis on neighbouring chips); a mesh that does not factor over the
+    physical axes splits them. `devices` may be a TPU topology's compile-only devices (`jaxgpt.aot`).
+    """
     devices = list(devices) if devices is not None else jax.devices()
     resolved = resolve_mesh_shape(shape, len(devices))
-    if devices and devices[0].platform in ("tpu", "gpu") and len(devices) == len(jax.devices()):
-        return jax.make_mesh(resolved, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    return Mesh(np.asarray(devices).reshape(resolved), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if devices and devices[0].platform in ("tpu", "gpu"):
+        for split in (False, True):
+            try:
+                grid = mesh_utils.create_device_mesh(resolved, devices, allow_split_physical_axes=split)
+                return Mesh(grid, MESH_AXES, axis_types=axis_types)
+            except (ValueError, NotImplementedError, AssertionError):
+                continue
+    return Mesh(np.asarray(devices).reshape(resolved), MESH_AXES, axis_types=axis_types)
 
 
 def rules_for(model_cfg: Any, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
@@ -81,20 +94,22 @@ def logical_to_sharding(specs: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]]
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batches are split over data and fsdp along their first axis."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def check_divisibility(model_cfg: Any, mesh: Mesh, global_batch: int) -> None:
+def check_divisibility(model_cfg: Any, mesh: Mesh, global_batch: int, grad_accum: int = 1) -> None:
     """Fail early, with the fix, when a size does not split over its mesh axis."""
     tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
     batch_ways = mesh.shape["data"] * fsdp
     problems = []
-    if global_batch % batch_ways:
-        problems.append(f"batch_size {global_batch} over data*fsdp={batch_ways}")
+    if global_batch % grad_accum == 0 and (global_batch // grad_accum) % batch_ways:
+        what = f"batch_size {global_batch}" if grad_accum == 1 else (
+            f"micro-batch batch_size/grad_accum = {global_batch // grad_accum}")
+        problems.append(f"{what} over data*fsdp={batch_ways}")
     for name in ("n_head", "d_ff"):
         if getattr(model_cfg, name) % tensor:
             problems.append(f"model.{name}={getattr(model_cfg, name)} over tensor={tensor}")

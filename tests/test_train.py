@@ -237,10 +237,11 @@ def test_schedule_warms_up_then_decays_to_min() -> None:
 
 
 def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_dir: Path) -> None:
+    from tests_helpers import load_tiny
+
     from jaxgpt.hf import save_hf_gpt2
     from jaxgpt.init_from import load_initial_params
     from jaxgpt.trainer import train
-    from tests_helpers import load_tiny
 
     first = train(load_tiny(workdir=str(tmp_path / "first"), data_dir=str(data_dir), max_steps=20))
     cfg, params = first["model_cfg"], first["state"]["params"]
