@@ -1,0 +1,171 @@
+"""Generation speed with and without the KV cache, measured in one run (issue 4's benchmark).
+
+    python benchmarks/bench_sample.py                 # both char models, cached and uncached
+    python benchmarks/bench_sample.py --skip_uncached # the cached loop only (the uncached larger model takes ~1 min)
+
+Two character-level models of the training issue (random weights: speed does not depend on them), float32,
+block 256, vocabulary 100: small 4 layers x 4 heads x 128 wide, larger 6 x 6 x 384. For each, 1 sample x 500
+new tokens from a newline prompt:
+
+* cached: `jaxgpt.sampling.generate` (prefill, then one compiled while_loop with the KV cache; past 256
+  tokens the window jumps by the default window_shift and is re-prefilled, as documented there);
+  also `stream` in chunks of 16 tokens, the path the CLI prints from;
+* uncached: `generate_uncached`, the naive loop that re-runs the jitted model on the whole current window
+  for every token (what nanoGPT does, compiled; windows padded to powers of two).
+
+Compile time is measured separately (first call minus the best warm call) and kept out of tokens/s; timings
+are the best of --repeats runs (the uncached 500-token run is timed once). The time per token at context ~16
+and ~250 is 16 steps of the compiled loop from cache positions 16 and 239 (uncached: one token with a window
+of that length). The machine may be shared: the load average is printed next to the numbers. Memory bandwidth
+bounds batch-1 decoding (every step reads every weight), so the script also prints that bound per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt import sampling
+from jaxgpt.config import ModelConfig
+from jaxgpt.model import init_params
+
+MODELS = {
+    "small 4x4x128": ModelConfig(vocab_size=100, block_size=256, n_layer=4, n_head=4, n_embd=128),
+    "larger 6x6x384": ModelConfig(vocab_size=100, block_size=256, n_layer=6, n_head=6, n_embd=384),
+}
+TARGET_TOK_S = {"small 4x4x128": 6400, "larger 6x6x384": 650}
+NEW_TOKENS, NEWLINE = 500, 0  # id 0 stands for "\n" (a sorted character vocabulary starts with it)
+PROBE_STEPS = 16
+CONTEXTS = (16, 256 - PROBE_STEPS - 1)  # steps at cache positions 16..31 and 239..254
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` runs: on a shared machine the others measure the neighbours' load."""
+    return min(seconds(fn) for _ in range(repeats))
+
+
+def memory_bandwidth_gb_s() -> float:
+    """Streaming-read bandwidth: a jitted sum over 256 MiB (much larger than any cache)."""
+    x = jnp.ones((64, 1 << 20), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    return x.nbytes / best_seconds(lambda: total(x).block_until_ready(), 5) / 1e9
+
+
+def cached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) -> float:
+    """Seconds per step of the compiled loop with `context` tokens in the cache (no re-prefill in reach).
+
+    Times the loop itself (`sampling._run`, the function `generate` calls after the prefill) on a copy of
+    a prefilled state, so neither the prefill nor a dispatch is in the number.
+    """
+    prompt = jnp.asarray(np.random.default_rng(context).integers(0, cfg.vocab_size, size=(1, context)))
+    state = sampling._prefill(params, prompt, jax.random.key(1), cfg=cfg)
+    spec = sampling.SamplerSpec(greedy=False, top_k=None, use_top_p=False, eot_token=None,
+                                window_shift=sampling.default_window_shift(cfg))
+    run = lambda st: sampling._run(params, st, jnp.int32(PROBE_STEPS), jnp.float32(1.0), jnp.float32(1.0), cfg=cfg,
+                                   spec=spec, num_steps=PROBE_STEPS)
+    jax.block_until_ready(run(jax.tree.map(jnp.copy, state)))
+    times = []
+    for _ in range(repeats):
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        times.append(seconds(lambda fresh=fresh: jax.block_until_ready(run(fresh))))
+    return min(times) / PROBE_STEPS
+
+
+def uncached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) -> float:
+    """Seconds for one token of the naive loop with a `context`-token window (one forward pass + sampling)."""
+    prompt = np.random.default_rng(context).integers(0, cfg.vocab_size, size=context)
+    one = lambda: sampling.generate_uncached(params, cfg, prompt, max_new_tokens=1, key=1)
+    one()
+    return best_seconds(one, repeats)
+
+
+def bench_model(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[dict]:
+    params = init_params(cfg, jax.random.key(0))
+    rows = []
+
+    def cached(prompt, n: int, stream: bool = False):
+        if stream:
+            return list(sampling.stream(params, cfg, prompt, max_new_tokens=n, key=1, chunk_size=16))
+        return sampling.generate(params, cfg, prompt, max_new_tokens=n, key=1)
+
+    first = seconds(lambda: cached([NEWLINE], NEW_TOKENS))
+    warm = best_seconds(lambda: cached([NEWLINE], NEW_TOKENS), args.repeats)
+    at16, at250 = (cached_per_token_at(params, cfg, c, 5 * args.repeats) for c in CONTEXTS)
+    rows.append(dict(model=name, path="cached generate", compile=first - warm, tok_s=NEW_TOKENS / warm,
+                     ms16=at16 * 1e3, ms250=at250 * 1e3))
+    first = seconds(lambda: cached([NEWLINE], NEW_TOKENS, stream=True))
+    warm = best_seconds(lambda: cached([NEWLINE], NEW_TOKENS, stream=True), args.repeats)
+    rows.append(dict(model=name, path="cached stream (chunks of 16)", compile=first - warm, tok_s=NEW_TOKENS / warm))
+
+    if not args.skip_uncached:
+        def uncached(prompt, n: int):
+            return sampling.generate_uncached(params, cfg, prompt, max_new_tokens=n, key=1)
+
+        # Compile every window bucket (1, 2, 4, ..., 256) with one-token runs, then time a full run.
+        compile_s = sum(seconds(lambda b=b: uncached([NEWLINE] * b, 1)) for b in (1, 2, 3, 5, 9, 17, 33, 65, 129))
+        total = seconds(lambda: uncached([NEWLINE], NEW_TOKENS))
+        at16, at250 = (uncached_per_token_at(params, cfg, c, args.repeats) for c in CONTEXTS)
+        rows.append(dict(model=name, path="uncached (full window each token)", compile=compile_s,
+                         tok_s=NEW_TOKENS / total, ms16=at16 * 1e3, ms250=at250 * 1e3))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip_uncached", action="store_true", help="only the cached loop")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (the best is reported)")
+    args = parser.parse_args()
+
+    bandwidth = memory_bandwidth_gb_s()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, {os.cpu_count()} CPU cores, "
+          f"load average {os.getloadavg()[0]:.1f} (a shared machine slows everything down); "
+          f"memory read bandwidth {bandwidth:.1f} GB/s")
+    rows = []
+    for name, cfg in MODELS.items():
+        rows += bench_model(name, cfg, args)
+        n_params = sum(x.size for x in jax.tree.leaves(init_params(cfg, jax.random.key(0))))
+        bound = bandwidth * 1e9 / (4 * n_params)
+        print(f"{name}: {n_params / 1e6:.2f}M parameters = {4 * n_params / 1e6:.1f} MB of f32 weights read per "
+              f"token -> at most ~{bound:,.0f} tokens/s at batch 1 if they stream from memory "
+              f"(more if they stay in cache)", flush=True)
+
+    print(f"\n1 sample x {NEW_TOKENS} new tokens, float32, block 256 (window_shift "
+          f"{sampling.default_window_shift(MODELS['small 4x4x128'])} past the block); "
+          f"load average now {os.getloadavg()[0]:.1f}\n")
+    header = f"| {'model':<15} | {'path':<33} | {'compile s':>9} | {'tokens/s':>9} | {'ms/token @16':>12} | " \
+             f"{'ms/token @250':>13} | {'@250 / @16':>10} | {'target tok/s':>12} |"
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        ratio = f"{r['ms250'] / r['ms16']:.2f}" if r.get("ms16") else ""
+        target = TARGET_TOK_S[r["model"]] if r["path"].startswith("cached") else ""
+        ms16 = f"{r['ms16']:.3f}" if "ms16" in r else ""
+        ms250 = f"{r['ms250']:.3f}" if "ms250" in r else ""
+        print(f"| {r['model']:<15} | {r['path']:<33} | {r['compile']:>9.2f} | {r['tok_s']:>9,.0f} | {ms16:>12} | "
+              f"{ms250:>13} | {ratio:>10} | {target!s:>12} |")
+    cached = {r["model"]: r for r in rows if r["path"] == "cached generate"}
+    uncached = {r["model"]: r for r in rows if r["path"].startswith("uncached")}
+    print()
+    for name, r in cached.items():
+        speedup = f", {r['tok_s'] / uncached[name]['tok_s']:.0f}x the uncached loop" if name in uncached else ""
+        verdict = "meets" if r["tok_s"] >= TARGET_TOK_S[name] else "misses"
+        flat = "meets" if r["ms250"] <= 1.5 * r["ms16"] else "misses"
+        print(f"{name}: {r['tok_s']:,.0f} tokens/s {verdict} the target {TARGET_TOK_S[name]:,}{speedup}; "
+              f"per-token time at 250 / at 16 = {r['ms250'] / r['ms16']:.2f} {flat} the <= 1.5 target")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""The sampler: the cached loop against the no-cache computation of the same rule, the strategies, the CLI."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_reference as ref
+import pytest
+
+from jaxgpt import sampling
+from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
+from jaxgpt.model import stack_layers
+from jaxgpt.presets import PRESETS
+from jaxgpt.sampling import filter_logits, generate, generate_uncached, pick_tokens, stream
+from jaxgpt.tokenizer import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=48)
+
+
+def shrink(cfg: ModelConfig, **changes) -> ModelConfig:
+    """A preset at test size, keeping every architectural choice (including head_dim = n_embd)."""
+    head_dim = TINY["n_embd"] if cfg.head_dim == cfg.n_embd else None
+    return cfg.replace(**{**TINY, "head_dim": head_dim, "pad_id": None if cfg.pad_id is None else 0, **changes})
+
+
+@functools.cache
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Weights large enough (std 0.3) that the logits are far from uniform and greedy choices are clear.
+
+    Committed to the device like restored checkpoints, so the CLI tests reuse the library tests' compilations.
+    """
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ref.random_params(cfg.to_dict(), seed=seed, std=0.3))
+    params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else params
+    return jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def prompts(cfg: ModelConfig, length: int, batch: int = 2, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, cfg.vocab_size, size=(batch, length))  # 1..: never the pad id
+
+
+def assert_same_generation(cfg: ModelConfig, prompt: np.ndarray, **options) -> np.ndarray:
+    params = random_params(cfg)
+    got, got_logits = generate(params, cfg, prompt, return_logits=True, **options)
+    want, want_logits = generate_uncached(params, cfg, prompt, return_logits=True, bucketed=False, **options)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=1e-5 * max(1.0, np.abs(want_logits).max()))
+    return got
+
+
+# Every preset once, and between them every knob the cache interacts with: scanned and unscanned layers
+# under both norm placements, all four position kinds (seed 001's padded positions too), tied and untied
+# heads, both attention implementations.
+def _distinct(configs: list[ModelConfig]) -> list[ModelConfig]:
+    return list(dict.fromkeys(configs))
+
+
+SWEEP = {
+    "seed000-scan": shrink(PRESETS["seed000"], scan_layers=True),
+    "seed001": shrink(PRESETS["seed001"]),
+    "seed002-scan": shrink(PRESETS["seed002"], scan_layers=True),
+    "seed004": shrink(PRESETS["seed004"]),
+    "gpt2-scan": shrink(PRESETS["gpt2"], scan_layers=True),
+    "gpt2-nopos-xla": shrink(PRESETS["gpt2"], position="none", attention_impl="xla"),
+}
+# The GPT-2 family (and the 6.7B shape) differ only in size, so shrunk they are one config: these five
+# cover every preset.
+assert {shrink(c) for c in PRESETS.values()} == {shrink(PRESETS[n]) for n in ("seed000", "seed001", "seed002",
+                                                                            "seed004", "gpt2")}
+
+
+@pytest.mark.parametrize("name", SWEEP)
+def test_cached_equals_uncached_for_short_and_long_prompts(name: str) -> None:
+    cfg = SWEEP[name]
+    for length in (5, cfg.block_size + 7):  # 30 new tokens: the window fills and slides several times
+        assert_same_generation(cfg, prompts(cfg, length), max_new_tokens=30, temperature=0)
+
+
+FULL_SWEEP = _distinct([shrink(c, scan_layers=scan) for c in PRESETS.values() for scan in (False, True)]
+                       + [shrink(PRESETS["gpt2"], position=p, scan_layers=s)
+                          for p in ("none", "sinusoidal", "sinusoidal_concat") for s in (False, True)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", FULL_SWEEP, ids=lambda c: f"{c.position}-{c.norm_placement}-scan{c.scan_layers}")
+@pytest.mark.parametrize("shift", [1, 5, 16])
+def test_cached_equals_uncached_full_cross_product(cfg: ModelConfig, shift: int) -> None:
+    for length in (3, 16, 21):
+        assert_same_generation(cfg, prompts(cfg, length), max_new_tokens=40, temperature=0, window_shift=shift)
+
+
+def test_window_shift_one_is_seed000s_rule() -> None:
+    """Shift 1: every token is the argmax given exactly the previous block_size tokens (written out here)."""
+    cfg = SWEEP["seed004"]
+    S = cfg.block_size
+    params, prompt = random_params(cfg), prompts(cfg, S)
+    got = assert_same_generation(cfg, prompt, max_new_tokens=30, temperature=0, window_shift=1)
+    forward = jax.jit(lambda p, idx: sampling.GPT(cfg).apply({"params": p}, idx)[:, -1])
+    seq = prompt
+    for _ in range(30):
+        seq = np.concatenate([seq, np.argmax(forward(params, jnp.asarray(seq[:, -S:])), -1)[:, None]], axis=1)
+    np.testing.assert_array_equal(got, seq[:, S:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shift", [2, 7, 15, 16])
+def test_other_window_shifts_match_uncached(shift: int) -> None:
+    """16 = block_size keeps only the newest token after a jump."""
+    cfg = SWEEP["seed001"]
+    assert_same_generation(cfg, prompts(cfg, 9), max_new_tokens=40, temperature=0, window_shift=shift)
+
+
+# One set of sampling options (and one model) for every test of sampled generation, the CLI's included:
+# they share one compilation.
+SAMPLED = dict(max_new_tokens=30, temperature=1.3, top_k=40, top_p=0.97)
+SAMPLED_CFG = SWEEP["seed001"]  # pad_id 0: sampling must never produce it
+
+
+def test_sampled_tokens_match_uncached_and_streaming() -> None:
+    """With temperature, top-k and top-p the noise of step i depends only on (seed, i): all paths agree."""
+    cfg = SAMPLED_CFG
+    got = generate(random_params(cfg), cfg, prompts(cfg, 5), key=7, **SAMPLED)
+    want = generate_uncached(random_params(cfg), cfg, prompts(cfg, 5), key=7, **SAMPLED)  # bucketed windows
+    np.testing.assert_array_equal(got, want)
+    chunks = list(stream(random_params(cfg), cfg, prompts(cfg, 5), chunk_size=7, key=7, **SAMPLED))
+    assert [c.shape[1] for c in chunks] == [7, 7, 7, 7, 2]
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1), got)
+
+
+def test_reproducible_per_seed_and_different_across_seeds() -> None:
+    cfg = SAMPLED_CFG
+    params, prompt = random_params(cfg), prompts(cfg, 5)
+    run = lambda key: generate(params, cfg, prompt, key=key, **SAMPLED)
+    np.testing.assert_array_equal(run(1), run(1))
+    np.testing.assert_array_equal(run(1), run(jax.random.key(1)))
+    assert not np.array_equal(run(1), run(2))
+
+
+def test_padding_id_is_never_sampled() -> None:
+    cfg = SAMPLED_CFG
+    hot = dict(SAMPLED, temperature=100.0)  # nearly uniform over the top 40: 0 would come up often
+    tokens = generate(random_params(cfg), cfg, prompts(cfg, 5), key=0, **hot)
+    assert cfg.pad_id == 0 and not (tokens == 0).any() and len(np.unique(tokens)) > 30
+
+
+def test_repeated_calls_reuse_the_compiled_loop() -> None:
+    cfg = SAMPLED_CFG
+    params = random_params(cfg)
+    generate(params, cfg, prompts(cfg, 5), key=0, **SAMPLED)
+    before = sampling._run._cache_size(), sampling._prefill._cache_size()
+    for t, p, seed in ((0.9, 0.5, 2), (1.7, 0.95, 3)):  # new values, same shapes and options: no compilation
+        generate(params, cfg, prompts(cfg, 5, seed=seed), key=seed, **dict(SAMPLED, temperature=t, top_p=p))
+    assert (sampling._run._cache_size(), sampling._prefill._cache_size()) == before
+
+
+def test_end_of_text_finishes_rows_and_stops_the_loop() -> None:
+    cfg = SWEEP["seed001"]
+    params, prompt = random_params(cfg), prompts(cfg, 5, seed=3)
+    free = generate(params, cfg, prompt, max_new_tokens=30, temperature=0, return_logits=True)[0]
+    first = lambda row, t: int(np.flatnonzero(row == t)[0])
+    # The eot: a token both rows produce (at different steps), the earliest such, so the loop ends early.
+    eot = min(set(free[0]) & set(free[1]), key=lambda t: max(first(free[0], t), first(free[1], t)))
+    tokens, logits = generate(params, cfg, prompt, max_new_tokens=30, temperature=0, eot_token=eot, return_logits=True)
+    want = free.copy()
+    stops = []
+    for row in want:
+        hits = np.flatnonzero(row == eot)
+        stops.append(hits[0] if hits.size else len(row))
+        row[stops[-1]:] = eot
+    np.testing.assert_array_equal(tokens, want)
+    last = max(stops)
+    assert stops[0] != stops[1] and last + 1 < tokens.shape[1]
+    assert logits[:, last].any() and not logits[:, last + 1:].any()  # the steps after the last eot never ran
+    chunks = list(stream(params, cfg, prompt, max_new_tokens=30, temperature=0, eot_token=eot, chunk_size=7))
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1), tokens[:, : sum(c.shape[1] for c in chunks)])
+
+
+def test_filter_logits_top_k_then_top_p() -> None:
+    logits = jnp.log(jnp.array([[0.5, 0.05, 0.2, 0.15, 0.1]]))
+    kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, **kw)))[0].tolist()
+    assert kept(top_k=2) == [True, False, True, False, False]
+    assert kept(top_p=0.5) == [True, False, False, False, False]  # the top token alone reaches 0.5
+    assert kept(top_p=0.51) == [True, False, True, False, False]
+    assert kept(top_p=0.86) == [True, False, True, True, True]
+    assert kept(top_p=1.0) == [True] * 5
+    assert kept(top_p=1e-6) == [True, False, False, False, False]  # the most likely token always survives
+    # top-p on what top-k left: {0.5, 0.2, 0.15} renormalized is (0.59, 0.24, 0.18): 0.85 needs all three
+    assert kept(top_k=3, top_p=0.85) == [True, False, True, True, False]
+    assert kept(top_k=3, top_p=0.8) == [True, False, True, False, False]
+    ties = jnp.array([[1.0, 3.0, 3.0, 0.0]])
+    assert np.isfinite(np.asarray(filter_logits(ties, top_k=1)))[0].tolist() == [False, True, True, False]
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
+    logits_V = jnp.log(jnp.array([0.4, 0.3, 0.15, 0.1, 0.05]))
+    n = 40_000
+    logits_NV = jnp.broadcast_to(logits_V, (n, 5))
+    gumbel_NV = jax.random.gumbel(jax.random.key(0), (n, 5))
+    cases = [(dict(), 1.0), (dict(), 0.5), (dict(top_k=3), 1.0), (dict(top_p=0.75), 2.0)]
+    draw = jax.jit(pick_tokens, static_argnames=("top_k",))
+    for kwargs, temperature in cases:
+        probs = np.exp(np.asarray(filter_logits(logits_V[None] / temperature, **kwargs))[0])
+        probs /= probs.sum()
+        freq = np.bincount(np.asarray(draw(logits_NV, gumbel_NV, temperature, **kwargs)), minlength=5) / n
+        np.testing.assert_allclose(freq, probs, atol=0.01)
+        assert (freq[probs == 0] == 0).all()
+
+
+def test_greedy_ignores_the_key_and_takes_the_argmax() -> None:
+    logits = jnp.array([[0.1, 2.0, -1.0], [5.0, 4.9, 0.0]])
+    assert pick_tokens(logits, None).tolist() == [1, 0]
+    assert pick_tokens(logits, None, banned=0).tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(max_new_tokens=0), "max_new_tokens=0 must be a positive integer"),
+    (dict(max_new_tokens=-3), "max_new_tokens=-3"),
+    (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(top_k=0), "top_k=0 must be an integer >= 1"),
+    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    (dict(window_shift=0), r"window_shift=0 must be an integer in \[1, block_size=16\]"),
+    (dict(window_shift=17), "window_shift=17"),
+    (dict(prompt=np.zeros((2, 0), int)), "the prompt is empty"),
+    (dict(prompt=[3, 61]), r"prompt token ids \[61\] are outside the vocabulary \[0, 61\)"),
+    (dict(prompt=[3, 0, 4]), "contains the model's padding id 0"),
+    (dict(eot_token=99), "eot_token=99 is outside the vocabulary"),
+    (dict(prompt=np.ones((2, 3), int), num_samples=3), "num_samples=3 disagrees with the prompt batch of 2"),
+])
+@pytest.mark.parametrize("fn", [generate, generate_uncached, stream])
+def test_bad_options_are_user_errors(fn, changes: dict, message: str) -> None:
+    cfg = SWEEP["seed001"]
+    kwargs = dict(prompt=[1, 2, 3], max_new_tokens=5) | changes
+    with pytest.raises(UserError, match=message):
+        out = fn(random_params(cfg), cfg, kwargs.pop("prompt"), **kwargs)
+        next(iter(out)) if fn is stream else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+
+def load_cli():
+    spec = importlib.util.spec_from_file_location("sample_cli", ROOT / "sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cli = load_cli()
+CHARS = "\n !,.0123456789?ABCDEFGHIJKLMNPRSTabcdefghijklmnopqrstuvwxyzé"  # SAMPLED_CFG: 61, pad id 0 = "\\n"
+assert len(CHARS) == SAMPLED_CFG.vocab_size
+
+
+@pytest.fixture(scope="module")
+def char_workdir(tmp_path_factory) -> Path:
+    """A work directory holding one checkpoint of a tiny character model, written with the trainer's API."""
+    from jaxgpt.checkpoint import Checkpointer, load_for_inference  # noqa: F401 (the API the CLI relies on)
+
+    workdir = tmp_path_factory.mktemp("char_run")
+    cfg = SAMPLED_CFG
+    ckpt = Checkpointer(workdir)
+    ckpt.save({"params": random_params(cfg), "opt_state": {"count": jnp.zeros((), jnp.int32)}, "step": 3},
+              {"model": cfg.to_dict(), "tokenizer": CharTokenizer(CHARS).to_meta(), "val_loss": 1.0})
+    ckpt.close()
+    return workdir
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_streams_one_sample_equal_to_the_library(char_workdir: Path, capsys) -> None:
+    from jaxgpt.checkpoint import load_for_inference
+
+    options = [f"--{k}={v}" for k, v in SAMPLED.items()]
+    code, out, err = run_cli(["--workdir", str(char_workdir), "--prompt", "hello", "--seed", "5", "--stream_chunk",
+                              "4", *options], capsys)
+    assert code == 0, err
+    params, cfg, _ = load_for_inference(char_workdir)
+    tok = CharTokenizer(CHARS)
+    want = np.concatenate(list(stream(params, cfg, tok.encode("hello"), key=5, chunk_size=4, **SAMPLED)), axis=1)
+    assert out == "hello" + tok.decode(want[0].tolist()) + "\n"
+
+
+def test_cli_prints_several_samples_separated(char_workdir: Path, capsys) -> None:
+    options = [f"--{k}={v}" for k, v in SAMPLED.items()]
+    code, out, _ = run_cli(["--workdir", str(char_workdir), "--which", "best", "--prompt", "abcde", "--num_samples",
+                            "2", "--seed", "1", *options], capsys)
+    samples = out.rstrip("\n").split("\n" + cli.SEPARATOR + "\n")
+    assert code == 0 and len(samples) == 2 and all(s.startswith("abcde") and len(s) == 35 for s in samples)
+    assert len(set(samples)) > 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "the prompt is empty and this character vocabulary has no start token: give --prompt"),
+    (["--prompt", "hi ÅX"], "characters outside the 61-character vocabulary: 'Å', 'X'"),
+    (["--prompt", "a", "--max_new_tokens", "0"], "max_new_tokens=0 must be a positive integer"),
+    (["--prompt", "a", "--top_p", "1.5"], r"top_p=1.5 must be in \(0, 1\]"),
+    (["--prompt", "a", "--top_p", "0"], r"top_p=0.0 must be in \(0, 1\]"),
+    (["--prompt", "a", "--top_k", "0"], "top_k=0 must be an integer >= 1"),
+    (["--prompt", "a", "--temperature", "-1"], "temperature=-1.0 must be >= 0"),
+    (["--prompt", "a", "--num_samples", "0"], "--num_samples=0 must be at least 1"),
+    (["--prompt_file", "/nonexistent/prompt.txt"], "cannot read --prompt_file /nonexistent/prompt.txt"),
+    (["--prompt", "a", "--top_k", "two"], "argument --top_k: invalid int value: 'two'"),
+    (["--prompt", "a", "--prompt_file", "x"], "not allowed with argument --prompt"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(char_workdir: Path, capsys, args: list[str], message: str) -> None:
+    code, out, err = run_cli(["--workdir", str(char_workdir), *args], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert __import__("re").search(message, err), err
+
+
+def test_cli_workdir_without_checkpoint(tmp_path: Path, capsys) -> None:
+    code, _, err = run_cli(["--workdir", str(tmp_path), "--prompt", "a"], capsys)
+    assert code == 2 and err.startswith("error: ") and "has no checkpoints" in err and err.count("\n") == 1
+
+
+def test_cli_process_exit_code_and_no_traceback(char_workdir: Path) -> None:
+    bad = subprocess.run([sys.executable, "sample.py", "--workdir", str(char_workdir), "--prompt", "Q"], cwd=ROOT,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1 and "'Q'" in bad.stderr, bad.stderr
+
+
+def bpe_or_skip():
+    from jaxgpt.tokenizer import load_bpe
+
+    try:
+        return load_bpe()
+    except UserError as e:
+        pytest.skip(f"GPT-2 BPE ranks unavailable: {e}")
+
+
+def test_stream_decoder_holds_back_partial_utf8() -> None:
+    tok = bpe_or_skip()
+    text = "naïve café 🙂 done"
+    ids = tok.encode(text)
+    out = cli.StreamDecoder(tok)
+    pieces = [out.push([i]) for i in ids] + [out.push([], final=True)]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_cli_preset_demo_pipeline_on_a_shrunk_seed000(monkeypatch, capsys) -> None:
+    """Seed 000's demo with the r50k vocabulary, the model shrunk so the test is quick (full size: slow test).
+
+    An empty prompt starts from end-of-text with a BPE tokenizer."""
+    bpe_or_skip()
+    small = PRESETS["seed000"].replace(n_layer=1, n_embd=16, n_head=2, d_ff=32, block_size=16)
+    monkeypatch.setattr("jaxgpt.presets.get_preset", lambda name: small)
+    monkeypatch.setattr("jaxgpt.model.init_params", lambda cfg, key: random_params(cfg))  # jit(init) takes seconds
+    demo = ["--preset", "seed000", "--max_new_tokens", "10", "--temperature", "0", "--batch_size", "2"]
+    code, out, err = run_cli([*demo, "--prompt", "A long time ago"], capsys)
+    assert code == 0, err
+    samples = out.rstrip("\n").split("\n" + cli.SEPARATOR + "\n")
+    assert len(samples) == 2 and samples[0] == samples[1] and samples[0].startswith("A long time ago")
+    assert "randomly initialized" in err
+    code, out, err = run_cli(demo, capsys)
+    assert code == 0 and out.count(cli.SEPARATOR) == 1, err
+
+
+def test_cli_preset_needs_the_gpt2_vocabulary(capsys) -> None:
+    code, _, err = run_cli(["--preset", "seed002", "--prompt", "a"], capsys)
+    assert code == 2 and "has a 2048-token vocabulary" in err
+
+
+@pytest.mark.slow
+def test_seed000_demo_full_size_from_the_command_line() -> None:
+    """The acceptance demo as a user runs it: ~70M random parameters, r50k vocabulary, 10 greedy tokens."""
+    bpe_or_skip()
+    result = subprocess.run([sys.executable, "sample.py", "--preset", "seed000", "--prompt", "A long time ago",
+                             "--max_new_tokens", "10", "--temperature", "0", "--batch_size", "3"], cwd=ROOT,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.rstrip("\n").split("\n" + cli.SEPARATOR + "\n")
+    assert len(samples) == 3 and all(s.startswith("A long time ago") for s in samples)
+
+
+def test_noise_block_matches_single_steps() -> None:
+    """Noise drawn ahead for a block of steps is the noise of each step drawn alone."""
+    key = jax.random.key(3)
+    block = sampling._noise_block(key, jnp.int32(5), 4, (2, 7))
+    for i in range(4):
+        np.testing.assert_array_equal(block[i], sampling.gumbel_noise(key, jnp.int32(5 + i), (2, 7)))
+    assert math.isfinite(float(block.sum()))
