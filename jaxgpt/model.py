@@ -23,7 +23,7 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 
 Array = jax.Array
-Cache = dict[str, Array]  # {"k": (B, S, H, D), "v": (B, S, H, D)}; stacked with a leading L when scanned
+Cache = dict[str, Array]  # {"k": (B, H, S, D), "v": (B, H, S, D)}; stacked with a leading L when scanned
 
 ACTIVATIONS = {
     "relu": nn.relu,
@@ -130,25 +130,25 @@ class CausalSelfAttention(nn.Module):
         H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
         qkv = EinsumDense(cfg, "btc,ckhd->btkhd", (C, 3, H, D), ("embed", None, "heads", "head_dim"),
                           (None, "heads", "head_dim"), fans=(C, H * D), name="qkv")(x_BTC)
-        q_BTHD, k_BTHD, v_BTHD = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q_BTHD = qkv[:, :, 0]
+        # Keys/values head-major, (B, H, S, D): the layout both attention matmuls want, and the cache's.
+        k_BHSD, v_BHSD = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
         if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
-            k_BSHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_BTHD.astype(cache["k"].dtype), cache_index, 1)
-            v_BSHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_BTHD.astype(cache["v"].dtype), cache_index, 1)
-            cache = {"k": k_BSHD, "v": v_BSHD}
-            k_BSHD, v_BSHD = k_BSHD.astype(cfg.dtype), v_BSHD.astype(cfg.dtype)
-        else:
-            k_BSHD, v_BSHD = k_BTHD, v_BTHD
+            k_BHSD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_BHSD.astype(cache["k"].dtype), cache_index, 2)
+            v_BHSD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_BHSD.astype(cache["v"].dtype), cache_index, 2)
+            cache = {"k": k_BHSD, "v": v_BHSD}
+            k_BHSD, v_BHSD = k_BHSD.astype(cfg.dtype), v_BHSD.astype(cfg.dtype)
 
         if cfg.attention_impl == "einsum":
-            att_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD).astype(jnp.float32) / math.sqrt(D)
+            att_BHTS = jnp.einsum("bthd,bhsd->bhts", q_BTHD, k_BHSD).astype(jnp.float32) / math.sqrt(D)
             att_BHTS = jnp.where(visible_BTS[:, None], att_BHTS, jnp.finfo(jnp.float32).min)
             probs_BHTS = jax.nn.softmax(att_BHTS, axis=-1)
             self.sow("intermediates", "attn_weights", probs_BHTS)
             probs_BHTS = nn.Dropout(cfg.attn_dropout)(probs_BHTS, deterministic=deterministic)
-            y_BTHD = jnp.einsum("bhts,bshd->bthd", probs_BHTS.astype(cfg.dtype), v_BSHD)
-        else:  # XLA's fused attention, or cuDNN's flash attention on GPUs
+            y_BTHD = jnp.einsum("bhts,bhsd->bthd", probs_BHTS.astype(cfg.dtype), v_BHSD)
+        else:  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, H, D)
             y_BTHD = jax.nn.dot_product_attention(
-                q_BTHD, k_BSHD, v_BSHD, mask=visible_BTS[:, None],
+                q_BTHD, k_BHSD.transpose(0, 2, 1, 3), v_BHSD.transpose(0, 2, 1, 3), mask=visible_BTS[:, None],
                 implementation=None if cfg.attention_impl == "xla" else "cudnn")
 
         y_BTC = EinsumDense(cfg, "bthd,hdc->btc", (H, D, C), ("heads", "head_dim", "embed"), ("embed",),
@@ -288,20 +288,23 @@ class GPT(nn.Module):
     def __call__(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
         return self.logits(self.hidden(idx_BT, mask_BT, deterministic))
 
-    def decode(self, idx_BT: Array, cache: Any, cache_index: Array) -> tuple[Array, Any]:
+    def decode(self, idx_BT: Array, cache: Any, cache_index: Array, last_only: bool = False) -> tuple[Array, Any]:
         """Run T new tokens at positions cache_index.. against a cache of S = block_size slots.
 
         Used for both the prompt (prefill, T = prompt length) and each new token (T = 1).
-        Returns float32 logits (B, T, V) and the updated cache; slots past the written ones
-        are never visible, so the cache may hold stale values there.
+        Returns float32 logits (B, T, V) (only the last position's, (B, 1, V), with `last_only`:
+        a prefill needs no more) and the updated cache; slots past the written ones are never
+        visible, so the cache may hold stale values there.
         """
         T = idx_BT.shape[1]
-        S = (cache["k"] if self.cfg.scan_layers else cache[0]["k"]).shape[-3]
+        S = (cache["k"] if self.cfg.scan_layers else cache[0]["k"]).shape[-2]
         q_pos_T = cache_index + jnp.arange(T)
         visible_BTS = (jnp.arange(S)[None, :] <= q_pos_T[:, None])[None]
         pos_BT = jnp.broadcast_to(q_pos_T + int(self.cfg.pad_positions), idx_BT.shape)
         x_BTC = self._embed(idx_BT, pos_BT, deterministic=True)
         x_BTC, cache = self._layers(x_BTC, visible_BTS, True, cache, cache_index)
+        if last_only:
+            x_BTC = x_BTC[:, -1:]
         h_BTC = self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC
         return self.logits(h_BTC), cache
 
@@ -334,10 +337,10 @@ class GPTClassifier(GPT):
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, length: int | None = None, dtype: Any = None) -> Any:
-    """Zeroed KV cache for `decode`: one (B, S, H, D) pair per layer, stacked when layers are scanned."""
+    """Zeroed KV cache for `decode`: one (B, H, S, D) pair per layer, stacked when layers are scanned."""
     S = length or cfg.block_size
     dtype = dtype or cfg.dtype
-    shape = (batch_size, S, cfg.n_head, cfg.head_dim)
+    shape = (batch_size, cfg.n_head, S, cfg.head_dim)
     if cfg.scan_layers:
         shape = (cfg.n_layer, *shape)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -249,7 +249,8 @@ class DecodeState(NamedTuple):
 
 
 def _decode(cfg: ModelConfig, params: Any, idx_BT: Array, cache: Any, index: Array | int) -> tuple[Array, Any]:
-    return GPT(cfg).apply({"params": params}, idx_BT, cache, index, method=GPT.decode)
+    """Logits of the last position only: that is all any caller samples from."""
+    return GPT(cfg).apply({"params": params}, idx_BT, cache, index, True, method=GPT.decode)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
