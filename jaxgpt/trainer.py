@@ -43,10 +43,20 @@ def open_dataset(c: ConfigDict) -> Dataset:
     """Load the prepared dataset, preparing a built-in one on first use."""
     data_dir = Path(c.data.dir)
     bpe_file = c.data.bpe_file or None
-    if not (data_dir / "meta.json").exists() and c.data.name:
+
+    def prepare_if_missing() -> None:
+        if not (data_dir / "meta.json").exists() and c.data.name:
+            if jax.process_index() == 0:
+                print(f"preparing dataset {c.data.name} in {data_dir} ...", flush=True)
+            prepare_builtin(c.data.name, data_dir, bpe_file=bpe_file)
+
+    if jax.process_count() == 1:
+        prepare_if_missing()
+    else:  # process 0 first: on a shared filesystem the others then find it ready instead of racing it
         if jax.process_index() == 0:
-            print(f"preparing dataset {c.data.name} in {data_dir} ...", flush=True)
-        prepare_builtin(c.data.name, data_dir, bpe_file=bpe_file)
+            prepare_if_missing()
+        multihost_utils.sync_global_devices("jaxgpt-dataset-ready")
+        prepare_if_missing()  # host-local disks: every host needs its own copy
     return load_dataset(data_dir, bpe_file=bpe_file)
 
 
