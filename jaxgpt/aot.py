@@ -1,0 +1,346 @@
+"""Will it fit, and how fast could it be? Compile the real sharded train step for a TPU slice, on a CPU.
+
+    python -m jaxgpt.aot --config configs/gpt2_xl.py --topology v5p:4x4x4 \\
+        [--config.mesh.fsdp=-1 --config.mesh.data=1 --config.batch_size=256 --config.model.remat=full ...]
+
+XLA's TPU compiler (libtpu: `pip install "jax[tpu]"`) runs on this host against a TPU topology's
+compile-only devices. The program is the trainer's own (`jaxgpt.distributed.build_program`: same mesh,
+same shardings, same jitted step with donation), and its inputs are abstract (ShapeDtypeStructs with
+shardings), so nothing is allocated. Printed per chip:
+
+* memory: parameters, optimizer state, activations/temporaries and the total, against the chip's HBM;
+* FLOPs: XLA's count against the analytic 6N + attention count (`jaxgpt.flops`). XLA counts a loop body
+  once, so for scanned layers the count is extrapolated from unscanned 1- and 2-layer compiles of the
+  same step, the gradient-accumulation loop is multiplied by its length, and FLOPs are counted from
+  compiles without "windowed einsum" (matmuls that XLA splits into loops over FSDP shards);
+* a roofline lower bound on the step time, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), and the
+  model FLOPs utilization (MFU) it implies. It ignores communication between chips, so real steps are
+  slower; treat it as "no faster than".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from ml_collections import ConfigDict
+
+from jaxgpt import distributed, sharding
+from jaxgpt.errors import UserError
+from jaxgpt.flops import flops_per_token
+from jaxgpt.train_config import TrainConfig, resolve
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU generation's per-chip numbers (Google Cloud's published specifications)."""
+
+    name: str
+    device_kind: str  # what libtpu calls it
+    hbm_bytes: float
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+
+
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("v4", "TPU v4", 32 * GiB, 275e12, 1228e9),
+    "v5e": Chip("v5e", "TPU v5 lite", 16 * GiB, 197e12, 819e9),
+    "v5p": Chip("v5p", "TPU v5", 95 * GiB, 459e12, 2765e9),
+    "v6e": Chip("v6e", "TPU v6 lite", 32 * GiB, 918e12, 1640e9),
+}
+TOPOLOGY_HELP = "GEN:AxB[xC], e.g. v5e:2x2, v5e:16x16, v4:4x4x4, v5p:4x4x8, v6e:8x8"
+
+
+def parse_topology(topology: str) -> tuple[Chip, tuple[int, ...]]:
+    match = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", topology.strip())
+    if not match:
+        raise UserError(f"--topology {topology!r} is not understood: use {TOPOLOGY_HELP}")
+    return CHIPS[match.group(1)], tuple(int(d) for d in match.group(2).split("x"))
+
+
+def topology_devices(topology: str) -> list[Any]:
+    """The compile-only devices of a TPU slice: one per chip (v4 and v5p in "megacore" mode)."""
+    chip, dims = parse_topology(topology)
+    # Compile-only use needs no exclusive hold on TPU chips: without this, libtpu's /tmp/libtpu_lockfile
+    # makes a second process on the machine (another compile, a test) fail to load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError("the TPU compiler (libtpu) is not installed: pip install 'jax[tpu]' (runs on CPU-only hosts)")
+    from jax.experimental import topologies
+
+    kwargs = {"chip_config_name": "megacore"} if chip.name == "v4" else {}
+    try:
+        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs).devices)
+    except RuntimeError as e:
+        raise UserError(f"libtpu could not describe topology {topology!r}: {' '.join(str(e).split())[:300]} "
+                        f"(topologies look like {TOPOLOGY_HELP})") from None
+    if len(devices) != math.prod(dims) or devices[0].device_kind != chip.device_kind:
+        raise UserError(f"topology {topology!r} gave {len(devices)} devices of kind {devices[0].device_kind!r}; "
+                        f"expected {math.prod(dims)} of {chip.device_kind!r}")
+    return devices
+
+
+def _resolved(c: ConfigDict) -> TrainConfig:
+    """The typed config; the vocabulary comes from the config, else from the prepared dataset's meta.json."""
+    c = c.copy_and_resolve_references()
+    c.workdir = c.workdir or "aot"
+    vocab = c.model.vocab_size
+    if vocab is None:
+        meta = Path(c.data.dir) / "meta.json"
+        if not meta.exists():
+            raise UserError(f"model.vocab_size is unset and {meta} does not exist: pass --config.model.vocab_size "
+                            "(e.g. 50304 for GPT-2's BPE padded for sharding)")
+        vocab = json.loads(meta.read_text())["vocab_size"]
+    return resolve(c, vocab)
+
+
+def _bytes_per_chip(tree: Any) -> int:
+    """Bytes one chip holds of a pytree of sharded ShapeDtypeStructs (shards are even, so any chip)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _cost(compiled: Any) -> tuple[float, float]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0]
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+# How XLA:TPU words "does not fit": "... required for HLO temporaries (15.76G) exceeds available HBM (15.75G)"
+# or "Used 20.1G of 15.75G hbm".
+_OOM = re.compile(r"(?:required for [^(]*\(|Used )([\d.]+)([KMGT]?)")
+
+
+# XLA:TPU may split a matmul whose operand is being all-gathered (FSDP) into a loop over the shards
+# ("windowed einsum", overlapping communication with compute). Cost analysis counts a loop body once, so
+# the compiles that only count FLOPs and bytes switch that off; the per-chip arithmetic is the same.
+COUNTING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+
+
+def _compile(cfg: TrainConfig, devices: list[Any], options: dict[str, Any] | None = None
+             ) -> tuple[distributed.Program, Any]:
+    """Lower and compile the trainer's train step for `devices` with abstract inputs."""
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    prog = distributed.build_program(cfg, mesh)
+    with prog.activate():
+        lowered = prog.train_step.lower(prog.abstract_state,
+                                        prog.abstract_batch(cfg.batch_size, cfg.grad_accum, cfg.model.block_size),
+                                        prog.abstract_key())
+        return prog, lowered.compile(compiler_options=options)
+
+
+def _loops(compiled: Any) -> int:
+    return len(re.findall(r"\bwhile\(", compiled.as_text()))
+
+
+def _variant(cfg: TrainConfig, **model_changes: Any) -> TrainConfig:
+    return dataclasses.replace(cfg, model=cfg.model.replace(**model_changes))
+
+
+def _counted(cfg: TrainConfig, devices: list[Any]) -> tuple[float, float]:
+    """FLOPs and bytes of one compile made for counting (no windowed-einsum loops)."""
+    try:
+        compiled = _compile(cfg, devices, COUNTING_OPTIONS)[1]
+    except Exception as e:  # a libtpu without these options: count the default program
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise
+        compiled = _compile(cfg, devices)[1]
+    return _cost(compiled)
+
+
+def _all_layers_cost(cfg: TrainConfig, devices: list[Any]) -> tuple[float, float] | None:
+    """FLOPs and bytes of a scanned model's step with every layer counted, or None if that cannot compile.
+
+    XLA counts a scanned layer once. Unscanned 1- and 2-layer versions of the same step give the cost of
+    the rest (embeddings, head, optimizer) and of one more layer; extrapolate linearly to n_layer.
+    """
+    try:
+        f1, b1 = _counted(_variant(cfg, n_layer=1, scan_layers=False), devices)
+        f2, b2 = _counted(_variant(cfg, n_layer=2, scan_layers=False), devices)
+    except Exception:  # e.g. the unscanned variant does not fit: report the count as compiled
+        return None
+    L = cfg.model.n_layer
+    return f1 + (L - 1) * (f2 - f1), b1 + (L - 1) * (b2 - b1)
+
+
+def analyze(c: ConfigDict, topology: str, extrapolate_scan: bool = True) -> dict[str, Any]:
+    """Compile `c`'s train step for `topology`; return the per-chip report as a dict (see `format_report`).
+
+    `extrapolate_scan=False` skips the two extra compiles that correct XLA's FLOP count for scanned layers
+    (the count then covers one layer; the note says so).
+    """
+    cfg = _resolved(c)
+    chip, _ = parse_topology(topology)
+    devices = topology_devices(topology)
+    n_chips = len(devices)
+    tokens = cfg.batch_size * cfg.model.block_size
+    report: dict[str, Any] = {
+        "topology": topology, "chip": chip.name, "n_chips": n_chips, "hbm_bytes": chip.hbm_bytes,
+        "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
+        "mesh": dict(zip(sharding.MESH_AXES, sharding.resolve_mesh_shape(cfg.mesh, n_chips), strict=True)),
+        "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.model.block_size,
+        "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "dtype",
+                                                     "param_dtype", "remat", "scan_layers", "attention_impl")},
+    }
+    t0 = time.perf_counter()
+    try:
+        prog, compiled = _compile(cfg, devices)
+    except Exception as e:  # XLA refuses programs that exceed HBM: that is an answer, not a crash
+        if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+            raise
+        used = _OOM.search(str(e))
+        scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        report.update(compile_seconds=time.perf_counter() - t0, fits=False,
+                      oom_message=" ".join(str(e).split())[:400],
+                      total_bytes=float(used.group(1)) * scale[used.group(2)] if used else None)
+        return report
+    report["compile_seconds"] = time.perf_counter() - t0
+    report["n_params"] = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
+
+    mem = compiled.memory_analysis()
+    params_b = _bytes_per_chip(prog.abstract_state["params"])
+    opt_b = _bytes_per_chip(prog.abstract_state["opt_state"])
+    args_b, out_b, alias_b = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
+    total = args_b + out_b - alias_b + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes
+    report.update(param_bytes=params_b, opt_bytes=opt_b, other_input_bytes=max(args_b - params_b - opt_b, 0),
+                  temp_bytes=mem.temp_size_in_bytes, unaliased_output_bytes=out_b - alias_b,
+                  code_bytes=mem.generated_code_size_in_bytes, total_bytes=total, fits=total <= chip.hbm_bytes)
+
+    flops, bytes_accessed = _cost(compiled)
+    report.update(xla_flops_raw=flops, xla_bytes_raw=bytes_accessed)
+    notes = []
+    if cfg.model.scan_layers and cfg.model.n_layer > 1:
+        counted = _all_layers_cost(cfg, devices) if extrapolate_scan else None
+        if counted:
+            flops, bytes_accessed = counted
+            notes.append(f"scanned layers: XLA counts the loop body once ({report['xla_flops_raw']:.3g} FLOPs as "
+                         "compiled); extrapolated from unscanned 1- and 2-layer compiles of the same step")
+        else:
+            notes.append(f"scanned layers: XLA counts the loop body once, so FLOPs and bytes cover 1 of "
+                         f"{cfg.model.n_layer} layers")
+    elif _loops(compiled) > int(cfg.grad_accum > 1):  # loops that XLA made (windowed einsum): count without
+        flops, bytes_accessed = _counted(cfg, devices)
+        notes.append(f"XLA split some matmuls into loops over FSDP shards ({report['xla_flops_raw']:.3g} FLOPs as "
+                     "compiled, loop bodies counted once); counted from a compile without them")
+    if cfg.grad_accum > 1:
+        flops, bytes_accessed = flops * cfg.grad_accum, bytes_accessed * cfg.grad_accum
+        notes.append(f"gradient accumulation: XLA counts the micro-batch loop once; multiplied by {cfg.grad_accum} "
+                     "(which overcounts the small optimizer update)")
+    analytic = flops_per_token(cfg.model) * tokens / n_chips
+    t_compute, t_memory = flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth
+    step = max(t_compute, t_memory)
+    report.update(xla_flops=flops, xla_bytes=bytes_accessed, analytic_flops=analytic, flops_ratio=flops / analytic,
+                  t_compute=t_compute, t_memory=t_memory, step_time=step, tokens_per_sec=tokens / step,
+                  mfu=analytic / (step * chip.peak_flops), notes=notes)
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    m = r["model"]
+    lines = [
+        f"topology {r['topology']}: {r['n_chips']} x TPU {r['chip']} ({r['hbm_bytes'] / GiB:.0f} GiB HBM, "
+        f"{r['peak_flops'] / 1e12:.0f} TFLOP/s bf16, {r['hbm_bandwidth'] / 1e9:.0f} GB/s per chip); "
+        f"mesh data={r['mesh']['data']} fsdp={r['mesh']['fsdp']} tensor={r['mesh']['tensor']}",
+        f"model {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, vocab {m['vocab_size']}"
+        + (f" ({r['n_params'] / 1e6:,.1f}M params)" if "n_params" in r else "")
+        + f"; compute {m['dtype']}, params {m['param_dtype']}; remat {m['remat']}; scan_layers {m['scan_layers']}; "
+        f"attention {m['attention_impl']}",
+        f"batch {r['batch_size']} x {r['block_size']} tokens per step (grad_accum {r['grad_accum']}); "
+        f"compiled in {r['compile_seconds']:.1f} s",
+    ]
+    if "param_bytes" not in r:
+        used = f"needs at least {r['total_bytes'] / GiB:.2f} GiB" if r.get("total_bytes") else "needs more"
+        lines += [f"DOES NOT FIT: XLA refused the program: {used} of {r['hbm_bytes'] / GiB:.0f} GiB HBM per chip",
+                  f"  XLA: {r['oom_message']}"]
+        return "\n".join(lines)
+    fits = "fits" if r["fits"] else "DOES NOT FIT"
+    unit, scale = ("GiB", GiB) if r["total_bytes"] >= GiB else ("MiB", 2**20)
+    size = lambda key: f"{r[key] / scale:9.2f} {unit}"
+    lines += [
+        "",
+        "memory per chip",
+        f"  parameters                      {size('param_bytes')}",
+        f"  optimizer state                 {size('opt_bytes')}",
+        f"  batch, RNG key, layout padding  {size('other_input_bytes')}",
+        f"  activations / temporaries       {size('temp_bytes')}",
+        f"  outputs not aliased to inputs   {size('unaliased_output_bytes')}",
+        f"  generated code                  {size('code_bytes')}",
+        f"  total                           {size('total_bytes')}  of {r['hbm_bytes'] / GiB:.0f} GiB HBM: "
+        f"{fits} ({r['total_bytes'] / r['hbm_bytes']:.0%})",
+        "",
+        "per chip per step",
+        f"  XLA FLOPs                       {r['xla_flops']:12.4g}",
+        f"  analytic FLOPs (6N + attention) {r['analytic_flops']:12.4g}   XLA / analytic = {r['flops_ratio']:.3f}"
+        + ("  (remat recomputes the forward pass: about 4/3 expected)" if m["remat"] != "none" else ""),
+        f"  XLA bytes accessed              {r['xla_bytes']:12.4g}",
+        *[f"  note: {n}" for n in r["notes"]],
+        "",
+        "roofline (ignores inter-chip communication; a lower bound on step time)",
+        f"  compute bound   {r['t_compute'] * 1e3:10.1f} ms",
+        f"  memory bound    {r['t_memory'] * 1e3:10.1f} ms",
+        f"  step time    >= {r['step_time'] * 1e3:10.1f} ms  -> <= {r['tokens_per_sec']:,.0f} tokens/s, "
+        f"MFU <= {r['mfu']:.1%}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from absl import app, flags, logging
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    config = flags.FLAGS["config"].value
+    if config is None:
+        raise app.UsageError("--config is required, e.g. --config configs/gpt2_xl.py")
+    try:
+        report = analyze(config, flags.FLAGS.topology, extrapolate_scan=flags.FLAGS.extrapolate_scan)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report), flush=True)
+    if flags.FLAGS.json:
+        Path(flags.FLAGS.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
+    flags.DEFINE_string("topology", None, f"TPU slice to compile for: {TOPOLOGY_HELP}", required=True)
+    flags.DEFINE_string("json", "", "also write the report as JSON to this file")
+    flags.DEFINE_bool("extrapolate_scan", True, "for scanned layers, compile unscanned 1- and 2-layer variants to "
+                      "count FLOPs and bytes of all layers (XLA counts a loop body once)")
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with config mistakes (unknown keys, wrong types, missing files) as one-line errors."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except Exception as e:  # flags.Error, or the KeyError/AttributeError/TypeError of a bad override
+        message = " ".join(str(e).replace("'", "").split())
+        print(f"error: bad command line: {message} (config keys and types are defined in jaxgpt/train_config.py; "
+              f"--topology is {TOPOLOGY_HELP})", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main, flags_parser=_parse_flags)

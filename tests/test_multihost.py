@@ -1,0 +1,182 @@
+"""Multi-host training on one machine: two processes x two CPU devices, talking over gloo.
+
+Every child runs under `timeout`, on a random free port, with short initialization and heartbeat
+timeouts, so a broken run fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from jaxgpt import distributed
+from jaxgpt.checkpoint import Checkpointer, load_for_inference
+from jaxgpt.data import prepare_text
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "tests" / "tiny_config.py")
+STEPS = 10
+TOL = 1e-5
+COMMON = ["--config.model.n_head=4", f"--config.max_steps={STEPS}", "--config.log_interval=1",
+          f"--config.eval_interval={STEPS}", "--config.ckpt_interval=5"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import json as json_mod
+
+    sources = [Path(m.__file__).read_text() for m in (json_mod.decoder, json_mod.encoder, signal, subprocess)]
+    out = tmp_path_factory.mktemp("data")
+    prepare_text(sources, out, None, 0.1, "test sources", False)
+    return out
+
+
+def start(workdir: Path, data_dir: Path, devices: int, *extra: str, log: Path, seconds: int = 240) -> subprocess.Popen:
+    """train.py under `timeout`, in its own session (so a kill takes the whole process group)."""
+    cmd = ["timeout", str(seconds), sys.executable, str(ROOT / "train.py"), f"--config={TINY}",
+           f"--config.workdir={workdir}", f"--config.data.dir={data_dir}", *COMMON, *extra]
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:  # files, not pipes: no pipe deadlock
+        return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
+
+
+def start_pair(workdir: Path, data_dir: Path, *extra: str, logs: Path, heartbeat: int = 10,
+               seconds: int = 240) -> list[subprocess.Popen]:
+    port = free_port()
+    return [start(workdir, data_dir, 2, "--config.distributed.enabled=True",
+                  f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                  "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+                  "--config.distributed.initialization_timeout=60",
+                  f"--config.distributed.heartbeat_timeout={heartbeat}", *extra, log=logs / f"p{i}",
+                  seconds=seconds) for i in (0, 1)]
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        kill_all(procs)
+
+
+def losses(workdir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["train_loss"]) for r in rows if "lr" in r]
+
+
+def final_params(workdir: Path) -> dict:
+    params, _, meta = load_for_inference(workdir)  # onto this process's one device: a resharding restore
+    assert meta["step"] == STEPS
+    return traverse_util.flatten_dict(params)
+
+
+def test_two_processes_equal_one_process_with_four_devices(tmp_path: Path, data_dir: Path) -> None:
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2"]  # data across the hosts
+    ref = start(tmp_path / "ref", data_dir, 4, *mesh, log=tmp_path / "ref")
+    pair = start_pair(tmp_path / "multi", data_dir, *mesh, logs=tmp_path)
+    codes = finish([ref, *pair])
+    err = {name: (tmp_path / f"{name}.err").read_text() for name in ("ref", "p0", "p1")}
+    assert codes == [0, 0, 0], {k: v[-2000:] for k, v in err.items()}
+
+    want, got = losses(tmp_path / "ref"), losses(tmp_path / "multi")
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))  # one writer: every step logged exactly once
+    diffs = [abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)]
+    assert max(diffs) < TOL, diffs
+
+    # Only process 0 prints (gloo's C++ library prints its connection lines itself, on both).
+    out0, out1 = (tmp_path / "p0.out").read_text(), (tmp_path / "p1.out").read_text()
+    assert "model:" in out0 and "throughput" in out0 and "[Gloo] Rank 0" in out0
+    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []
+    assert "[Gloo] Rank 1" in out1 and "step/s" not in err["p1"]  # no progress bar either
+
+    # The checkpoint both processes wrote together restores here, on one device, to the same values.
+    assert Checkpointer(tmp_path / "multi", read_only=True).manager.all_steps() == [5, 10]
+    ref_params, multi_params = final_params(tmp_path / "ref"), final_params(tmp_path / "multi")
+    assert ref_params.keys() == multi_params.keys()
+    for k in ref_params:
+        np.testing.assert_allclose(np.asarray(multi_params[k]), np.asarray(ref_params[k]), atol=1e-4, err_msg=str(k))
+
+
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["worker", "coordinator"])
+def test_killed_peer_makes_survivor_exit_nonzero(tmp_path: Path, data_dir: Path, victim: int) -> None:
+    endless = ["--config.max_steps=100000", "--config.eval_interval=100000", "--config.ckpt_interval=100000"]
+    procs = start_pair(tmp_path / "w", data_dir, *endless, logs=tmp_path, heartbeat=5, seconds=300)
+    try:
+        metrics = tmp_path / "w" / "metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert all(p.poll() is None for p in procs), (tmp_path / "p0.err").read_text()[-2000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        killed_at = time.monotonic()
+        os.killpg(procs[victim].pid, signal.SIGKILL)
+        survivor = procs[1 - victim]
+        code = survivor.wait(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        kill_all(procs)
+    assert code not in (0, 124), f"survivor exited with {code}"  # 124: `timeout` had to stop it
+    assert elapsed < 30, f"survivor needed {elapsed:.1f} s to notice"
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("libtpu") is None, reason="needs libtpu's topologies")
+def test_each_host_reads_only_the_rows_its_devices_hold() -> None:
+    """Row ranges per host on a 16-chip, 4-host v5e slice, for rows split over 16, 4 and 1 (replicated) groups."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxgpt import aot, sharding
+
+    devices = aot.topology_devices("v5e:4x4")
+    hosts = sorted({d.process_index for d in devices})
+    assert len(hosts) == 4
+    shape = (2, 64, 32)  # (micro-batches, rows, tokens)
+    # (16,1,1): 4 rows per chip, 4 chips per host. (1,4,4): 4 row groups of 16; the physical layout puts each
+    # host's 4 chips in two of them (a tensor group spans two hosts). (1,1,16): rows replicated, all 64.
+    for mesh_shape, rows_per_host in [((16, 1, 1), 16), ((1, 4, 4), 32), ((1, 1, 16), 64)]:
+        mesh = sharding.make_mesh(mesh_shape, devices)
+        sh = NamedSharding(mesh, PartitionSpec(None, sharding.BATCH_AXES, None))
+        spans = {h: distributed.local_rows(sh, shape, dim=1, process_index=h) for h in hosts}
+        for h in hosts:
+            assert sum(b - a for a, b in spans[h]) == rows_per_host, (mesh_shape, spans)
+            for d, index in sh.devices_indices_map(shape).items():  # every row a host's device needs is read
+                if d.process_index == h:
+                    start, stop, _ = index[1].indices(64)
+                    assert any(a <= start and stop <= b for a, b in spans[h]), (mesh_shape, h, spans)
+        assert sorted({r for h in hosts for a, b in spans[h] for r in range(a, b)}) == list(range(64))
+
+
+def test_read_rows_takes_one_block_or_gathers_spans() -> None:
+    calls = []
+
+    def read(i: int, n: int) -> tuple[np.ndarray]:
+        calls.append((i, n))
+        rows = np.arange(16)[i * 16 // n:(i + 1) * 16 // n]
+        return (rows,)
+
+    (rows,) = distributed.read_rows(read, [(2, 3)], n_rows=16, unit=4)  # rows 8..11: "process 2 of 4"
+    assert calls == [(2, 4)] and rows.tolist() == [8, 9, 10, 11]
+    calls.clear()
+    (rows,) = distributed.read_rows(read, [(0, 1), (3, 4)], n_rows=16, unit=4)  # two spans: read all, keep both
+    assert calls == [(0, 1)] and rows.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]

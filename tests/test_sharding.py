@@ -1,0 +1,156 @@
+"""Sharded training equals single-device training, and checkpoints move between meshes.
+
+Eight fake CPU devices need XLA_FLAGS before jax is imported, so the multi-device runs happen in one
+subprocess (the real trainer, `jaxgpt.trainer.train`, once per mesh); the single-device runs happen here,
+in the test process, which stays on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jax.sharding import AbstractMesh
+
+from jaxgpt import sharding
+from jaxgpt.data import prepare_text
+from jaxgpt.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
+STEPS = 10
+SAVED_AT = 5  # the (1, 8, 1) run's checkpoint that the other meshes resume from
+TOL = 1e-5
+
+# A model whose heads (4), widths (32, 128) and batch (8) divide every mesh axis above; the character
+# vocabulary (95) does not divide the tensor axis, so the rules replicate it, as they would GPT-2's 50257.
+OVERRIDES = dict(max_steps=STEPS, log_interval=1, eval_interval=STEPS, ckpt_interval=SAVED_AT)
+
+WORKER = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from tests_helpers import load_tiny
+from jaxgpt.trainer import train
+
+def run(workdir, mesh, **overrides):
+    c = load_tiny(workdir=workdir, data_dir={data!r}, **{overrides!r})
+    c.model.n_head = 4
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+    train(c)
+
+out = {{}}
+for mesh in {meshes!r}:
+    run(os.path.join({root!r}, "mesh_%d_%d_%d" % tuple(mesh)), mesh)
+# Resume the (1, 8, 1) run's step-{saved} checkpoint on (2, 2, 2).
+import shutil
+moved = os.path.join({root!r}, "moved_222")
+shutil.copytree(os.path.join({root!r}, "mesh_1_8_1"), moved)
+shutil.rmtree(os.path.join(moved, "checkpoints", "{steps}"))
+run(moved, (2, 2, 2))
+print("WORKER-DONE")
+"""
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train_loss"] for r in rows if "lr" in r}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import json as json_mod
+
+    sources = [Path(m.__file__).read_text() for m in (json_mod.decoder, json_mod.encoder, signal, subprocess)]
+    out = tmp_path_factory.mktemp("data")
+    prepare_text(sources, out, None, 0.1, "test sources", False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """All 8-device runs, in one subprocess with 8 fake CPU devices (about 1.5 CPU-minutes)."""
+    root = tmp_path_factory.mktemp("meshes")
+    script = WORKER.format(tests=str(ROOT / "tests"), data=str(data_dir), overrides=OVERRIDES, meshes=MESHES,
+                           root=str(root), saved=SAVED_AT, steps=STEPS)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(["timeout", "900", sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=960)
+    assert proc.returncode == 0 and "WORKER-DONE" in proc.stdout, proc.stderr[-4000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """The reference: the same training on this process's single device."""
+    from tests_helpers import load_tiny
+
+    from jaxgpt.trainer import train
+
+    workdir = tmp_path_factory.mktemp("single") / "run"
+    c = load_tiny(workdir=str(workdir), data_dir=str(data_dir), **OVERRIDES)
+    c.model.n_head = 4
+    train(c)
+    return workdir
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
+def test_mesh_losses_equal_single_device(mesh: tuple[int, int, int], runs: Path, single: Path) -> None:
+    want, got = losses(single), losses(runs / "mesh_{}_{}_{}".format(*mesh))
+    assert sorted(got) == list(range(1, STEPS + 1)) and got.keys() == want.keys()
+    diffs = {s: abs(got[s] - want[s]) for s in want}
+    assert max(diffs.values()) < TOL, diffs
+    assert want[STEPS] < want[1]  # it trains
+
+
+def test_checkpoint_from_fsdp8_resumes_on_one_device_and_on_2x2x2(runs: Path, single: Path, data_dir: Path) -> None:
+    from tests_helpers import load_tiny
+
+    from jaxgpt.trainer import train
+
+    moved = runs / "moved_1"  # (1, 8, 1) checkpoint -> this process's single device
+    shutil.copytree(runs / "mesh_1_8_1", moved)
+    shutil.rmtree(moved / "checkpoints" / str(STEPS))
+    c = load_tiny(workdir=str(moved), data_dir=str(data_dir), **OVERRIDES)
+    c.model.n_head = 4
+    c.mesh.data = 1
+    train(c)
+
+    want = losses(single)
+    for workdir in (moved, runs / "moved_222"):
+        got = losses(workdir)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        resumed = {s: abs(got[s] - want[s]) for s in range(SAVED_AT + 1, STEPS + 1)}
+        assert max(resumed.values()) < TOL, (workdir.name, resumed)
+
+
+def test_mesh_shape_resolution_and_errors() -> None:
+    assert sharding.resolve_mesh_shape((-1, 2, 2), 8) == (2, 2, 2)
+    assert sharding.resolve_mesh_shape((1, -1, 1), 8) == (1, 8, 1)
+    for bad in [(3, -1, 1), (2, 2, 1), (-1, -1, 1), (0, 8, 1)]:
+        with pytest.raises(UserError):
+            sharding.resolve_mesh_shape(bad, 8)
+
+
+def test_divisibility_errors_name_the_fix() -> None:
+    from jaxgpt.config import ModelConfig
+
+    mesh = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    sharding.check_divisibility(ModelConfig(n_head=4, n_embd=32), mesh, global_batch=8)
+    with pytest.raises(UserError, match="n_head=3 over tensor=2"):
+        sharding.check_divisibility(ModelConfig(n_head=3, n_embd=48), mesh, global_batch=8)
+    with pytest.raises(UserError, match="micro-batch batch_size/grad_accum = 2 over data\\*fsdp=4"):
+        sharding.check_divisibility(ModelConfig(n_head=4, n_embd=32), mesh, global_batch=8, grad_accum=4)
+
+
+def test_vocab_rule_replicates_an_indivisible_vocabulary() -> None:
+    from jaxgpt.config import ModelConfig
+
+    mesh = AbstractMesh((1, 1, 4), sharding.MESH_AXES)
+    assert dict(sharding.rules_for(ModelConfig(vocab_size=50304), mesh))["vocab"] == "tensor"
+    assert dict(sharding.rules_for(ModelConfig(vocab_size=50257), mesh))["vocab"] is None
