@@ -181,8 +181,8 @@ def analyze(c: ConfigDict, topology: str, extrapolate_scan: bool = True) -> dict
     `extrapolate_scan=False` skips the two extra compiles that correct XLA's FLOP count for scanned layers
     (the count then covers one layer; the note says so).
     """
+    chip, _ = parse_topology(topology)  # a bad topology is reported before anything else
     cfg = _resolved(c)
-    chip, _ = parse_topology(topology)
     devices = topology_devices(topology)
     n_chips = len(devices)
     tokens = cfg.batch_size * cfg.model.block_size
