@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", help="training work directory whose checkpoint to sample from")
+    source.add_argument("--init_from", help="hf:PATH: sample from a Hugging Face GPT-2 directory (save_pretrained "
+                                             "layout) with the GPT-2 tokenizer")
     source.add_argument("--preset", help="sample from a randomly initialized preset with the GPT-2 vocabulary "
                                          "(e.g. seed000, gpt2): a pipeline check, no checkpoint needed")
     p.add_argument("--which", choices=("latest", "best"), default="latest", help="which checkpoint of --workdir")
@@ -95,6 +97,19 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes about read-only access are not news
         params, cfg, meta = load_for_inference(args.workdir, args.which)
         return params, cfg, tokenizer_from_meta(meta["tokenizer"], args.bpe_file)
+
+    if args.init_from is not None:
+        kind, _, path = args.init_from.partition(":")
+        if kind != "hf" or not path:
+            raise UserError(f"--init_from {args.init_from!r} is not understood: use hf:PATH (for a jaxgpt run, "
+                            "use --workdir)")
+        from jaxgpt.hf import load_hf_gpt2
+
+        params, cfg = load_hf_gpt2(path)
+        if cfg.vocab_size != GPT2_VOCAB_SIZE:
+            raise UserError(f"{path} has a {cfg.vocab_size}-token vocabulary, not GPT-2's {GPT2_VOCAB_SIZE}: "
+                            "jaxgpt has no tokenizer for it")
+        return params, cfg, load_bpe("gpt2", args.bpe_file)
 
     from jaxgpt.model import init_params
     from jaxgpt.presets import get_preset

@@ -397,3 +397,25 @@ def test_noise_block_matches_single_steps() -> None:
     for i in range(4):
         np.testing.assert_array_equal(block[i], sampling.gumbel_noise(key, jnp.int32(5 + i), (2, 7)))
     assert math.isfinite(float(block.sum()))
+
+
+def test_cli_samples_from_a_hugging_face_gpt2_directory(tmp_path: Path, capsys) -> None:
+    """--init_from hf:PATH: the imported weights give the library's greedy tokens, decoded with GPT-2 BPE."""
+    bpe_or_skip()
+    from jaxgpt.hf import save_hf_gpt2
+    from jaxgpt.tokenizer import load_bpe
+
+    cfg = PRESETS["gpt2"].replace(n_layer=1, n_embd=16, n_head=2, block_size=16)
+    params = random_params(cfg)
+    save_hf_gpt2(params, cfg, tmp_path / "hf")
+    code, out, err = run_cli(["--init_from", f"hf:{tmp_path / 'hf'}", "--prompt", "A long time ago",
+                              "--max_new_tokens", "6", "--temperature", "0"], capsys)
+    assert code == 0, err
+    tok = load_bpe("gpt2")
+    want = generate(params, cfg, tok.encode("A long time ago"), max_new_tokens=6, temperature=0.0,
+                    eot_token=tok.eot_token)[0].tolist()
+    if tok.eot_token in want:
+        want = want[: want.index(tok.eot_token)]
+    assert out.rstrip("\n") == "A long time ago" + tok.decode(want)
+    code, _, err = run_cli(["--init_from", "workdir:x", "--prompt", "a"], capsys)
+    assert code == 2 and "hf:PATH" in err
