@@ -21,7 +21,7 @@ def get_config():
     c.optim.warmup_steps = 50
     c.optim.weight_decay = 0.1
     c.optim.b2 = 0.99
-    c.eval_interval = 100
+    c.eval_interval = 250
     c.eval_batches = 10
     c.sample.max_new_tokens = 500
     return c
