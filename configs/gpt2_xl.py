@@ -5,6 +5,8 @@ bf16 compute with fp32 parameters and optimizer state, layers scanned (compile t
 and fully rematerialized (activations recomputed in the backward pass). Parameters and optimizer state are
 sharded over all chips (FSDP). Check a slice before paying for it:
     python -m jaxgpt.aot --config configs/gpt2_xl.py --topology v5p:4x4x4
+(5.7 GiB per chip of 95, >= 244 ms per step by the roofline bound; with --config.model.remat=save_dots
+16.3 GiB and >= 223 ms, the better choice on v5p; v5e:8x8 needs full remat).
 See docs/scaling.md for the plan (which slice, mesh, batch and remat) and launch recipes.
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """

@@ -283,7 +283,8 @@ def format_report(r: dict[str, Any]) -> str:
         "per chip per step",
         f"  XLA FLOPs                       {r['xla_flops']:12.4g}",
         f"  analytic FLOPs (6N + attention) {r['analytic_flops']:12.4g}   XLA / analytic = {r['flops_ratio']:.3f}"
-        + ("  (remat recomputes the forward pass: about 4/3 expected)" if m["remat"] != "none" else ""),
+        + {"none": "", "full": "  (remat recomputes the forward pass: about 4/3 expected)",
+           "save_dots": "  (save_dots recomputes only element-wise work)"}[m["remat"]],
         f"  XLA bytes accessed              {r['xla_bytes']:12.4g}",
         *[f"  note: {n}" for n in r["notes"]],
         "",

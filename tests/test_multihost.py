@@ -183,3 +183,16 @@ def test_read_rows_takes_one_block_or_gathers_spans() -> None:
     calls.clear()
     (rows,) = distributed.read_rows(read, [(0, 1), (3, 4)], n_rows=16, unit=4)  # two spans: read all, keep both
     assert calls == [(0, 1)] and rows.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def test_distributed_without_a_cluster_is_a_one_line_error(tmp_path: Path, data_dir: Path) -> None:
+    """Nothing to auto-detect and no coordinator given: a message naming the keys, not a traceback."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for key in ("SLURM_JOB_ID", "JAX_COORDINATOR_ADDRESS", "OMPI_MCA_orte_hnp_uri"):
+        env.pop(key, None)
+    proc = subprocess.run(["timeout", "120", sys.executable, str(ROOT / "train.py"), f"--config={TINY}",
+                           f"--config.workdir={tmp_path / 'w'}", f"--config.data.dir={data_dir}",
+                           "--config.distributed.enabled=True"], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=150)
+    assert proc.returncode == 2 and "config.distributed.coordinator_address" in proc.stderr
+    assert "Traceback" not in proc.stderr
