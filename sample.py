@@ -179,14 +179,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxgpt.cli import exit_code
+
     try:
-        run(build_parser().parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(lambda: run(build_parser().parse_args(argv)))
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,28 +11,9 @@ See docs/scaling.md for the plan (which slice, mesh, batch and remat) and launch
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.train_config import pod_config
 
 
 def get_config():
-    c = base_config()
-    c.workdir = "runs/gpt2_xl"
-    c.data.name = "openwebtext"
-    c.data.dir = "data/openwebtext"
-    c.model = model_fields(get_preset("gpt2-xl"), vocab_size=50304, dtype="bfloat16", param_dtype="float32",
-                           attention_impl="xla", scan_layers=True, remat="full")
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-    c.batch_size = 512
-    c.grad_accum = 1
-    c.max_steps = 300_000
-    c.optim.lr = 2e-4
-    c.optim.min_lr = 2e-5
-    c.optim.warmup_steps = 2000
-    c.optim.weight_decay = 0.1
-    c.optim.b2 = 0.95
-    c.eval_interval = 1000
-    c.eval_batches = 50
-    c.ckpt_interval = 1000
-    c.log_interval = 10
-    return c
+    return pod_config("gpt2-xl", "runs/gpt2_xl", batch_size=512, grad_accum=1,
+                      max_steps=300_000, lr=2e-4, min_lr=2e-5, eval_batches=50)

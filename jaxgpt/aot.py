@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import jax
 from ml_collections import ConfigDict
 
 from jaxgpt import distributed, sharding
+from jaxgpt.cli import exit_code, flags_parser
 from jaxgpt.errors import UserError
 from jaxgpt.flops import flops_per_token
 from jaxgpt.train_config import TrainConfig, resolve
@@ -305,15 +305,13 @@ def main(argv: list[str]) -> int:
     config = flags.FLAGS["config"].value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config configs/gpt2_xl.py")
-    try:
+    def compile_and_report() -> None:
         report = analyze(config, flags.FLAGS.topology, extrapolate_scan=flags.FLAGS.extrapolate_scan)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_report(report), flush=True)
-    if flags.FLAGS.json:
-        Path(flags.FLAGS.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return 0
+        print(format_report(report), flush=True)
+        if flags.FLAGS.json:
+            Path(flags.FLAGS.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    return exit_code(compile_and_report)
 
 
 def _define_flags() -> None:
@@ -327,21 +325,9 @@ def _define_flags() -> None:
                       "count FLOPs and bytes of all layers (XLA counts a loop body once)")
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with config mistakes (unknown keys, wrong types, missing files) as one-line errors."""
-    from absl import flags
-
-    try:
-        return flags.FLAGS(argv)
-    except Exception as e:  # flags.Error, or the KeyError/AttributeError/TypeError of a bad override
-        message = " ".join(str(e).replace("'", "").split())
-        print(f"error: bad command line: {message} (config keys and types are defined in jaxgpt/train_config.py; "
-              f"--topology is {TOPOLOGY_HELP})", file=sys.stderr)
-        sys.exit(2)
-
-
 if __name__ == "__main__":
     from absl import app
 
     _define_flags()
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=flags_parser("config keys and types are defined in jaxgpt/train_config.py; "
+                                            f"--topology is {TOPOLOGY_HELP}"))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import linen as nn
 from orbax.checkpoint import checkpoint_managers as policies
@@ -62,11 +63,12 @@ class Checkpointer:
         return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
-        """Restore params and optimizer state onto the shardings given in `abstract_state`."""
+        """The state saved at `step`, placed on the shardings of `abstract_state` (ShapeDtypeStructs)."""
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_state["params"]),
             opt_state=ocp.args.StandardRestore(abstract_state["opt_state"])))
-        return {"params": restored["params"], "opt_state": restored["opt_state"], "step": abstract_state["step"]}
+        return {"params": restored["params"], "opt_state": restored["opt_state"],
+                "step": jax.device_put(np.int32(step), abstract_state["step"].sharding)}
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -83,32 +85,42 @@ class Checkpointer:
 
 def abstract_params(model: nn.Module, cfg: ModelConfig, sharding: Any = None) -> Any:
     """ShapeDtypeStructs of a model's parameters (with target shardings when given)."""
-    import jax.numpy as jnp
+    from jaxgpt.model import abstract_variables
 
-    idx = jnp.zeros((1, min(cfg.block_size, 8)), jnp.int32)
-    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), idx)["params"])
+    shapes = nn.unbox(abstract_variables(cfg, model)["params"])
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
 
 
+def open_checkpoint(workdir: str | os.PathLike[str], which: str,
+                    how_to_make: str) -> tuple[Checkpointer, int, dict[str, Any]]:
+    """A read-only Checkpointer on `workdir`, its latest or best step, and that step's meta.
+
+    `how_to_make` ends the errors with the way to get a checkpoint there. The caller closes the Checkpointer.
+    """
+    if which not in ("latest", "best"):
+        raise UserError(f"checkpoint {which!r} is unknown: use 'latest' or 'best'")
+    if not checkpoint_dir(workdir).is_dir():
+        raise UserError(f"{workdir} has no checkpoints: {how_to_make}")
+    ckpt = Checkpointer(workdir, read_only=True)
+    step = ckpt.latest_step() if which == "latest" else ckpt.best_step()
+    if step is None:
+        ckpt.close()
+        raise UserError(f"{workdir} has no {'finished' if which == 'latest' else 'evaluated'} checkpoint: "
+                        + how_to_make + ("" if which == "latest" else ", or use --which latest"))
+    return ckpt, step, ckpt.read_meta(step)
+
+
 def load_for_inference(workdir: str | os.PathLike[str], which: str = "latest") -> tuple[Any, ModelConfig, dict]:
     """Params (on the default device), model config and meta of a work directory's latest or best checkpoint."""
     from jaxgpt.model import GPT
 
-    if which not in ("latest", "best"):
-        raise UserError(f"checkpoint {which!r} is unknown: use 'latest' or 'best'")
-    if not checkpoint_dir(workdir).is_dir():
-        raise UserError(f"{workdir} has no checkpoints: train first (python train.py --config ... "
-                        f"--config.workdir={workdir}) or pass the right --workdir")
-    ckpt = Checkpointer(workdir, read_only=True)
-    step = ckpt.latest_step() if which == "latest" else ckpt.best_step()
-    if step is None:
-        raise UserError(f"{workdir} has no {'finished' if which == 'latest' else 'evaluated'} checkpoint: "
-                        "train (longer) first" + ("" if which == "latest" else ", or use --which latest"))
-    meta = ckpt.read_meta(step)
-    cfg = model_config_from_dict(meta["model"])
-    params = ckpt.restore_params(step, abstract_params(GPT(cfg), cfg))
-    ckpt.close()
-    return params, cfg, meta
+    ckpt, step, meta = open_checkpoint(workdir, which, "train first (python train.py --config ... "
+                                       f"--config.workdir={workdir}) or pass the right --workdir")
+    try:
+        cfg = model_config_from_dict(meta["model"])
+        return ckpt.restore_params(step, abstract_params(GPT(cfg), cfg)), cfg, meta
+    finally:
+        ckpt.close()

@@ -46,11 +46,11 @@ import optax
 from ml_collections import ConfigDict, config_dict
 
 from jaxgpt import distributed, sharding
-from jaxgpt.checkpoint import Checkpointer, abstract_params, checkpoint_dir
+from jaxgpt.checkpoint import Checkpointer, abstract_params, checkpoint_dir, open_checkpoint
 from jaxgpt.config import ModelConfig, model_config_from_dict
 from jaxgpt.data import _stdlib_files, _stdlib_root
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPTClassifier
+from jaxgpt.model import GPTClassifier, dummy_tokens
 from jaxgpt.optim import OptimConfig, current_lr, make_optimizer
 from jaxgpt.tokenizer import GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
 from jaxgpt.trainer import MetricsLog, check_workdir, setup_runtime
@@ -565,7 +565,7 @@ def classifier_params(model: GPTClassifier, lm_params: Any, key: jax.Array, abst
 
     Only the head's init is kept, so XLA drops the rest of the (discarded) full initialization.
     """
-    dummy = jnp.zeros((1, min(model.cfg.block_size, 8)), jnp.int32)
+    dummy = dummy_tokens(model.cfg)
     head = jax.jit(lambda k: nn.unbox(model.init(k, dummy)["params"]["cls_head"]))(key)
     params = {**lm_params, "cls_head": head}
     if jax.tree.map(lambda s: s.shape, abstract) != jax.tree.map(lambda a: a.shape, params):
@@ -610,7 +610,7 @@ class Program:
 
     mesh: Any
     rules: Any
-    abstract_state: dict[str, Any]  # ShapeDtypeStructs with shardings; step None (restored separately)
+    abstract_state: dict[str, Any]  # ShapeDtypeStructs with shardings
     state_sh: dict[str, Any]
     batch_sh: dict[str, Any]
     train_step: Callable[..., Any]  # jitted (state, batch, key) -> (state, metrics); donates state
@@ -624,20 +624,15 @@ def build_program(c: ConfigDict, model: GPTClassifier, tx: optax.GradientTransfo
     mesh = sharding.make_mesh((c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
     sharding.check_divisibility(cfg, mesh, c.batch_size)
     rules = sharding.rules_for(cfg, mesh)
-    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    param_sh = sharding.logical_to_sharding(specs["params"], mesh, rules)
-    repl = sharding.replicated(mesh)
-    abstract = abstract_params(model, cfg, param_sh)
-    opt_state = distributed.abstract_opt_state(tx, abstract, param_sh, repl)
-    state_sh = {"params": param_sh, "opt_state": jax.tree.map(lambda s: s.sharding, opt_state), "step": repl}
+    param_sh, state_sh, abstract_state = distributed.state_layout(model, cfg, tx, mesh, rules)
+    repl = state_sh["step"]
     rows = sharding.batch_sharding(mesh)
     batch_sh = {"x": rows, "mask": rows, "label": sharding.batch_sharding(mesh, 1),
                 "weight": sharding.batch_sharding(mesh, 1)}
     train_step = jax.jit(make_train_step(model, tx, c.lm_weight), in_shardings=(state_sh, batch_sh, repl),
                          out_shardings=(state_sh, repl), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(model, c.lm_weight), in_shardings=(param_sh, batch_sh), out_shardings=repl)
-    return Program(mesh, rules, {"params": abstract, "opt_state": opt_state, "step": None}, state_sh, batch_sh,
-                   train_step, eval_step)
+    return Program(mesh, rules, abstract_state, state_sh, batch_sh, train_step, eval_step)
 
 
 def finetune(c: ConfigDict) -> dict[str, Any]:
@@ -745,7 +740,6 @@ def _initial_state(c: ConfigDict, ckpt: Checkpointer, meta: dict, model: GPTClas
             raise UserError(f"{c.workdir} holds a classifier with a different model, labels, class token or "
                             "row width: choose a new --config.workdir")
         state = ckpt.restore(latest, prog.abstract_state)
-        state["step"] = jax.device_put(jnp.asarray(latest, jnp.int32), prog.state_sh["step"])
         print(f"resuming at step {latest}", flush=True)
         return state, latest
     params = classifier_params(model, lm_params, key, prog.abstract_state["params"])
@@ -787,17 +781,9 @@ class Classifier:
 
 def load_classifier(workdir: str | Path, which: str = "latest", bpe_file: str | None = None) -> Classifier:
     """The classifier saved by `finetune` in `workdir` (its latest, or best by validation loss, checkpoint)."""
-    if which not in ("latest", "best"):
-        raise UserError(f"checkpoint {which!r} is unknown: use 'latest' or 'best'")
-    if not checkpoint_dir(workdir).is_dir():
-        raise UserError(f"{workdir} has no checkpoints: fine-tune first (python -m jaxgpt.classify --config ... "
-                        f"--config.workdir={workdir})")
-    ckpt = Checkpointer(workdir, read_only=True)
+    ckpt, step, meta = open_checkpoint(workdir, which, "fine-tune first (python -m jaxgpt.classify --config ... "
+                                       f"--config.workdir={workdir})")
     try:
-        step = ckpt.latest_step() if which == "latest" else ckpt.best_step()
-        if step is None:
-            raise UserError(f"{workdir} has no finished checkpoint: fine-tune first")
-        meta = ckpt.read_meta(step)
         if "classifier" not in meta:
             raise UserError(f"{workdir} holds a language model, not a classifier: fine-tune it with "
                             "python -m jaxgpt.classify")

@@ -547,9 +547,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Prepare the requested dataset and print one summary line; user errors print `error: ...`, exit 2."""
+    from jaxgpt.cli import exit_code
+
     args = _parse_args(argv)
-    started = time.perf_counter()
-    try:
+
+    def prepare() -> None:
+        started = time.perf_counter()
         if args.dataset:
             meta = prepare_builtin(args.dataset, args.out, overwrite=args.overwrite,
                                    val_fraction=args.val_fraction, bpe_file=args.bpe_file,
@@ -558,12 +561,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer = None if args.tokenizer == "char" else load_bpe("gpt2", args.bpe_file)
             meta = prepare_text([Path(p) for p in args.text], args.out, tokenizer, args.val_fraction,
                                 overwrite=args.overwrite)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.out}: {meta['n_train']} train + {meta['n_val']} val tokens, vocab {meta['vocab_size']} "
-          f"({meta['tokenizer']['type']}), {time.perf_counter() - started:.1f}s; {meta['source']}")
-    return 0
+        print(f"{args.out}: {meta['n_train']} train + {meta['n_val']} val tokens, vocab {meta['vocab_size']} "
+              f"({meta['tokenizer']['type']}), {time.perf_counter() - started:.1f}s; {meta['source']}")
+
+    return exit_code(prepare)
 
 
 if __name__ == "__main__":

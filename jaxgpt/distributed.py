@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxgpt import sharding
 from jaxgpt.checkpoint import abstract_params
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT
+from jaxgpt.model import GPT, param_partition_specs
 from jaxgpt.optim import make_optimizer
 from jaxgpt.train_step import make_eval_step, make_train_step
 
@@ -102,6 +102,23 @@ def abstract_opt_state(tx: optax.GradientTransformation, abstract: Any, param_sh
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
+def state_layout(model: nn.Module, model_cfg: Any, tx: optax.GradientTransformation, mesh: Mesh,
+                 rules: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Where training state lives on `mesh`: (parameter shardings, state shardings, abstract state).
+
+    Parameters follow their logical axis names, optimizer moments their parameter, the step is
+    replicated; the abstract state carries those shardings (restore and AOT targets).
+    """
+    param_sh = sharding.logical_to_sharding(param_partition_specs(model_cfg, model), mesh, rules)
+    repl = sharding.replicated(mesh)
+    params = abstract_params(model, model_cfg, param_sh)
+    opt_state = abstract_opt_state(tx, params, param_sh, repl)
+    state_sh = {"params": param_sh, "opt_state": jax.tree.map(lambda s: s.sharding, opt_state), "step": repl}
+    abstract_state = {"params": params, "opt_state": opt_state,
+                      "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=repl)}
+    return param_sh, state_sh, abstract_state
+
+
 def build_program(cfg: Any, mesh: Mesh) -> Program:
     """The sharded train/eval program of a TrainConfig on `mesh` (real devices or a TPU topology's)."""
     platform = mesh.devices.flat[0].platform
@@ -111,14 +128,8 @@ def build_program(cfg: Any, mesh: Mesh) -> Program:
     sharding.check_divisibility(cfg.model, mesh, cfg.batch_size, cfg.grad_accum)
     model, tx = GPT(cfg.model), make_optimizer(cfg.optim)
     rules = sharding.rules_for(cfg.model, mesh)
-    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    param_sh = sharding.logical_to_sharding(specs["params"], mesh, rules)
-    repl = sharding.replicated(mesh)
-    params = abstract_params(model, cfg.model, param_sh)
-    opt_state = abstract_opt_state(tx, params, param_sh, repl)
-    state_sh = {"params": param_sh, "opt_state": jax.tree.map(lambda s: s.sharding, opt_state), "step": repl}
-    abstract_state = {"params": params, "opt_state": opt_state,
-                      "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=repl)}
+    param_sh, state_sh, abstract_state = state_layout(model, cfg.model, tx, mesh, rules)
+    repl = state_sh["step"]
     batch_sh = NamedSharding(mesh, PartitionSpec(None, sharding.BATCH_AXES, None))
     eval_sh = sharding.batch_sharding(mesh)
     train_step = jax.jit(make_train_step(model, tx), in_shardings=(state_sh, batch_sh, repl),

@@ -32,6 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.cli import exit_code
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 
@@ -523,15 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--which", default="latest", choices=("latest", "best"))
     export.add_argument("--overwrite", action="store_true", help="replace the checkpoint in a non-empty --out")
     args = parser.parse_args(argv)
-    try:
-        if args.command == "inspect":
-            print(_inspect(args.path))
-        else:
-            print(_export(args.workdir, args.out, args.which, args.overwrite))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    if args.command == "inspect":
+        return exit_code(lambda: print(_inspect(args.path)))
+    return exit_code(lambda: print(_export(args.workdir, args.out, args.which, args.overwrite)))
 
 
 if __name__ == "__main__":

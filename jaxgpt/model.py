@@ -347,20 +347,25 @@ def init_cache(cfg: ModelConfig, batch_size: int, length: int | None = None, dty
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.n_layer)]
 
 
+def dummy_tokens(cfg: ModelConfig) -> Array:
+    """The smallest batch `init` needs: parameter shapes do not depend on it."""
+    return jnp.zeros((1, min(cfg.block_size, 8)), jnp.int32)
+
+
 def init_params(cfg: ModelConfig, key: Array, model: nn.Module | None = None) -> dict:
     """Plain (unboxed) float parameters, built under jit (eager init is slow to dispatch)."""
     model = model or GPT(cfg)
-    idx = jnp.zeros((1, min(cfg.block_size, 8)), jnp.int32)
-    variables = jax.jit(model.init)(key, idx)
-    return nn.unbox(variables["params"])
+    return nn.unbox(jax.jit(model.init)(key, dummy_tokens(cfg))["params"])
+
+
+def abstract_variables(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
+    """`init`'s variables as boxed ShapeDtypeStructs: shapes and logical axis names, nothing allocated."""
+    return jax.eval_shape((model or GPT(cfg)).init, jax.random.key(0), dummy_tokens(cfg))
 
 
 def param_partition_specs(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
-    """Logical PartitionSpecs of every parameter, from shapes only (nothing is allocated)."""
-    model = model or GPT(cfg)
-    idx = jnp.zeros((1, min(cfg.block_size, 8)), jnp.int32)
-    abstract = jax.eval_shape(model.init, jax.random.key(0), idx)
-    return nn.get_partition_spec(abstract)["params"]
+    """Logical PartitionSpecs of every parameter, from shapes only."""
+    return nn.get_partition_spec(abstract_variables(cfg, model))["params"]
 
 
 def unstack_layers(params: dict, n_layer: int) -> dict:

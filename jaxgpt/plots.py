@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxgpt.cli import exit_code
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 
@@ -295,12 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     attn.add_argument("--which", default="latest", choices=("latest", "best"), help="checkpoint of --workdir")
     attn.add_argument("--bpe_file", default="", help="GPT-2 BPE ranks file when offline")
     args = parser.parse_args(argv)
-    try:
-        print(_curves_command(args) if args.command == "curves" else _attention_command(args))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(lambda: print(_curves_command(args) if args.command == "curves" else _attention_command(args)))
 
 
 if __name__ == "__main__":

@@ -5,20 +5,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import jax
-import jax.numpy as jnp
 from flax import traverse_util
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.model import GPT
+from jaxgpt.model import abstract_variables
 
 
 def param_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Flat {path: shape} of a model's parameters, without allocating them."""
     from flax import linen as nn
 
-    idx = jnp.zeros((1, min(8, cfg.block_size)), jnp.int32)
-    abstract = nn.unbox(jax.eval_shape(GPT(cfg).init, jax.random.key(0), idx)["params"])
+    abstract = nn.unbox(abstract_variables(cfg)["params"])
     return {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(abstract).items()}
 
 
@@ -52,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import importlib.util
     import json
-    import sys
     from pathlib import Path
 
+    from jaxgpt.cli import exit_code
     from jaxgpt.config import model_config_from_dict
     from jaxgpt.errors import UserError
     from jaxgpt.presets import PRESETS, get_preset
@@ -90,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{path}: the model config is not a mapping of fields")
         return dict(values)
 
-    try:
+    def print_table() -> None:
         if args.preset:
             cfg = get_preset(args.preset)
         elif args.hf:
@@ -109,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.depth < 1:
             raise UserError(f"--depth {args.depth} must be >= 1")
         print(summary(cfg, depth=args.depth))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_code(print_table)
 
 
 if __name__ == "__main__":

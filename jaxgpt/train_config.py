@@ -79,6 +79,37 @@ def base_config() -> ConfigDict:
     return c
 
 
+def pod_config(preset: str, workdir: str, *, batch_size: int, grad_accum: int, max_steps: int, lr: float,
+               min_lr: float, eval_batches: int) -> ConfigDict:
+    """A large GPT on the OpenWebText-style corpus (GPT-2 BPE), laid out for pod slices.
+
+    bf16 compute with fp32 parameters and optimizer state, XLA attention, scanned and fully rematerialized
+    layers, parameters and optimizer state sharded over every chip (FSDP), the vocabulary padded to 50304
+    so it splits over tensor-parallel devices. The configs/gpt2_*.py and gpt_6.7b.py files differ only in
+    the arguments.
+    """
+    c = base_config()
+    c.workdir = workdir
+    c.data.name = "openwebtext"
+    c.data.dir = "data/openwebtext"
+    c.model = model_fields(get_preset(preset), vocab_size=50304, dtype="bfloat16", param_dtype="float32",
+                           attention_impl="xla", scan_layers=True, remat="full")
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    c.batch_size = batch_size
+    c.grad_accum = grad_accum
+    c.max_steps = max_steps
+    c.optim.lr = lr
+    c.optim.min_lr = min_lr
+    c.optim.warmup_steps = 2000
+    c.optim.weight_decay = 0.1
+    c.optim.b2 = 0.95
+    c.eval_interval = 1000
+    c.eval_batches = eval_batches
+    c.ckpt_interval = 1000
+    c.log_interval = 10
+    return c
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The validated, typed view of a ConfigDict: what the trainer actually reads."""

@@ -27,7 +27,7 @@ from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.data import Dataset, batch_for_step, eval_batches, load_dataset, prepare_builtin
 from jaxgpt.errors import UserError
 from jaxgpt.flops import flops_per_token, measure_matmul_peak
-from jaxgpt.model import GPT
+from jaxgpt.model import dummy_tokens
 from jaxgpt.train_config import TrainConfig, resolve
 
 
@@ -121,7 +121,6 @@ def train(c: ConfigDict) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     mesh = sharding.make_mesh(cfg.mesh)
     prog = distributed.build_program(cfg, mesh)  # the same sharded program that `jaxgpt.aot` compiles for TPUs
-    model, tx, state_sh, abstract = prog.model, prog.tx, prog.state_sh, prog.abstract_state["params"]
 
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
     ckpt = Checkpointer(workdir, keep=cfg.keep_checkpoints)
@@ -133,7 +132,7 @@ def train(c: ConfigDict) -> dict[str, Any]:
 
         pretrained = jax.device_get(load_initial_params(c.init_from, cfg.model))
     with prog.activate():
-        state, start = _initial_state(cfg, ckpt, model, tx, abstract, state_sh, init_key, pretrained)
+        state, start = _initial_state(cfg, ckpt, prog, init_key, pretrained)
         if is_main:
             (workdir / "config.json").write_text(json.dumps(meta["config"], indent=2) + "\n")
             n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
@@ -228,8 +227,8 @@ def train(c: ConfigDict) -> dict[str, Any]:
     return {**last_eval, **summary, "state": state, "model_cfg": cfg.model, "tokenizer_meta": dataset.meta["tokenizer"]}
 
 
-def _initial_state(cfg: TrainConfig, ckpt: Checkpointer, model: GPT, tx: Any, abstract: Any, state_sh: dict,
-                   key: jax.Array, pretrained: Any = None) -> tuple[dict, int]:
+def _initial_state(cfg: TrainConfig, ckpt: Checkpointer, prog: distributed.Program, key: jax.Array,
+                   pretrained: Any = None) -> tuple[dict, int]:
     """Resume from the latest checkpoint, or initialize (from scratch or from `init_from`) directly sharded."""
     latest = ckpt.latest_step()
     if latest is not None:
@@ -241,18 +240,15 @@ def _initial_state(cfg: TrainConfig, ckpt: Checkpointer, model: GPT, tx: Any, ab
             diff = sorted(k for k in saved if saved[k] != cfg.model.to_dict().get(k))
             raise UserError(f"the checkpoint in {cfg.workdir} was trained with different model settings {diff}: "
                             "use the same model config or a new --config.workdir")
-        abstract_state = {"params": abstract, "step": None,
-                          "opt_state": distributed.abstract_opt_state(tx, abstract, state_sh["params"],
-                                                                   state_sh["step"])}
-        state = ckpt.restore(latest, abstract_state)
-        state["step"] = jax.device_put(jnp.asarray(latest, jnp.int32), state_sh["step"])
-        return state, latest
+        return ckpt.restore(latest, prog.abstract_state), latest
+    state_sh = prog.state_sh
     if pretrained is not None:
         params = jax.device_put(pretrained, state_sh["params"])
     else:
-        dummy = jnp.zeros((1, min(cfg.model.block_size, 8)), jnp.int32)
-        params = jax.jit(lambda k: nn.unbox(model.init(k, dummy)["params"]), out_shardings=state_sh["params"])(key)
-    opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
+        dummy = dummy_tokens(cfg.model)
+        params = jax.jit(lambda k: nn.unbox(prog.model.init(k, dummy)["params"]),
+                         out_shardings=state_sh["params"])(key)
+    opt_state = jax.jit(prog.tx.init, out_shardings=state_sh["opt_state"])(params)
     return {"params": params, "opt_state": opt_state,
             "step": jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"])}, 0
 

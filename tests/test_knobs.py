@@ -7,9 +7,7 @@ tests/test_model.py checks the same equivalences (and scan = unrolled) at the mo
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from tests_helpers import logged_losses
 
 from jaxgpt.checkpoint import Checkpointer
-from jaxgpt.data import prepare_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -37,17 +35,13 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, Path, str]]:
-    import json as json_mod
-
+def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, tuple[int, Path, str]]:
     root = tmp_path_factory.mktemp("knobs")
-    sources = [Path(m.__file__).read_text() for m in (json_mod.decoder, json_mod.encoder, signal, subprocess)]
-    prepare_text(sources, root / "data", None, 0.1, "test sources", False)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = {}
     for name, extra in RUNS.items():
         cmd = ["timeout", "300", sys.executable, str(ROOT / "train.py"), f"--config={TINY}",
-               f"--config.workdir={root / name}", f"--config.data.dir={root / 'data'}", f"--config.max_steps={STEPS}",
+               f"--config.workdir={root / name}", f"--config.data.dir={data_dir}", f"--config.max_steps={STEPS}",
                "--config.log_interval=1", f"--config.eval_interval={STEPS}", f"--config.ckpt_interval={STEPS}", *extra]
         with open(root / f"{name}.err", "w") as err:
             procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
@@ -56,8 +50,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, Path,
 
 
 def losses(workdir: Path) -> np.ndarray:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return np.array([r["train_loss"] for r in rows if "lr" in r])
+    return np.array([loss for _, loss in logged_losses(workdir)])
 
 
 def trained(run: tuple[int, Path, str]) -> np.ndarray:

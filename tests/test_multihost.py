@@ -6,7 +6,6 @@ timeouts, so a broken run fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import traverse_util
+from tests_helpers import logged_losses
 
 from jaxgpt import distributed
 from jaxgpt.checkpoint import Checkpointer, load_for_inference
-from jaxgpt.data import prepare_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -35,16 +34,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import json as json_mod
-
-    sources = [Path(m.__file__).read_text() for m in (json_mod.decoder, json_mod.encoder, signal, subprocess)]
-    out = tmp_path_factory.mktemp("data")
-    prepare_text(sources, out, None, 0.1, "test sources", False)
-    return out
 
 
 def start(workdir: Path, data_dir: Path, devices: int, *extra: str, log: Path, seconds: int = 240) -> subprocess.Popen:
@@ -81,11 +70,6 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
         kill_all(procs)
 
 
-def losses(workdir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["train_loss"]) for r in rows if "lr" in r]
-
-
 def final_params(workdir: Path) -> dict:
     params, _, meta = load_for_inference(workdir)  # onto this process's one device: a resharding restore
     assert meta["step"] == STEPS
@@ -101,7 +85,7 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path: Path, data_
     err = {name: (tmp_path / f"{name}.err").read_text() for name in ("ref", "p0", "p1")}
     assert codes == [0, 0, 0], {k: v[-2000:] for k, v in err.items()}
 
-    want, got = losses(tmp_path / "ref"), losses(tmp_path / "multi")
+    want, got = logged_losses(tmp_path / "ref"), logged_losses(tmp_path / "multi")
     assert [s for s, _ in got] == list(range(1, STEPS + 1))  # one writer: every step logged exactly once
     diffs = [abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)]
     print(f"2 processes x 2 devices vs 1 x 4: max |loss diff| = {max(diffs):.2e}")

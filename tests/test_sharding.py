@@ -7,19 +7,17 @@ in the test process, which stays on one device.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from jax.sharding import AbstractMesh
+from tests_helpers import logged_losses
 
 from jaxgpt import sharding
-from jaxgpt.data import prepare_text
 from jaxgpt.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,18 +56,7 @@ print("WORKER-DONE")
 
 
 def losses(workdir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train_loss"] for r in rows if "lr" in r}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import json as json_mod
-
-    sources = [Path(m.__file__).read_text() for m in (json_mod.decoder, json_mod.encoder, signal, subprocess)]
-    out = tmp_path_factory.mktemp("data")
-    prepare_text(sources, out, None, 0.1, "test sources", False)
-    return out
+    return dict(logged_losses(workdir))
 
 
 @pytest.fixture(scope="module")

@@ -14,24 +14,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
+from tests_helpers import logged_losses
 
 from jaxgpt import optim
 from jaxgpt.checkpoint import Checkpointer
-from jaxgpt.data import prepare_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~150k characters of real Python source: enough for train and val splits of block 32."""
-    import json as json_mod  # any stdlib modules will do; their text is stable for a given interpreter
-
-    sources = [Path(m.__file__).read_text() for m in (json_mod.decoder, json_mod.encoder, signal, subprocess)]
-    out = tmp_path_factory.mktemp("data")
-    prepare_text(sources, out, None, 0.1, "test sources", False)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +49,7 @@ def final_params(workdir: Path) -> dict:
 
 
 def train_losses(workdir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train_loss"] for r in rows if "lr" in r}
+    return dict(logged_losses(workdir))
 
 
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:

@@ -1,8 +1,11 @@
-"""Shared helpers for tests that run the trainer in-process."""
+"""Shared helpers for tests that train: the tiny config, a small corpus, and the logged losses."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import signal
+import subprocess
 from pathlib import Path
 
 from ml_collections import ConfigDict
@@ -21,3 +24,23 @@ def load_tiny(**overrides: object) -> ConfigDict:
     for key, value in overrides.items():
         c[key] = value
     return c
+
+
+def prepare_test_corpus(out: Path) -> Path:
+    """~150k characters of real Python source, char-level: enough for train and val splits of block 32.
+
+    Any stdlib modules will do; their text is stable for a given interpreter.
+    """
+    from json import decoder, encoder
+
+    from jaxgpt.data import prepare_text
+
+    sources = [Path(m.__file__).read_text() for m in (decoder, encoder, signal, subprocess)]
+    prepare_text(sources, out, None, 0.1, "test sources", False)
+    return out
+
+
+def logged_losses(workdir: Path) -> list[tuple[int, float]]:
+    """(step, train loss) of every periodic record in a run's metrics.jsonl, in the order written."""
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["train_loss"]) for r in rows if "lr" in r]
