@@ -12,7 +12,7 @@ import pytest
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, GPTClassifier, init_params, stack_layers, unstack_layers
+from jaxgpt.model import GPT, GPTClassifier, init_params, query_blocks, stack_layers, unstack_layers
 from jaxgpt.presets import PRESETS, get_preset
 from jaxgpt.summary import count_params, param_shapes, summary
 
@@ -85,6 +85,22 @@ SEED_PRESETS = ["seed000", "seed001", "seed002", "seed004", "gpt2", "gpt2-medium
 @pytest.mark.parametrize("name", SEED_PRESETS)
 def test_presets_match_reference(name: str, padded: bool) -> None:
     assert_matches_reference(shrink(get_preset(name)), seed=1, padded=padded)
+
+
+@pytest.mark.parametrize("name", ["seed000", "seed001", "gpt2"])
+def test_query_blocked_attention_matches_reference(name: str) -> None:
+    """At 128 tokens the einsum path splits the queries into causal blocks (the tiny configs use one)."""
+    cfg = shrink(get_preset(name)).replace(block_size=128)
+    assert len(query_blocks(128, 128, causal=True)) == 2
+    assert_matches_reference(cfg, seed=5, padded=True)
+
+
+def test_query_blocks_tile_the_causal_triangle() -> None:
+    for T in (1, 16, 100, 128, 256, 1000, 1024, 4096):
+        blocks = query_blocks(T, T, causal=True)
+        assert [b[0] for b in blocks] == [0] + [b[1] for b in blocks[:-1]] and blocks[-1][1] == T
+        assert all(s1 == t1 for _, t1, s1 in blocks) or blocks == [(0, T, T)]
+    assert query_blocks(256, 256, causal=False) == [(0, 256, 256)]
 
 
 def random_config(rng: np.random.Generator) -> ModelConfig:

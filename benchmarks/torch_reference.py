@@ -1,0 +1,86 @@
+"""The PyTorch baseline the issues' targets are stated against, measured in the same run as jaxgpt.
+
+A nanoGPT-shaped model in eager PyTorch (pre-norm blocks, fused QKV, causal
+`scaled_dot_product_attention`, tied embeddings, GELU MLP) with AdamW, float32. Timing it next to
+jaxgpt on the same machine turns the issues' reference numbers into ratios that a busy, shared
+machine cannot skew much. Optional: without torch installed the benchmarks skip these rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+try:
+    import torch
+    import torch.nn.functional as F  # noqa: N812 (the PyTorch convention)
+    from torch import nn
+except ImportError:  # the benchmarks print "not installed" instead of a ratio
+    torch = None
+
+
+def available() -> bool:
+    return torch is not None
+
+
+def _model(vocab: int, block: int, n_layer: int, n_head: int, n_embd: int) -> nn.Module:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+            self.qkv, self.out = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+            self.fc, self.proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            B, T, C = x.shape
+            heads = [t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in self.qkv(self.ln_1(x)).split(C, 2)]
+            y = F.scaled_dot_product_attention(*heads, is_causal=True)
+            x = x + self.out(y.transpose(1, 2).reshape(B, T, C))
+            return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block, n_embd)
+            self.blocks = nn.ModuleList(Block() for _ in range(n_layer))
+            self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    torch.manual_seed(0)
+    return GPT()
+
+
+def train_step_seconds(vocab: int, block: int, n_layer: int, n_head: int, n_embd: int, batch: int,
+                       steps: int) -> float:
+    """Median seconds of one forward + backward + AdamW step (after two warm-up steps)."""
+    model = _model(vocab, block, n_layer, n_head, n_embd)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randint(0, vocab, (batch, block)), torch.randint(0, vocab, (batch, block))
+    times = []
+    for _ in range(steps + 2):
+        t = time.perf_counter()
+        loss = F.cross_entropy(model(x).view(-1, vocab), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[2:])
+
+
+def uncached_generate_seconds(vocab: int, block: int, n_layer: int, n_head: int, n_embd: int,
+                              new_tokens: int) -> float:
+    """Seconds for nanoGPT's generation loop: the whole window through the model for every token."""
+    model = _model(vocab, block, n_layer, n_head, n_embd).eval()
+    idx = torch.zeros((1, 1), dtype=torch.long)
+    t = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(idx[:, -block:])[:, -1]
+            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, -1), 1)], dim=1)
+    return time.perf_counter() - t
