@@ -1,7 +1,7 @@
 """Quick start: a small character-level GPT on the Python standard library's sources (no download).
 
-4 layers x 4 heads x 128 wide, 256 characters of context; 500 steps of 32 x 256 characters (4M), a few
-minutes on 2 CPU cores; measured under load: validation loss 1.96 nats/character after 400 steps.
+4 layers x 4 heads x 128 wide, 256 characters of context; 500 steps of 32 x 256 characters (4M): measured
+on an idle 2-core machine, 6.5 minutes of training to a validation loss of 1.86 nats/character.
 """
 
 from jaxgpt.presets import get_preset

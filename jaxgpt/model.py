@@ -124,7 +124,8 @@ def query_blocks(T: int, S: int, causal: bool) -> list[tuple[int, int, int]]:
     Without a cache the visible keys are always a subset of the causal ones, so splitting the queries
     into blocks and giving each block only its prefix of keys skips the masked upper triangle: about
     40% of the attention FLOPs and of the (T, S) memory traffic, which dominates small models on CPUs.
-    Blocks of max(64, T / 8) queries were the fastest measured (benchmarks/bench_train.py); shorter or
+    Blocks of max(64, T / 8) queries were the fastest of the sizes tried on a 2-core CPU (T = 256 and
+    1024); the "one query block" row of benchmarks/bench_train.py shows the gain. Shorter or
     indivisible sequences, and decoding against a cache, use one block.
     """
     block = max(64, T // 8)
