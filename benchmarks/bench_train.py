@@ -75,6 +75,16 @@ def time_steps(cfg: ModelConfig, batch: int, steps: int) -> tuple[float, float]:
     return compile_s, statistics.median(times)
 
 
+def print_row(name: str, variant: str, compile_s: str, step_s: float, cfg: ModelConfig, batch: int,
+              peak: float) -> float:
+    """Print one table row; returns its tokens/s."""
+    tok_s = batch * cfg.block_size / step_s
+    flops = tok_s * flops_per_token(cfg)
+    print(f"{name:<24}{variant:<20}{compile_s:>10}{step_s * 1e3:>10.0f}{tok_s:>11,.0f}{flops / 1e9:>9.1f}"
+          f"{flops / peak:>9.1%}", flush=True)
+    return tok_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -90,10 +100,7 @@ def main() -> None:
             c = cfg.replace(**changes)
             with one_query_block() if variant == "one query block" else contextlib.nullcontext():
                 compile_s, step_s = time_steps(c, batch, 3 if args.gpt2 else args.steps)
-            tok_s = batch * c.block_size / step_s
-            flops = tok_s * flops_per_token(c)
-            print(f"{name:<24}{variant:<20}{compile_s:>10.1f}{step_s * 1e3:>10.0f}{tok_s:>11,.0f}"
-                  f"{flops / 1e9:>9.1f}{flops / peak:>9.1%}", flush=True)
+            tok_s = print_row(name, variant, f"{compile_s:.1f}", step_s, c, batch, peak)
             if variant == "einsum attention":
                 ours = tok_s
         if args.gpt2:
@@ -103,10 +110,7 @@ def main() -> None:
             continue
         torch_s = torch_reference.train_step_seconds(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head,
                                                      cfg.n_embd, batch, args.steps)
-        torch_tok_s = batch * cfg.block_size / torch_s
-        torch_flops = torch_tok_s * flops_per_token(cfg)
-        print(f"{name:<24}{'PyTorch eager':<20}{'':>10}{torch_s * 1e3:>10.0f}{torch_tok_s:>11,.0f}"
-              f"{torch_flops / 1e9:>9.1f}{torch_flops / peak:>9.1%}", flush=True)
+        torch_tok_s = print_row(name, "PyTorch eager", "", torch_s, cfg, batch, peak)
         target = TARGET_VS_TORCH[name[:3]]
         verdicts.append(f"{name}: jaxgpt {ours / torch_tok_s:.2f}x PyTorch eager "
                         f"({'meets' if ours >= target * torch_tok_s else 'misses'} the {target}x target)")
