@@ -19,7 +19,8 @@ Compile time is measured separately (first call minus the best warm call) and ke
 are the best of --repeats runs (the uncached 500-token run is timed once). The time per token at context ~16
 and ~250 is 16 steps of the compiled loop from cache positions 16 and 239 (uncached: one token with a window
 of that length). The machine may be shared: the load average is printed next to the numbers. Memory bandwidth
-bounds batch-1 decoding (every step reads every weight), so the script also prints that bound per model.
+bounds batch-1 decoding (every step reads every weight), so the script also prints that bound per model and
+the time XLA takes to multiply every weight matrix by one vector, the floor of any decode step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import torch_reference
 from jaxgpt import sampling
 from jaxgpt.config import ModelConfig
 from jaxgpt.model import init_params
+
+Array = jax.Array
 
 MODELS = {
     "small 4x4x128": ModelConfig(vocab_size=100, block_size=256, n_layer=4, n_head=4, n_embd=128),
@@ -65,6 +68,27 @@ def memory_bandwidth_gb_s() -> float:
     total = jax.jit(jnp.sum)
     total(x).block_until_ready()
     return x.nbytes / best_seconds(lambda: total(x).block_until_ready(), 5) / 1e9
+
+
+def weights_matvec_seconds(params, repeats: int) -> float:
+    """The floor of a batch-1 decode step: every weight matrix times one vector, and nothing else.
+
+    A decode step reads each kernel once (and the tied embedding, for the logits), so it cannot be
+    faster than XLA's own matrix-vector products over the same matrices. Timed like the decode loop:
+    PROBE_STEPS rounds inside one compiled loop, each round's vectors depending on the previous
+    round's results, so no round can be skipped or hoisted and no dispatch is in the number.
+    """
+    mats = [leaf.reshape(leaf.shape[0], -1) if leaf.ndim == 4 else leaf.reshape(-1, leaf.shape[-1])
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+            if path[-1].key == "kernel" or path[-2].key == "wte"]
+
+    @jax.jit
+    def rounds(ms: list) -> Array:
+        products = lambda _, carry: sum(jnp.sum(jnp.full((1, m.shape[0]), carry) @ m) for m in ms) * 1e-9
+        return jax.lax.fori_loop(0, PROBE_STEPS, products, jnp.float32(1))
+
+    rounds(mats).block_until_ready()
+    return best_seconds(lambda: rounds(mats).block_until_ready(), repeats) / PROBE_STEPS
 
 
 def cached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) -> float:
@@ -143,11 +167,14 @@ def main() -> None:
     rows = []
     for name, cfg in MODELS.items():
         rows += bench_model(name, cfg, args)
-        n_params = sum(x.size for x in jax.tree.leaves(init_params(cfg, jax.random.key(0))))
+        params = init_params(cfg, jax.random.key(0))
+        n_params = sum(x.size for x in jax.tree.leaves(params))
         bound = bandwidth * 1e9 / (4 * n_params)
+        floor = weights_matvec_seconds(params, 20 * args.repeats)
         print(f"{name}: {n_params / 1e6:.2f}M parameters = {4 * n_params / 1e6:.1f} MB of f32 weights read per "
               f"token -> at most ~{bound:,.0f} tokens/s at batch 1 if they stream from memory "
-              f"(more if they stay in cache)", flush=True)
+              f"(more if they stay in cache); the weight matrices times one vector alone take "
+              f"{floor * 1e3:.3f} ms -> at most {1 / floor:,.0f} tokens/s", flush=True)
 
     print(f"\n1 sample x {NEW_TOKENS} new tokens, float32, block 256 (window_shift "
           f"{sampling.default_window_shift(MODELS['small 4x4x128'])} past the block); "

@@ -112,8 +112,10 @@ def main() -> None:
                                                      cfg.n_embd, batch, args.steps)
         torch_tok_s = print_row(name, "PyTorch eager", "", torch_s, cfg, batch, peak)
         target = TARGET_VS_TORCH[name[:3]]
+        needed = target * torch_tok_s * flops_per_token(cfg)
         verdicts.append(f"{name}: jaxgpt {ours / torch_tok_s:.2f}x PyTorch eager "
-                        f"({'meets' if ours >= target * torch_tok_s else 'misses'} the {target}x target)")
+                        f"({'meets' if ours >= target * torch_tok_s else 'misses'} the {target}x target, which "
+                        f"needs {needed / 1e9:.0f} model GFLOP/s = {needed / peak:.0%} of the matmul peak)")
     print(*verdicts, sep="\n")
     print(f"peak resident memory of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
