@@ -188,4 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxgpt.cli import use_huge_pages
+
+    use_huge_pages()
     sys.exit(main())

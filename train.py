@@ -3,7 +3,7 @@
 A thin command line over `jaxgpt.trainer.train`; see README.md for the configs and their keys.
 """
 
-from jaxgpt.cli import run_config_command
+from jaxgpt.cli import run_config_command, use_huge_pages
 
 
 def print_sample(c, result: dict) -> None:
@@ -32,4 +32,5 @@ def train_and_sample(c) -> None:
 
 
 if __name__ == "__main__":
+    use_huge_pages()
     run_config_command(train_and_sample, example="configs/stdlib_char.py", keys_in="jaxgpt/train_config.py")

@@ -36,6 +36,7 @@ import numpy as np
 import torch_reference
 
 from jaxgpt import sampling
+from jaxgpt.cli import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.model import init_params
 
@@ -206,4 +207,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    use_huge_pages()  # as train.py and sample.py do
     main()

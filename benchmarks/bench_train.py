@@ -25,6 +25,7 @@ import numpy as np
 import torch_reference
 
 from jaxgpt import model as model_lib
+from jaxgpt.cli import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.flops import flops_per_token, measure_matmul_peak
 from jaxgpt.model import GPT, init_params
@@ -121,4 +122,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    use_huge_pages()  # as train.py and sample.py do
     main()

@@ -813,4 +813,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from jaxgpt.cli import use_huge_pages
+
+    use_huge_pages()
     main()

@@ -108,14 +108,15 @@ def einsum_in_kernel_order(spec: str, x: Array, kernel: Array) -> Array:
     return y.transpose([y_axes.index(a) for a in out])
 
 
-def _zero_after(x: Array) -> Array:
-    """An int32 zero that XLA can only get by computing `x` first (0 * sum(x), NaN-safe).
+def _ordering_zeros(x: Array) -> Array:
+    """Zeros shaped like `x` that XLA can only get by computing `x` first (0 * x, NaN-safe).
 
-    Added to a cache index, it orders the cache write after the reads that produced `x`. With no data
+    Added to a cache write, they order the write after the reads that produced `x`. With no data
     path from those reads to the write, XLA cannot prove the write comes last, and copies the cache
-    (twice per layer and token) instead of updating it in place.
+    (twice per layer and token) instead of updating it in place. Elementwise, so a sharded `x` needs
+    no communication.
     """
-    return jnp.nan_to_num(jnp.sum(x) * 0).astype(jnp.int32)
+    return jnp.nan_to_num(x * 0)
 
 
 class EinsumDense(nn.Module):
@@ -225,7 +226,7 @@ class CausalSelfAttention(nn.Module):
         """One new token: attend over the cache as it was (slots < cache_index) plus the new key/value.
 
         The same keys and values as attending over the updated cache, but the updated cache is then
-        only written, never read, and the write is ordered after the reads (`_zero_after`), so XLA
+        only written, never read, and the write is ordered after the reads (`_ordering_zeros`), so XLA
         updates it in place; each copy of the cache it made otherwise cost as much as the attention.
         """
         cfg = self.cfg
@@ -236,7 +237,8 @@ class CausalSelfAttention(nn.Module):
         probs = jax.nn.softmax(jnp.concatenate([old_BH1S, self_BH11], axis=-1), axis=-1)
         y_BH1D = (jnp.einsum("bhts,bhsd->bhtd", probs[..., :-1].astype(cfg.dtype), cache["v"].astype(cfg.dtype))
                   + probs[..., -1:].astype(cfg.dtype) * v_BH1D.astype(cfg.dtype))
-        cache = write_cache(cache, k_BH1D, v_BH1D, cache_index + _zero_after(y_BH1D))
+        zeros_BH1D = _ordering_zeros(y_BH1D)
+        cache = write_cache(cache, k_BH1D + zeros_BH1D, v_BH1D + zeros_BH1D, cache_index)
         return self._out(y_BH1D, "bhtd,hdc->btc"), cache
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import signal
 import subprocess
 import sys
@@ -204,6 +206,36 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, data_dir:
     assert step is not None
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["train_loss"]) for r in rows if r["step"] <= step)
+
+
+FAULTS_PER_256MB = """
+import ctypes, resource
+from jaxgpt.cli import use_huge_pages
+use_huge_pages()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ctypes.memset(libc.malloc(256 << 20), 1, 256 << 20)  # glibc maps a block this large fresh from the kernel
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="a glibc tunable")
+def test_commands_restart_with_huge_page_malloc() -> None:
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off in this kernel")
+
+    def page_faults(**env: str) -> int:
+        env = {**{k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAXGPT_HUGE_PAGES")}, **env}
+        proc = subprocess.run([sys.executable, "-c", FAULTS_PER_256MB], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout)
+
+    small_pages = page_faults(JAXGPT_HUGE_PAGES="0")
+    assert small_pages > 50_000  # one per 4 KiB page
+    assert page_faults() < small_pages / 20
+    assert page_faults(GLIBC_TUNABLES="glibc.malloc.arena_max=4") < small_pages / 20  # added to the user's own
 
 
 def test_weight_decay_mask_is_by_name_even_when_scanned() -> None:
