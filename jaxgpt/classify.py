@@ -48,7 +48,7 @@ from ml_collections import ConfigDict, config_dict
 from jaxgpt import distributed, sharding
 from jaxgpt.checkpoint import Checkpointer, abstract_params, checkpoint_dir, open_checkpoint
 from jaxgpt.config import ModelConfig, model_config_from_dict
-from jaxgpt.data import _stdlib_files, _stdlib_root
+from jaxgpt.data import stdlib_files, stdlib_root
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPTClassifier, dummy_tokens
 from jaxgpt.optim import OptimConfig, current_lr, make_optimizer
@@ -309,11 +309,11 @@ def stdlib_packages_task(val_fraction: float = 0.2, root: Path | None = None, pa
     training snippet comes from, so held-out accuracy measures recognizing a package's style, not a file.
     The language model itself was pretrained on all of these files: what is held out is the labels.
     """
-    root = root or _stdlib_root()
+    root = root or stdlib_root()
     pools: dict[str, tuple[list[str], list[str]]] = {}
     for package in packages:
         texts = {}
-        for rel in (f"{package}/{f}" for f in _stdlib_files(root / package)) if (root / package).is_dir() else ():
+        for rel in (f"{package}/{f}" for f in stdlib_files(root / package)) if (root / package).is_dir() else ():
             try:
                 texts[rel] = (root / rel).read_bytes().decode("utf-8")
             except UnicodeDecodeError:

@@ -231,12 +231,12 @@ def prepare_text(
 # Built-in datasets
 
 
-def _stdlib_root() -> Path:
+def stdlib_root() -> Path:
     """The running interpreter's standard library (for a venv: the base installation's)."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _stdlib_files(root: Path) -> list[str]:
+def stdlib_files(root: Path) -> list[str]:
     """Relative POSIX paths of the library's .py files, sorted so the corpus order never depends on the
     file system's directory order."""
     found = []
@@ -252,7 +252,7 @@ def stdlib_corpus(root: Path) -> tuple[str, str]:
     `# file: relative/path.py` line, files separated by a newline. Files that are not valid UTF-8 are
     skipped (the same ones every time), since a character model should not learn decoding garbage."""
     parts, skipped = [], 0
-    files = _stdlib_files(root)
+    files = stdlib_files(root)
     for rel in files:
         try:
             text = (root / rel).read_bytes().decode("utf-8")
@@ -341,7 +341,7 @@ def prepare_builtin(
     """
     out = Path(out_dir)
     if name == "stdlib_char":
-        text, source = stdlib_corpus(_stdlib_root())
+        text, source = stdlib_corpus(stdlib_root())
         return prepare_text([text], out, None, val_fraction, source, overwrite)
     if name in ("shakespeare_char", "shakespeare"):
         kind = "char" if name == "shakespeare_char" else "gpt2"
@@ -443,7 +443,8 @@ def load_dataset(data_dir: str | os.PathLike[str], *, verify: bool | None = None
 EVAL_STREAM = 1
 
 
-def _check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) -> None:
+def check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) -> None:
+    """A UserError unless `split` (n_tokens long) can fill batches of `batch_size` windows of block_size + 1."""
     if batch_size < 1 or block_size < 1:
         raise UserError(f"batch_size {batch_size} and block_size {block_size} must be positive")
     if block_size >= n_tokens:
@@ -500,7 +501,7 @@ def batch_for_step(
     exactly the single-process batch, and no host reads another host's rows. Returns (x, y), int32, of
     shape (batch_size // process_count, block_size). `split` only names the data in error messages.
     """
-    _check_shapes(len(tokens), batch_size, block_size, split)
+    check_shapes(len(tokens), batch_size, block_size, split)
     rows = _local_rows(batch_size, process_index, process_count)
     starts = _global_starts([seed, step], len(tokens) - block_size, batch_size)[rows]
     return _windows(tokens, starts, block_size)
@@ -520,7 +521,7 @@ def eval_batches(
     """A fixed list of `n_batches` (x, y) batches: the same every call, so evaluation losses are
     comparable across a run and across resumes. Drawn from a stream separate from training batches;
     rows are split across processes exactly as in `batch_for_step`."""
-    _check_shapes(len(tokens), batch_size, block_size, split)
+    check_shapes(len(tokens), batch_size, block_size, split)
     rows = _local_rows(batch_size, process_index, process_count)
     n_starts = len(tokens) - block_size
     return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)

@@ -220,7 +220,7 @@ def test_stdlib_char_is_deterministic_on_a_small_tree(tmp_path, monkeypatch):
     root = tmp_path / "lib"
     _fake_stdlib(root)
     (root / "big.py").write_text("x = [i * 2 for i in range(10)]\n" * 50)
-    monkeypatch.setattr(data, "_stdlib_root", lambda: root)
+    monkeypatch.setattr(data, "stdlib_root", lambda: root)
     meta_a = prepare_builtin("stdlib_char", tmp_path / "a")
     meta_b = prepare_builtin("stdlib_char", tmp_path / "b")
     assert meta_a == meta_b
