@@ -16,9 +16,12 @@ def print_sample(c, result: dict) -> None:
     if c.sample.max_new_tokens <= 0 or jax.process_index() != 0:
         return
     tokenizer = tokenizer_from_meta(result["tokenizer_meta"], c.data.bpe_file or None)
+    params = result["state"]["params"]
+    if all(p.is_fully_addressable and p.sharding.is_fully_replicated for p in jax.tree.leaves(params)):
+        params = jax.device_put(params, jax.local_devices()[0])  # data-parallel copies: decode on one device
     prompt = tokenizer.encode(c.sample.prompt) or [tokenizer.eot_token or 0]
     print(f"--- sample (temperature {c.sample.temperature}) ---\n{c.sample.prompt}", end="", flush=True)
-    for chunk in stream(result["state"]["params"], result["model_cfg"], prompt, max_new_tokens=c.sample.max_new_tokens,
+    for chunk in stream(params, result["model_cfg"], prompt, max_new_tokens=c.sample.max_new_tokens,
                         key=c.seed, temperature=c.sample.temperature, top_k=c.sample.top_k or None,
                         top_p=c.sample.top_p, eot_token=tokenizer.eot_token):
         print(tokenizer.decode(chunk[0].tolist()), end="", flush=True)

@@ -65,6 +65,7 @@ def base_config() -> ConfigDict:
     c.resume = True  # continue from the work directory's latest checkpoint when it has one
 
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # device mesh; -1 = the remaining devices
+    c.cpu_devices = 0  # > 0: split each host's CPU into this many XLA devices (data parallel); 0: JAX's default
 
     c.distributed = ConfigDict()
     c.distributed.enabled = False  # call jax.distributed.initialize (auto-detects TPU VMs and SLURM)

@@ -157,6 +157,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, data_dir: Pa
         (["--config.model.block_size=100000", "--config.model.position=sinusoidal"], "larger than"),
         (["--config.batch_size=6", "--config.grad_accum=4"], "grad_accum"),
         (["--config.model.vocab_size=10"], "vocab"),
+        (["--config.cpu_devices=-1"], "cpu_devices"),
     ],
 )
 def test_bad_config_is_one_line_error(tmp_path: Path, data_dir: Path, xla_cache: str, extra: list[str],
@@ -165,6 +166,29 @@ def test_bad_config_is_one_line_error(tmp_path: Path, data_dir: Path, xla_cache:
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_cpu_devices_train_data_parallel_like_one_device(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
+    """config.cpu_devices=2 splits the CPU into two devices, the default mesh puts half of each batch on each,
+    and the run computes what the one-device run does (up to summation order); the sample after training works."""
+    one = run_train(*train_cmd(tmp_path / "one", data_dir, xla_cache, "--config.max_steps=20"))
+    two = run_train(*train_cmd(tmp_path / "two", data_dir, xla_cache, "--config.max_steps=20", "--config.cpu_devices=2",
+                               "--config.sample.max_new_tokens=8"))
+    assert "mesh {'data': 1," in one.stdout and "mesh {'data': 2," in two.stdout
+    losses_one, losses_two = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
+    assert [s for s, _ in losses_one] == [s for s, _ in losses_two]
+    np.testing.assert_allclose([v for _, v in losses_two], [v for _, v in losses_one], rtol=1e-5)
+    assert "--- sample" in two.stdout
+
+
+def test_cpu_devices_after_jax_started_is_a_user_error() -> None:
+    from jaxgpt.errors import UserError
+    from jaxgpt.trainer import use_cpu_devices
+
+    jax.devices()  # this process's CPU backend is running with one device
+    use_cpu_devices(len(jax.devices("cpu")))  # asking for what is there is fine
+    with pytest.raises(UserError, match="before any JAX computation"):
+        use_cpu_devices(len(jax.devices("cpu")) + 1)
 
 
 def test_bad_data_and_workdir_are_one_line_errors(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
