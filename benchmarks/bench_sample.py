@@ -36,7 +36,7 @@ import numpy as np
 import torch_reference
 
 from jaxgpt import sampling
-from jaxgpt.cli import use_huge_pages
+from jaxgpt.commands import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.model import init_params
 

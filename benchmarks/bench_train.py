@@ -8,8 +8,8 @@ Uses the real train step (`jaxgpt.train_step.make_train_step`, jit with donation
 When PyTorch is installed, the same model in eager PyTorch (benchmarks/torch_reference.py) is timed
 in the same run, and jaxgpt's default variant is reported as a multiple of it next to issue 3's
 targets (1.5x on (a), 1.1x on (b)). The "one query block" row disables the causal query blocking of
-`jaxgpt.model.query_blocks` (attention over the full T x T square) to show what that blocking buys.
-The "2 CPU devices" row is the trainer's own sharded program (`jaxgpt.distributed.build_program`) on a
+`jaxgpt.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
+The "2 CPU devices" row is the trainer's own sharded program (`jaxgpt.layout.build_program`) on a
 data-parallel mesh of two XLA CPU devices (`config.cpu_devices=2`, what configs/stdlib_char.py uses).
 The "dense matmuls alone" row is a floor for any implementation that multiplies with XLA: the forward
 and backward products of every weight matrix (X W, dY W^T, X^T dY) at the model's shapes, and nothing
@@ -30,17 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 import torch_reference
 
-from jaxgpt import distributed, sharding
-from jaxgpt import model as model_lib
-from jaxgpt.cli import use_huge_pages
+from jaxgpt import attention, layout
+from jaxgpt.commands import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.flops import flops_per_token, matmul_params, measure_matmul_peak
-from jaxgpt.model import GPT, init_params
+from jaxgpt.model import init_params
 from jaxgpt.optim import OptimConfig, make_optimizer
 from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields, resolve
+from jaxgpt.runtime import use_cpu_devices
+from jaxgpt.tasks.lm import LanguageModelling
+from jaxgpt.train_config import base_config, from_config_dict, model_fields
 from jaxgpt.train_step import make_train_step
-from jaxgpt.trainer import use_cpu_devices
 
 CONFIGS = {
     "(a) 4x4x128 T256 B32": (ModelConfig(vocab_size=100, block_size=256, n_layer=4, n_head=4, n_embd=128), 32),
@@ -55,12 +55,12 @@ TARGET_VS_TORCH = {"(a)": 1.5, "(b)": 1.1}
 @contextlib.contextmanager
 def one_query_block():
     """Trace the model with a single query block: the full (T, T) attention square, masked."""
-    blocks = model_lib.query_blocks
-    model_lib.query_blocks = lambda T, S, causal: [(0, T, S)]
+    blocks = attention.query_blocks
+    attention.query_blocks = lambda T, S, causal: [(0, T, S)]
     try:
         yield
     finally:
-        model_lib.query_blocks = blocks
+        attention.query_blocks = blocks
 
 
 def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1) -> tuple[float, float]:
@@ -70,7 +70,11 @@ def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1) -> 
     data-parallel mesh of the first `n_devices` devices.
     """
     optim = OptimConfig(warmup_steps=1, decay_steps=1000)
-    model, tx = GPT(cfg), make_optimizer(optim)
+    c = base_config()
+    c.workdir, c.batch_size, c.model = "unused", batch, model_fields(cfg)
+    c.optim.update(dataclasses.asdict(optim))
+    train_cfg = from_config_dict(c)
+    task, tx = LanguageModelling(train_cfg, None), make_optimizer(optim)
     params = init_params(cfg, jax.random.key(0))
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     rng = np.random.default_rng(0)
@@ -78,13 +82,10 @@ def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1) -> 
     data = {"x": jnp.asarray(tokens[..., :-1]), "y": jnp.asarray(tokens[..., 1:])}
     key = jax.random.key(1)
     if n_devices == 1:
-        step_fn = jax.jit(make_train_step(model, tx), donate_argnums=(0,))
+        step_fn = jax.jit(make_train_step(task.loss, tx), donate_argnums=(0,))
     else:
-        c = base_config()
-        c.workdir, c.batch_size, c.model = "unused", batch, model_fields(cfg)
-        c.optim.update(dataclasses.asdict(optim))
-        mesh = sharding.make_mesh((-1, 1, 1), devices=jax.devices()[:n_devices])
-        prog = distributed.build_program(resolve(c, cfg.vocab_size), mesh)
+        mesh = layout.make_mesh((-1, 1, 1), devices=jax.devices()[:n_devices])
+        prog = layout.build_program(task, train_cfg.optim, mesh, batch)
         step_fn = prog.train_step
         state = jax.device_put(state, prog.state_sh)
         data = jax.device_put(data, prog.batch_sh)

@@ -4,7 +4,7 @@ Sized for a TPU pod slice or a multi-node GPU cluster: about 0.5M tokens per ste
 bf16 compute with fp32 parameters and optimizer state, layers scanned (compile time independent of depth)
 and fully rematerialized (activations recomputed in the backward pass). Parameters and optimizer state are
 sharded over all chips (FSDP). Check a slice before paying for it:
-    python -m jaxgpt.aot --config configs/gpt2_xl.py --topology v5p:4x4x4
+    jaxgpt aot --config configs/gpt2_xl.py --topology v5p:4x4x4
 (5.7 GiB per chip of 95, >= 244 ms per step by the roofline bound; with --config.model.remat=save_dots
 16.3 GiB and >= 223 ms, the better choice on v5p; v5e:8x8 needs full remat).
 See docs/scaling.md for the plan (which slice, mesh, batch and remat) and launch recipes.

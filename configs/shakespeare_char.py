@@ -1,6 +1,6 @@
 """nanoGPT's "baby GPT" on tiny Shakespeare, character level: 6 layers x 6 heads x 384 wide, 256 context.
 
-Downloads tiny Shakespeare on first use (or prepare it offline: python -m jaxgpt.data --text input.txt
+Downloads tiny Shakespeare on first use (or prepare it offline: jaxgpt data --text input.txt
 --tokenizer char --out data/shakespeare_char).
 """
 

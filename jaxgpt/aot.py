@@ -1,10 +1,10 @@
 """Will it fit, and how fast could it be? Compile the real sharded train step for a TPU slice, on a CPU.
 
-    python -m jaxgpt.aot --config configs/gpt2_xl.py --topology v5p:4x4x4 \\
+    jaxgpt aot --config configs/gpt2_xl.py --topology v5p:4x4x4 \\
         [--config.mesh.fsdp=-1 --config.mesh.data=1 --config.batch_size=256 --config.model.remat=full ...]
 
 XLA's TPU compiler (libtpu: `pip install "jax[tpu]"`) runs on this host against a TPU topology's
-compile-only devices. The program is the trainer's own (`jaxgpt.distributed.build_program`: same mesh,
+compile-only devices. The program is the trainer's own (`jaxgpt.layout.build_program`: same mesh,
 same shardings, same jitted step with donation), and its inputs are abstract (ShapeDtypeStructs with
 shardings), so nothing is allocated. Printed per chip:
 
@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from ml_collections import ConfigDict
 
-from jaxgpt import distributed, sharding
-from jaxgpt.cli import exit_code, flags_parser
+from jaxgpt import layout
 from jaxgpt.errors import UserError
 from jaxgpt.flops import flops_per_token
-from jaxgpt.train_config import TrainConfig, resolve
+from jaxgpt.tasks.lm import LanguageModelling
+from jaxgpt.train_config import TrainConfig
 
 GiB = 2**30
 
@@ -91,18 +90,15 @@ def topology_devices(topology: str) -> list[Any]:
     return devices
 
 
-def _resolved(c: ConfigDict) -> TrainConfig:
-    """The typed config; the vocabulary comes from the config, else from the prepared dataset's meta.json."""
-    c = c.copy_and_resolve_references()
-    c.workdir = c.workdir or "aot"
-    vocab = c.model.vocab_size
-    if vocab is None:
-        meta = Path(c.data.dir) / "meta.json"
-        if not meta.exists():
-            raise UserError(f"model.vocab_size is unset and {meta} does not exist: pass --config.model.vocab_size "
-                            "(e.g. 50304 for GPT-2's BPE padded for sharding)")
-        vocab = json.loads(meta.read_text())["vocab_size"]
-    return resolve(c, vocab)
+def _resolved(cfg: TrainConfig) -> TrainConfig:
+    """The vocabulary comes from the config, else from the prepared dataset's meta.json (no data is read)."""
+    if not cfg.vocab_from_data:
+        return cfg
+    meta = Path(cfg.data.dir) / "meta.json"
+    if not meta.exists():
+        raise UserError(f"model.vocab_size is unset and {meta} does not exist: pass --config.model.vocab_size "
+                        "(e.g. 50304 for GPT-2's BPE padded for sharding)")
+    return cfg.with_model(cfg.model.replace(vocab_size=json.loads(meta.read_text())["vocab_size"]))
 
 
 def _bytes_per_chip(tree: Any) -> int:
@@ -129,14 +125,19 @@ COUNTING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
                     "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
 
 
+def program(cfg: TrainConfig, devices: list[Any]) -> layout.Program:
+    """The trainer's language-model program on `devices` (a TPU topology's compile-only ones)."""
+    mesh = layout.make_mesh(cfg.runtime.mesh, devices)
+    return layout.build_program(LanguageModelling(cfg, None), cfg.optim, mesh, cfg.batch_size, cfg.grad_accum)
+
+
 def _compile(cfg: TrainConfig, devices: list[Any], options: dict[str, Any] | None = None
-             ) -> tuple[distributed.Program, Any]:
+             ) -> tuple[layout.Program, Any]:
     """Lower and compile the trainer's train step for `devices` with abstract inputs."""
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    prog = distributed.build_program(cfg, mesh)
+    prog = program(cfg, devices)
+    shape = (cfg.grad_accum, cfg.batch_size // cfg.grad_accum, cfg.model.block_size)
     with prog.activate():
-        lowered = prog.train_step.lower(prog.abstract_state,
-                                        prog.abstract_batch(cfg.batch_size, cfg.grad_accum, cfg.model.block_size),
+        lowered = prog.train_step.lower(prog.abstract_state, prog.abstract_batch({"x": shape, "y": shape}),
                                         prog.abstract_key())
         return prog, lowered.compile(compiler_options=options)
 
@@ -146,7 +147,7 @@ def _loops(compiled: Any) -> int:
 
 
 def _variant(cfg: TrainConfig, **model_changes: Any) -> TrainConfig:
-    return dataclasses.replace(cfg, model=cfg.model.replace(**model_changes))
+    return cfg.with_model(cfg.model.replace(**model_changes))
 
 
 def _counted(cfg: TrainConfig, devices: list[Any]) -> tuple[float, float]:
@@ -175,21 +176,21 @@ def _all_layers_cost(cfg: TrainConfig, devices: list[Any]) -> tuple[float, float
     return f1 + (L - 1) * (f2 - f1), b1 + (L - 1) * (b2 - b1)
 
 
-def analyze(c: ConfigDict, topology: str, extrapolate_scan: bool = True) -> dict[str, Any]:
-    """Compile `c`'s train step for `topology`; return the per-chip report as a dict (see `format_report`).
+def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> dict[str, Any]:
+    """Compile `cfg`'s train step for `topology`; return the per-chip report as a dict (see `format_report`).
 
     `extrapolate_scan=False` skips the two extra compiles that correct XLA's FLOP count for scanned layers
     (the count then covers one layer; the note says so).
     """
     chip, _ = parse_topology(topology)  # a bad topology is reported before anything else
-    cfg = _resolved(c)
+    cfg = _resolved(cfg)
     devices = topology_devices(topology)
     n_chips = len(devices)
     tokens = cfg.batch_size * cfg.model.block_size
     report: dict[str, Any] = {
         "topology": topology, "chip": chip.name, "n_chips": n_chips, "hbm_bytes": chip.hbm_bytes,
         "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
-        "mesh": dict(zip(sharding.MESH_AXES, sharding.resolve_mesh_shape(cfg.mesh, n_chips), strict=True)),
+        "mesh": dict(zip(layout.MESH_AXES, layout.resolve_mesh_shape(cfg.runtime.mesh, n_chips), strict=True)),
         "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.model.block_size,
         "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "dtype",
                                                      "param_dtype", "remat", "scan_layers", "attention_impl")},
@@ -295,39 +296,3 @@ def format_report(r: dict[str, Any]) -> str:
         f"MFU <= {r['mfu']:.1%}",
     ]
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    from absl import app, flags, logging
-
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    config = flags.FLAGS["config"].value
-    if config is None:
-        raise app.UsageError("--config is required, e.g. --config configs/gpt2_xl.py")
-    def compile_and_report() -> None:
-        report = analyze(config, flags.FLAGS.topology, extrapolate_scan=flags.FLAGS.extrapolate_scan)
-        print(format_report(report), flush=True)
-        if flags.FLAGS.json:
-            Path(flags.FLAGS.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-
-    return exit_code(compile_and_report)
-
-
-def _define_flags() -> None:
-    from absl import flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "training config file (configs/*.py)", lock_config=True)
-    flags.DEFINE_string("topology", None, f"TPU slice to compile for: {TOPOLOGY_HELP}", required=True)
-    flags.DEFINE_string("json", "", "also write the report as JSON to this file")
-    flags.DEFINE_bool("extrapolate_scan", True, "for scanned layers, compile unscanned 1- and 2-layer variants to "
-                      "count FLOPs and bytes of all layers (XLA counts a loop body once)")
-
-
-if __name__ == "__main__":
-    from absl import app
-
-    _define_flags()
-    app.run(main, flags_parser=flags_parser("config keys and types are defined in jaxgpt/train_config.py; "
-                                            f"--topology is {TOPOLOGY_HELP}"))

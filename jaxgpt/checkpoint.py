@@ -1,8 +1,9 @@
 """Checkpoints with orbax: asynchronous, atomic, the last N plus the best by validation loss.
 
 A checkpoint step directory holds three items: `params`, `opt_state` (both OCDBT pytrees,
-restorable onto any mesh) and `meta` (JSON: step, resolved configs, the dataset's
-tokenizer, losses). Sampling restores `params` and `meta` only.
+restorable onto any mesh) and `meta` (JSON: step, resolved configs, the tokenizer, losses).
+The checkpointer knows nothing of models: inference restores `params` from the shapes and dtypes
+orbax recorded, and training passes the abstract state of its own layout (`jaxgpt.layout`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import linen as nn
 from orbax.checkpoint import checkpoint_managers as policies
 
-from jaxgpt.config import ModelConfig, model_config_from_dict
 from jaxgpt.errors import UserError
 
 
@@ -38,8 +37,9 @@ class Checkpointer:
             preservation_policy=policies.AnyPreservationPolicy(keep_policies), cleanup_tmp_directories=True,
             create=not read_only, read_only=read_only, enable_async_checkpointing=True)
         self.directory = checkpoint_dir(workdir)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("params", "opt_state", "meta"))
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}  # registered, so that item metadata can be read
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -70,7 +70,13 @@ class Checkpointer:
         return {"params": restored["params"], "opt_state": restored["opt_state"],
                 "step": jax.device_put(np.int32(step), abstract_state["step"].sharding)}
 
-    def restore_params(self, step: int, abstract_params: Any) -> Any:
+    def restore_params(self, step: int, abstract_params: Any = None) -> Any:
+        """The parameters saved at `step`: placed as `abstract_params` says, or (None) as saved in shape
+        and dtype but on the default device, whatever mesh wrote them."""
+        if abstract_params is None:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            abstract_params = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                                           self.manager.item_metadata(step)["params"].tree)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_params)))
         return restored["params"]
@@ -81,17 +87,6 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
-
-
-def abstract_params(model: nn.Module, cfg: ModelConfig, sharding: Any = None) -> Any:
-    """ShapeDtypeStructs of a model's parameters (with target shardings when given)."""
-    from jaxgpt.model import abstract_variables
-
-    shapes = nn.unbox(abstract_variables(cfg, model)["params"])
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
 
 
 def open_checkpoint(workdir: str | os.PathLike[str], which: str,
@@ -111,16 +106,3 @@ def open_checkpoint(workdir: str | os.PathLike[str], which: str,
         raise UserError(f"{workdir} has no {'finished' if which == 'latest' else 'evaluated'} checkpoint: "
                         + how_to_make + ("" if which == "latest" else ", or use --which latest"))
     return ckpt, step, ckpt.read_meta(step)
-
-
-def load_for_inference(workdir: str | os.PathLike[str], which: str = "latest") -> tuple[Any, ModelConfig, dict]:
-    """Params (on the default device), model config and meta of a work directory's latest or best checkpoint."""
-    from jaxgpt.model import GPT
-
-    ckpt, step, meta = open_checkpoint(workdir, which, "train first (python train.py --config ... "
-                                       f"--config.workdir={workdir}) or pass the right --workdir")
-    try:
-        cfg = model_config_from_dict(meta["model"])
-        return ckpt.restore_params(step, abstract_params(GPT(cfg), cfg)), cfg, meta
-    finally:
-        ckpt.close()

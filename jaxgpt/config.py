@@ -19,6 +19,10 @@ INITS = ("gpt2", "xavier")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 REMATS = ("none", "full", "save_dots")
+# Settings that change neither parameter shapes nor their meaning: weights trained under one value load
+# under any other (fine-tuning, sampling, export).
+RUNTIME_FIELDS = frozenset({"embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout", "dtype", "param_dtype",
+                            "attention_impl", "scan_layers", "remat", "init"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +69,21 @@ class ModelConfig:
     remat: str = "none"
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
-            if self.n_head > 0 and self.n_embd % self.n_head:
-                raise UserError(
-                    f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                    "change one of them or set head_dim explicitly"
-                )
-            object.__setattr__(self, "head_dim", self.n_embd // max(self.n_head, 1))
-        if self.d_ff is None:
-            object.__setattr__(self, "d_ff", 4 * self.n_embd)
+        if self.head_dim is None and self.n_head > 0 and self.n_embd % self.n_head:
+            raise UserError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                            "change one of them or set head_dim explicitly")
+        for name, value in self._derived().items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         self._validate()
+
+    def _derived(self) -> dict[str, int]:
+        """The rule for sizes left unset (None): head_dim = n_embd / n_head, d_ff = 4 n_embd."""
+        return {"head_dim": self.n_embd // max(self.n_head, 1), "d_ff": 4 * self.n_embd}
+
+    def is_derived(self, name: str) -> bool:
+        """Whether `name` (head_dim or d_ff) has the value the rule gives: it then follows n_embd and n_head."""
+        return getattr(self, name) == self._derived()[name]
 
     def _validate(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_dim", "d_ff"):
@@ -116,12 +125,11 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed; derived sizes follow new sizes unless given."""
-        fields = self.to_dict()
-        if self.head_dim == self.n_embd // self.n_head:
-            fields["head_dim"] = None
-        if self.d_ff == 4 * self.n_embd:
-            fields["d_ff"] = None
-        return ModelConfig(**{**fields, **changes})
+        return ModelConfig(**{**self.settings(), **changes})
+
+    def settings(self) -> dict[str, Any]:
+        """The fields, with derived sizes as None (unset): what a config file or the command line changes."""
+        return {**self.to_dict(), **{name: None for name in self._derived() if self.is_derived(name)}}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,24 +9,15 @@ The loader keeps no state: the global batch of step i depends only on (seed, i),
 exact (restore the step, get the same batches) and lets every host of a multi-host job compute the
 same global batch while reading only its own rows.
 
-Command line:
-    python -m jaxgpt.data --dataset stdlib_char --out data/stdlib_char
-    python -m jaxgpt.data --text a.txt b.txt --tokenizer char --out data/mine [--overwrite]
+The built-in corpora are prepared by `jaxgpt.datasets`; the command line is `jaxgpt data`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import http.client
 import json
 import os
-import platform
 import secrets
-import sys
-import sysconfig
-import time
-import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import CharTokenizer, Tokenizer, load_bpe, tokenizer_from_meta
+from jaxgpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_meta
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")
@@ -45,18 +36,6 @@ SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
 # Hashing reads the whole file; below this size that costs well under a second, so it is on by default.
 VERIFY_MAX_BYTES = 256 * 2**20
 CHUNK_BYTES = 16 * 2**20
-
-BUILTIN_DATASETS = ("stdlib_char", "shakespeare_char", "shakespeare", "openwebtext")
-# Directories of the standard library that are not "library code": test suites, third-party packages and
-# bytecode caches (lib2to3/tests, idlelib/idle_test, unittest/test, ... are all matched by name).
-STDLIB_EXCLUDED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
-)
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-DOWNLOAD_TIMEOUT_S = 15.0
-# FineWeb's 10B-token sample: parquet shards that `datasets` streams without a loading script (the
-# original Skylion007/openwebtext needs one, which recent `datasets` releases no longer run).
-HUB_CORPUS = ("HuggingFaceFW/fineweb", "sample-10BT")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -113,7 +92,7 @@ def _split_tail(all_path: Path, val_path: Path, n_train: int) -> None:
         src.truncate(n_train * TOKEN_DTYPE.itemsize)
 
 
-def _write_dataset(
+def write_dataset(
     out_dir: Path,
     chunks: Iterable[np.ndarray],
     tokenizer: Tokenizer,
@@ -188,7 +167,7 @@ def _read_text_file(path: Path) -> str:
         ) from e
 
 
-def _document_chunks(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:
+def document_chunks(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:
     """Token chunks of the documents in order; the end-of-text token (if any) separates documents."""
     separator = None if tokenizer.eot_token is None else np.array([tokenizer.eot_token])
     for i, document in enumerate(documents):
@@ -221,140 +200,10 @@ def prepare_text(
     if source is None:
         paths = [os.fspath(item) for item in items if not isinstance(item, str)]
         source = f"files: {', '.join(paths)}" if paths else f"{len(items)} text(s) given in Python"
-    return _write_dataset(
-        Path(out_dir), _document_chunks(documents, tokenizer), tokenizer,
+    return write_dataset(
+        Path(out_dir), document_chunks(documents, tokenizer), tokenizer,
         val_fraction=val_fraction, source=source, overwrite=overwrite,
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# Built-in datasets
-
-
-def stdlib_root() -> Path:
-    """The running interpreter's standard library (for a venv: the base installation's)."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path) -> list[str]:
-    """Relative POSIX paths of the library's .py files, sorted so the corpus order never depends on the
-    file system's directory order."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS]
-        rel_dir = Path(dirpath).relative_to(root)
-        found += [(rel_dir / name).as_posix() for name in filenames if name.endswith(".py")]
-    return sorted(found)
-
-
-def stdlib_corpus(root: Path) -> tuple[str, str]:
-    """(corpus text, description) of the .py sources under `root`: each file's text after a
-    `# file: relative/path.py` line, files separated by a newline. Files that are not valid UTF-8 are
-    skipped (the same ones every time), since a character model should not learn decoding garbage."""
-    parts, skipped = [], 0
-    files = stdlib_files(root)
-    for rel in files:
-        try:
-            text = (root / rel).read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            skipped += 1
-            continue
-        parts.append(f"# file: {rel}\n{text}")
-    if not parts:
-        raise UserError(f"no Python sources found under {root}: this interpreter has no standard library "
-                        "sources; prepare a text file instead (--text FILE --tokenizer char)")
-    description = (f"Python {platform.python_version()} standard library at {root}: {len(parts)} .py files"
-                   f" ({skipped} skipped as not UTF-8), tests and site-packages excluded")
-    return "\n".join(parts), description
-
-
-def _download(url: str, dest: Path, fallback_hint: str) -> Path:
-    """Fetch `url` to `dest` once (atomically: a partial download never sits at `dest`)."""
-    if dest.is_file():
-        return dest
-    try:
-        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
-            data = response.read()
-    except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
-        raise UserError(f"download of {url} failed ({e}): {fallback_hint}") from e
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(dest.name + ".partial")
-    partial.write_bytes(data)
-    os.replace(partial, dest)
-    return dest
-
-
-def _hub_documents(repo: str, config: str, max_documents: int | None) -> Iterator[str]:
-    """Stream the `text` field of a Hugging Face Hub dataset, turning every failure into a UserError."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise UserError(
-            f"dataset openwebtext streams {repo} ({config}) with the Hugging Face `datasets` package, which "
-            "is not installed: pip install datasets (and allow access to huggingface.co), or prepare your "
-            "own text files with --text FILE... --tokenizer gpt2"
-        ) from e
-    try:
-        stream = datasets.load_dataset(repo, name=config, split="train", streaming=True)
-        for i, row in enumerate(stream):
-            if max_documents is not None and i >= max_documents:
-                return
-            yield row["text"]
-    except Exception as e:  # network, auth and missing-dataset errors come from several libraries
-        raise UserError(
-            f"streaming {repo} ({config}) from the Hugging Face Hub failed ({type(e).__name__}: {e}): "
-            "check network access to huggingface.co, or prepare local text files with --text FILE... "
-            "--tokenizer gpt2"
-        ) from e
-
-
-def _prepare_hub(out_dir: Path, tokenizer: Tokenizer, *, val_fraction: float, overwrite: bool,
-                 max_documents: int | None) -> dict[str, Any]:
-    """Tokenize a Hub corpus as it streams (single process, one document at a time: simple rather than
-    fast; a 10B-token corpus takes hours, so `max_documents` allows a small sample)."""
-    if (out_dir / META_FILE).exists() and not overwrite:
-        # Comparing contents would mean streaming the whole corpus first: refuse up front instead.
-        raise UserError(f"{out_dir} already holds a dataset: pass --overwrite (overwrite=True) to replace "
-                        "it, or choose another output directory")
-    repo, config = HUB_CORPUS
-    limit = "all documents" if max_documents is None else f"first {max_documents} documents"
-    return _write_dataset(
-        out_dir, _document_chunks(_hub_documents(repo, config, max_documents), tokenizer), tokenizer,
-        val_fraction=val_fraction, source=f"{repo} ({config}), {limit}", overwrite=overwrite,
-    )
-
-
-def prepare_builtin(
-    name: str,
-    out_dir: str | os.PathLike[str],
-    *,
-    overwrite: bool = False,
-    val_fraction: float = 0.1,
-    bpe_file: str | os.PathLike[str] | None = None,
-    max_documents: int | None = None,
-) -> dict[str, Any]:
-    """Prepare one of `BUILTIN_DATASETS` in `out_dir` and return its meta.
-
-    stdlib_char needs no download (the interpreter's own library sources, character-level);
-    shakespeare_char / shakespeare download tiny Shakespeare (char / GPT-2 BPE); openwebtext streams a
-    web-text corpus through the Hugging Face `datasets` package (GPT-2 BPE; `max_documents` caps it).
-    """
-    out = Path(out_dir)
-    if name == "stdlib_char":
-        text, source = stdlib_corpus(stdlib_root())
-        return prepare_text([text], out, None, val_fraction, source, overwrite)
-    if name in ("shakespeare_char", "shakespeare"):
-        kind = "char" if name == "shakespeare_char" else "gpt2"
-        hint = (f"fetch it elsewhere, then run `python -m jaxgpt.data --text input.txt --tokenizer {kind} "
-                f"--out {out}`")
-        path = _download(SHAKESPEARE_URL, out / "input.txt", hint)
-        tokenizer = None if kind == "char" else load_bpe("gpt2", bpe_file)
-        return prepare_text([path], out, tokenizer, val_fraction, f"tiny shakespeare ({SHAKESPEARE_URL})",
-                            overwrite)
-    if name == "openwebtext":
-        return _prepare_hub(out, load_bpe("gpt2", bpe_file), val_fraction=val_fraction, overwrite=overwrite,
-                            max_documents=max_documents)
-    raise UserError(f"unknown dataset {name!r}: use one of {', '.join(BUILTIN_DATASETS)}, or --text FILE...")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -389,7 +238,7 @@ def _read_meta(data_dir: Path) -> dict[str, Any]:
     fix = f"re-run preparation into {data_dir} with --overwrite"
     if not path.is_file():
         raise UserError(f"{path} not found: {data_dir} is not a prepared dataset (or its preparation was "
-                        f"interrupted); run `python -m jaxgpt.data --dataset NAME --out {data_dir}`")
+                        f"interrupted); run `jaxgpt data --dataset NAME --out {data_dir}`")
     try:
         meta = json.loads(path.read_bytes())
     except ValueError as e:
@@ -526,47 +375,3 @@ def eval_batches(
     n_starts = len(tokens) - block_size
     return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)
             for i in range(n_batches)]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxgpt.data", description="Prepare a jaxgpt dataset.")
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--dataset", choices=BUILTIN_DATASETS, help="a built-in dataset")
-    what.add_argument("--text", nargs="+", metavar="FILE", help="UTF-8 text files, concatenated in order")
-    parser.add_argument("--tokenizer", choices=("char", "gpt2"), default="char", help="for --text")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--overwrite", action="store_true", help="replace a different existing dataset")
-    parser.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of tokens for val")
-    parser.add_argument("--bpe_file", help="GPT-2 ranks file (gpt2.tiktoken); else $JAXGPT_BPE_FILE")
-    parser.add_argument("--max_documents", type=int, help="openwebtext: stop after this many documents")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Prepare the requested dataset and print one summary line; user errors print `error: ...`, exit 2."""
-    from jaxgpt.cli import exit_code
-
-    args = _parse_args(argv)
-
-    def prepare() -> None:
-        started = time.perf_counter()
-        if args.dataset:
-            meta = prepare_builtin(args.dataset, args.out, overwrite=args.overwrite,
-                                   val_fraction=args.val_fraction, bpe_file=args.bpe_file,
-                                   max_documents=args.max_documents)
-        else:
-            tokenizer = None if args.tokenizer == "char" else load_bpe("gpt2", args.bpe_file)
-            meta = prepare_text([Path(p) for p in args.text], args.out, tokenizer, args.val_fraction,
-                                overwrite=args.overwrite)
-        print(f"{args.out}: {meta['n_train']} train + {meta['n_val']} val tokens, vocab {meta['vocab_size']} "
-              f"({meta['tokenizer']['type']}), {time.perf_counter() - started:.1f}s; {meta['source']}")
-
-    return exit_code(prepare)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,27 +13,23 @@ Every conversion is therefore a reshape, which is why the round trip is exact. R
 needs only numpy; the pickle-based `pytorch_model.bin` needs torch. Checkpoints may name tensors
 `transformer.h.0...` (GPT2LMHeadModel) or `h.0...` (GPT2Model and the original OpenAI upload).
 
-Command line:
-    python -m jaxgpt.hf inspect PATH               # what a HF directory maps to, checked tensor by tensor
-    python -m jaxgpt.hf export --workdir DIR --out PATH [--which best] [--overwrite]
+The command line is `jaxgpt hf inspect PATH` / `jaxgpt hf export --workdir DIR --out PATH`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.cli import exit_code
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import RUNTIME_FIELDS, ModelConfig
 from jaxgpt.errors import UserError
 
 CONFIG_FILE = "config.json"
@@ -47,11 +43,6 @@ WEIGHT_FILES = (SAFETENSORS_FILE, SAFETENSORS_INDEX, TORCH_FILE, TORCH_INDEX)
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                   "gelu": "gelu", "relu": "relu"}
 OUR_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
-
-# ModelConfig fields a caller may set when loading: they change how the model runs or trains, not what
-# the weights mean. Everything else comes from config.json.
-LOAD_OVERRIDES = frozenset({"dtype", "param_dtype", "attention_impl", "scan_layers", "remat",
-                            "embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout"})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,15 +93,15 @@ def _hf_int(hf: Mapping[str, Any], key: str, where: str, default: int | None = N
 
 
 def hf_config_to_model_config(hf: Mapping[str, Any], where: str = CONFIG_FILE, **overrides: Any) -> ModelConfig:
-    """The jaxgpt ModelConfig of a GPT-2 config.json dict (+ runtime `overrides`, see LOAD_OVERRIDES).
+    """The jaxgpt ModelConfig of a GPT-2 config.json dict (+ `overrides` of `config.RUNTIME_FIELDS`).
 
     Options with which `transformers` computes something jaxgpt does not (cross-attention, unscaled or
     layer-scaled attention) are refused rather than silently mis-loaded.
     """
-    unknown = sorted(set(overrides) - LOAD_OVERRIDES)
+    unknown = sorted(set(overrides) - RUNTIME_FIELDS)
     if unknown:
         raise UserError(f"cannot override {unknown} when loading GPT-2 weights (they are fixed by {where}); "
-                        f"only {sorted(LOAD_OVERRIDES)} may be changed")
+                        f"only {sorted(RUNTIME_FIELDS)} may be changed")
     activation = hf.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:
         raise UserError(f"{where}: activation_function={activation!r} has no jaxgpt equivalent "
@@ -131,19 +122,13 @@ def hf_config_to_model_config(hf: Mapping[str, Any], where: str = CONFIG_FILE, *
                 for ours, theirs in (("embd_dropout", "embd_pdrop"), ("attn_dropout", "attn_pdrop"),
                                      ("resid_dropout", "resid_pdrop"))}
     fields: dict[str, Any] = dict(
-        vocab_size=_hf_int(hf, "vocab_size", where, 50257),
-        block_size=_hf_int(hf, "n_positions", where, 1024),
-        n_layer=_hf_int(hf, "n_layer", where, 12),
-        n_head=n_head,
-        n_embd=n_embd,
-        d_ff=_hf_int(hf, "n_inner", where, 4 * n_embd) if hf.get("n_inner") is not None else 4 * n_embd,
+        vocab_size=_hf_int(hf, "vocab_size", where, 50257), block_size=_hf_int(hf, "n_positions", where, 1024),
+        n_layer=_hf_int(hf, "n_layer", where, 12), n_head=n_head, n_embd=n_embd,
+        d_ff=None if hf.get("n_inner") is None else _hf_int(hf, "n_inner", where),  # None: ModelConfig's rule
         position="learned", norm_placement="pre", final_norm=True, norm="layernorm", norm_eps=float(eps),
         activation=HF_ACTIVATIONS[activation], use_bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init="gpt2",
-        **dropouts,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init="gpt2", **dropouts)
+    return ModelConfig(**{**fields, **overrides})
 
 
 def gpt2_export_problems(cfg: ModelConfig) -> list[str]:
@@ -172,24 +157,14 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         raise UserError("this model cannot be exported as GPT-2: " + "; ".join(problems))
     gpt2_vocab = cfg.vocab_size >= 50257  # GPT-2's <|endoftext|> id only exists in its vocabulary
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.block_size,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None if cfg.d_ff == 4 * cfg.n_embd else cfg.d_ff,
-        "activation_function": OUR_ACTIVATIONS[cfg.activation],
-        "layer_norm_epsilon": cfg.norm_eps,
-        "embd_pdrop": cfg.embd_dropout,
-        "attn_pdrop": cfg.attn_dropout,
-        "resid_pdrop": cfg.resid_dropout,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "tie_word_embeddings": True,
-        "bos_token_id": 50256 if gpt2_vocab else None,
-        "eos_token_id": 50256 if gpt2_vocab else None,
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size,
+        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+        "n_inner": None if cfg.is_derived("d_ff") else cfg.d_ff,  # None: GPT-2's 4 * n_embd, the same rule
+        "activation_function": OUR_ACTIVATIONS[cfg.activation], "layer_norm_epsilon": cfg.norm_eps,
+        "embd_pdrop": cfg.embd_dropout, "attn_pdrop": cfg.attn_dropout, "resid_pdrop": cfg.resid_dropout,
+        "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+        "bos_token_id": 50256 if gpt2_vocab else None, "eos_token_id": 50256 if gpt2_vocab else None,
         "torch_dtype": "float32",
     }
 
@@ -391,8 +366,8 @@ def load_hf_gpt2(path: str | os.PathLike[str], **overrides: Any) -> tuple[dict, 
     """(params, ModelConfig) of a Hugging Face GPT-2 checkpoint directory.
 
     The params are GPT's tree (stacked under `h` when `scan_layers=True` is passed), so they also
-    initialize a GPTClassifier, whose tree adds only `cls_head`. `overrides` may set the runtime fields in
-    LOAD_OVERRIDES (dtype, dropout, attention_impl, scan_layers, remat), and `block_size` up to
+    initialize a GPTClassifier, whose tree adds only `cls_head`. `overrides` may set `config.RUNTIME_FIELDS`
+    (dtype, dropout, attention_impl, scan_layers, remat, init), and `block_size` up to
     n_positions (the position table is cropped: fine-tuning on short contexts is much cheaper).
     Other sizes come from config.json.
     """
@@ -408,16 +383,12 @@ def load_hf_gpt2(path: str | os.PathLike[str], **overrides: Any) -> tuple[dict, 
                             f"(the checkpoint's n_positions)")
         params["wpe"]["embedding"] = params["wpe"]["embedding"][:block_size]  # shorter context: fewer rows
         cfg = cfg.replace(block_size=block_size)
-    params = _tree_map(jnp.asarray, params)
+    params = jax.tree.map(jnp.asarray, params)
     if cfg.scan_layers:
         from jaxgpt.model import stack_layers
 
         params = stack_layers(params, cfg.n_layer)
     return params, cfg
-
-
-def _tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    return {k: _tree_map(fn, v) for k, v in tree.items()} if isinstance(tree, Mapping) else fn(tree)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -473,61 +444,3 @@ def save_hf_gpt2(params: Mapping, cfg: ModelConfig, path: str | os.PathLike[str]
     os.replace(tmp_weights, root / SAFETENSORS_FILE)
     (root / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     return root
-
-
-# ---------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _inspect(path: str) -> str:
-    """A report of how a HF directory maps onto jaxgpt, after reading and checking every tensor."""
-    from jaxgpt.summary import count_params
-
-    params, cfg = load_hf_gpt2(path)
-    shapes = {}
-
-    def walk(tree: Mapping, prefix: tuple[str, ...]) -> None:
-        for key, value in tree.items():
-            if isinstance(value, Mapping):
-                walk(value, (*prefix, key))
-            else:
-                shapes[(*prefix, key)] = tuple(value.shape)
-
-    walk(params, ())
-    fields = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_dim", "d_ff", "activation",
-              "norm_eps", "tie_embeddings", "embd_dropout", "attn_dropout", "resid_dropout")
-    lines = [f"{path}: GPT-2 checkpoint, all {len(tensor_specs(cfg))} tensors present with the expected shapes"]
-    lines += [f"  {name:<15}{getattr(cfg, name)}" for name in fields]
-    lines.append(f"  {'parameters':<15}{count_params(shapes):,}")
-    return "\n".join(lines)
-
-
-def _export(workdir: str, out: str, which: str, overwrite: bool) -> str:
-    from jaxgpt.checkpoint import load_for_inference
-
-    params, cfg, _meta = load_for_inference(workdir, which=which)
-    params = dict(params)
-    dropped = [k for k in ("cls_head",) if params.pop(k, None) is not None]
-    root = save_hf_gpt2(params, cfg, out, overwrite=overwrite)
-    note = f" (left out {', '.join(dropped)}: GPT-2 has no such head)" if dropped else ""
-    return f"wrote {root / CONFIG_FILE} and {root / SAFETENSORS_FILE} from {workdir} ({which}){note}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxgpt.hf", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="check a Hugging Face GPT-2 directory and show its jaxgpt config")
-    inspect.add_argument("path")
-    export = sub.add_parser("export", help="write a jaxgpt checkpoint as a Hugging Face GPT-2 directory")
-    export.add_argument("--workdir", required=True, help="a jaxgpt training work directory")
-    export.add_argument("--out", required=True, help="the directory to write (config.json + model.safetensors)")
-    export.add_argument("--which", default="latest", choices=("latest", "best"))
-    export.add_argument("--overwrite", action="store_true", help="replace the checkpoint in a non-empty --out")
-    args = parser.parse_args(argv)
-    if args.command == "inspect":
-        return exit_code(lambda: print(_inspect(args.path)))
-    return exit_code(lambda: print(_export(args.workdir, args.out, args.which, args.overwrite)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,27 +2,20 @@
 
 Each figure has a data function (plain numpy, testable without looking at pixels) and a drawing
 function that only lays the numbers out. Drawing uses matplotlib's Agg backend, so no display is needed.
-
-Command line:
-    python -m jaxgpt.plots curves --workdir DIR --out curves.png
-    python -m jaxgpt.plots attention --workdir DIR --prompt "Hello there" --layer 0 --out attn.png
-    python -m jaxgpt.plots attention --hf PATH --prompt "Hello there" --layer 5 --out attn.png
+The command line is `jaxgpt plots curves ...` / `jaxgpt plots attention ...`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jaxgpt.cli import exit_code
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 
@@ -221,83 +214,3 @@ def plot_attention(maps_HTT: np.ndarray, labels: Sequence[str], out: str | os.Pa
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _load_model(args: argparse.Namespace) -> tuple[Any, ModelConfig, Any, str]:
-    """(params, cfg, tokenizer or None, description) from --workdir or --hf."""
-    from jaxgpt.tokenizer import GPT2_VOCAB_SIZE, load_bpe, tokenizer_from_meta
-
-    bpe_file = args.bpe_file or None
-    if args.hf:
-        from jaxgpt.hf import load_hf_gpt2
-
-        params, cfg = load_hf_gpt2(args.hf)
-        tokenizer = load_bpe("gpt2", bpe_file) if cfg.vocab_size == GPT2_VOCAB_SIZE and args.ids is None else None
-        return params, cfg, tokenizer, Path(args.hf).name
-    from jaxgpt.checkpoint import load_for_inference
-
-    params, cfg, meta = load_for_inference(args.workdir, which=args.which)
-    tokenizer = tokenizer_from_meta(meta["tokenizer"], bpe_file) if "tokenizer" in meta else None
-    return params, cfg, tokenizer, f"{Path(args.workdir).name} ({args.which})"
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise UserError(f"--ids must be integers separated by commas or spaces, got {text!r}") from None
-
-
-def _attention_command(args: argparse.Namespace) -> str:
-    params, cfg, tokenizer, name = _load_model(args)
-    if args.ids is not None:
-        ids = _parse_ids(args.ids)
-        labels = [str(i) for i in ids] if tokenizer is None else None
-    elif tokenizer is None:
-        raise UserError(f"no tokenizer is known for this {cfg.vocab_size}-token vocabulary: pass token ids with --ids")
-    else:
-        ids = tokenizer.encode(args.prompt)
-        labels = None
-    if not -cfg.n_layer <= args.layer < cfg.n_layer:
-        raise UserError(f"--layer {args.layer} does not exist: the model has layers 0..{cfg.n_layer - 1}")
-    layer = args.layer % cfg.n_layer
-    maps = attention_maps(params, cfg, ids)
-    labels = labels or token_labels(tokenizer, ids)
-    out = plot_attention(maps[layer], labels, args.out, title=f"{name}: layer {layer} attention, {len(ids)} tokens")
-    return f"wrote {out} ({cfg.n_head} heads of layer {layer}, {len(ids)} tokens)"
-
-
-def _curves_command(args: argparse.Namespace) -> str:
-    records = read_metrics(args.workdir)
-    out = plot_training_curves(records, args.out, title=args.title or f"{Path(args.workdir).resolve().name}")
-    return f"wrote {out} ({len(records)} records)"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxgpt.plots", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    curves = sub.add_parser("curves", help="train/val loss, learning rate and tokens/s against step")
-    curves.add_argument("--workdir", required=True, help="a training work directory (with metrics.jsonl)")
-    curves.add_argument("--out", required=True, help="PNG file to write")
-    curves.add_argument("--title", default="")
-    attn = sub.add_parser("attention", help="one heatmap per head of a layer, for a prompt")
-    source = attn.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workdir", help="a training work directory (its checkpoint)")
-    source.add_argument("--hf", help="a Hugging Face GPT-2 checkpoint directory")
-    text = attn.add_mutually_exclusive_group(required=True)
-    text.add_argument("--prompt", help="text to tokenize")
-    text.add_argument("--ids", help="token ids instead of text, e.g. '464,2068,7586'")
-    attn.add_argument("--layer", type=int, required=True, help="layer index (0-based; -1 = last)")
-    attn.add_argument("--out", required=True, help="PNG file to write")
-    attn.add_argument("--which", default="latest", choices=("latest", "best"), help="checkpoint of --workdir")
-    attn.add_argument("--bpe_file", default="", help="GPT-2 BPE ranks file when offline")
-    args = parser.parse_args(argv)
-    return exit_code(lambda: print(_curves_command(args) if args.command == "curves" else _attention_command(args)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

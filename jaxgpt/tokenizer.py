@@ -26,6 +26,7 @@ from jaxgpt.errors import UserError
 EOT_TEXT = "<|endoftext|>"
 GPT2_EOT = 50256
 GPT2_VOCAB_SIZE = 50257
+GPT2_TOKENIZER_META = {"type": "bpe", "encoding": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}  # BPETokenizer.to_meta()
 # "gpt2" and "r50k_base" are the same ranks, regex and special token under two names.
 BPE_ENCODINGS = ("gpt2", "r50k_base")
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"

@@ -1,13 +1,16 @@
-"""The training configuration: an ml_collections ConfigDict with every key, and typed views of it.
+"""The run configuration: the ConfigDict every config file starts from, and the typed configs it becomes.
 
-Config files in `configs/` start from `base_config()` and change what they need; the command
-line changes any key with `--config.key=value`. Because every key exists here, a misspelled or
-unknown key is an error, and a value of the wrong type is rejected by ml_collections.
+Config files in `configs/` start from `base_config()` and change what they need; the command line changes
+any key with `--config.key=value`. Every key exists here, so a misspelled key is an error and a value of
+the wrong type is rejected by ml_collections. The commands turn the ConfigDict into a `TrainConfig` once
+(`from_config_dict`); the library reads only typed configs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 from ml_collections import ConfigDict, config_dict
 
@@ -16,31 +19,26 @@ from jaxgpt.errors import UserError
 from jaxgpt.optim import OptimConfig
 from jaxgpt.presets import get_preset
 
+TASKS = ("lm", "classify")
 # Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
-_DERIVED = {"head_dim": int, "d_ff": int, "pad_id": int, "vocab_size": int}
+_UNSET_TYPES = {"head_dim": int, "d_ff": int, "pad_id": int, "vocab_size": int}
 
 
 def model_fields(cfg: ModelConfig, **changes: object) -> ConfigDict:
     """A ModelConfig (e.g. a preset) as a ConfigDict that the command line can override key by key.
 
-    Derived sizes (head_dim, d_ff) become unset placeholders when they equal their defaults, so that
-    `--config.model.n_embd=...` recomputes them; `vocab_size=None` means "the dataset's".
+    Derived sizes (head_dim, d_ff) stay unset when they follow the rule, so that `--config.model.n_embd=...`
+    recomputes them; `vocab_size=None` means "the dataset's".
     """
-    cfg = cfg.replace(**{k: v for k, v in changes.items() if v is not None})
-    values = cfg.to_dict()
-    if cfg.head_dim == cfg.n_embd // cfg.n_head:
-        values["head_dim"] = None
-    if cfg.d_ff == 4 * cfg.n_embd:
-        values["d_ff"] = None
-    values.update({k: v for k, v in changes.items() if v is None})
-    out = ConfigDict()
-    for name, value in values.items():
-        out[name] = config_dict.placeholder(_DERIVED[name]) if value is None else value
-    return out
+    values = {**cfg.replace(**{k: v for k, v in changes.items() if v is not None}).settings(),
+              **{k: v for k, v in changes.items() if v is None}}
+    return ConfigDict({name: config_dict.placeholder(_UNSET_TYPES[name]) if value is None else value
+                       for name, value in values.items()})
 
 
 def base_config() -> ConfigDict:
     c = ConfigDict()
+    c.task = "lm"  # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify)
     c.workdir = ""  # where checkpoints, logs and the resolved config go (required)
     c.seed = 0  # data order, init and dropout all derive from it
     c.model = model_fields(get_preset("gpt2"), vocab_size=None)  # vocab_size None: the dataset's
@@ -48,8 +46,16 @@ def base_config() -> ConfigDict:
 
     c.data = ConfigDict()
     c.data.name = "stdlib_char"  # a built-in dataset, prepared into data.dir on first use ("" = custom)
-    c.data.dir = "data/stdlib_char"  # a prepared dataset (python -m jaxgpt.data ...)
-    c.data.bpe_file = ""  # GPT-2 ranks file for BPE datasets when offline (or env JAXGPT_BPE_FILE)
+    c.data.dir = "data/stdlib_char"  # a prepared dataset (jaxgpt data ...)
+    c.data.bpe_file = ""  # GPT-2 ranks file for BPE tokenizers when offline (or env JAXGPT_BPE_FILE)
+
+    c.classify = ConfigDict()  # task "classify": the model, tokenizer and body weights come from init_from
+    c.classify.data = "stdlib_packages"  # a built-in task name, or a .csv / .jsonl file of (text, label)
+    c.classify.val_fraction = 0.2  # held out for accuracy (stratified by class)
+    c.classify.max_len = config_dict.placeholder(int)  # tokens per row incl. the classification token
+    c.classify.cls_token = ""  # "" = end-of-text for BPE models, "\n" for char models
+    c.classify.lm_weight = 0.5  # weight of the auxiliary language-model loss (GPT-1: 0.5)
+    c.classify.cls_dropout = 0.1  # dropout on the hidden state before the classification head
 
     c.batch_size = 32  # global sequences per optimizer step, summed over micro-batches and hosts
     c.grad_accum = 1  # micro-batches per step (batch_size / grad_accum sequences each)
@@ -59,7 +65,7 @@ def base_config() -> ConfigDict:
 
     c.log_interval = 10
     c.eval_interval = 250
-    c.eval_batches = 20
+    c.eval_batches = 20  # language modelling: batches per evaluation (classification uses all held-out rows)
     c.ckpt_interval = 500  # also saved after every evaluation and at the end
     c.keep_checkpoints = 2  # the last N, plus the best by validation loss
     c.resume = True  # continue from the work directory's latest checkpoint when it has one
@@ -112,13 +118,66 @@ def pod_config(preset: str, workdir: str, *, batch_size: int, grad_accum: int, m
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The validated, typed view of a ConfigDict: what the trainer actually reads."""
+class DataConfig:
+    name: str  # a built-in dataset prepared into `dir` on first use, or "" for a dataset prepared by hand
+    dir: str
+    bpe_file: str
 
+
+@dataclasses.dataclass(frozen=True)
+class ClassifyConfig:
+    data: str
+    val_fraction: float
+    max_len: int | None
+    cls_token: str
+    lm_weight: float
+    cls_dropout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    enabled: bool
+    coordinator_address: str
+    num_processes: int | None
+    process_id: int | None
+    initialization_timeout: int
+    heartbeat_timeout: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """What the process sets up before any computation: devices, hosts, the compile cache."""
+
+    mesh: tuple[int, int, int]  # (data, fsdp, tensor); one -1 = the remaining devices
+    cpu_devices: int
+    compilation_cache_dir: str
+    distributed: DistributedConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    max_new_tokens: int
+    prompt: str
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A whole run, validated and typed: what the loop and the tasks read."""
+
+    task: str
     workdir: str
     seed: int
-    model: ModelConfig
+    model: ModelConfig  # language modelling: with `vocab_from_data`, its vocab_size is replaced by the dataset's
+    vocab_from_data: bool
+    init_from: str
     optim: OptimConfig
+    data: DataConfig
+    classify: ClassifyConfig
+    runtime: RuntimeConfig
+    sample: SampleConfig
     batch_size: int
     grad_accum: int
     max_steps: int
@@ -128,12 +187,23 @@ class TrainConfig:
     ckpt_interval: int
     keep_checkpoints: int
     resume: bool
-    mesh: tuple[int, int, int]
-    raw: ConfigDict = dataclasses.field(repr=False, compare=False)
+    settings: dict[str, Any] = dataclasses.field(repr=False, compare=False)  # the ConfigDict as JSON
+
+    def with_model(self, model: ModelConfig) -> TrainConfig:
+        return dataclasses.replace(self, model=model, vocab_from_data=False)
 
 
-def resolve(c: ConfigDict, vocab_size: int) -> TrainConfig:
-    """Check the ConfigDict and build typed configs; `vocab_size` is the dataset's."""
+def _typed(cls: type, values: dict[str, Any], where: str) -> Any:
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise UserError(f"bad {where} config: {e}") from None
+
+
+def from_config_dict(c: ConfigDict) -> TrainConfig:
+    """Check a ConfigDict (a config file plus command-line overrides) and build the typed config."""
+    if c.task not in TASKS:
+        raise UserError(f"config.task={c.task!r} is unknown: choose one of {TASKS}")
     if not c.workdir:
         raise UserError("config.workdir is empty: pass --config.workdir=DIR (where checkpoints and logs go)")
     for key in ("batch_size", "grad_accum", "max_steps", "log_interval", "eval_interval", "eval_batches",
@@ -142,21 +212,33 @@ def resolve(c: ConfigDict, vocab_size: int) -> TrainConfig:
             raise UserError(f"config.{key}={c[key]} must be >= 1")
     if c.batch_size % c.grad_accum:
         raise UserError(f"config.batch_size={c.batch_size} is not divisible by config.grad_accum={c.grad_accum}")
+    if c.cpu_devices < 0:
+        raise UserError(f"config.cpu_devices={c.cpu_devices} must be >= 0 (0 keeps JAX's default of one CPU device)")
+    k = c.classify
+    if not 0.0 < k.val_fraction < 1.0:
+        raise UserError(f"config.classify.val_fraction={k.val_fraction} must be between 0 and 1 (exclusive), "
+                        "e.g. 0.2")
+    if k.lm_weight < 0:
+        raise UserError(f"config.classify.lm_weight={k.lm_weight} must be >= 0")
+    if not 0.0 <= k.cls_dropout < 1.0:
+        raise UserError(f"config.classify.cls_dropout={k.cls_dropout} must be in [0, 1)")
+    if k.max_len is not None and k.max_len < 2:
+        raise UserError(f"config.classify.max_len={k.max_len} must be >= 2 (a text token and the class token)")
     model = dict(c.model.to_dict())
-    if model["vocab_size"] is None:
-        model["vocab_size"] = vocab_size
-    elif model["vocab_size"] < vocab_size:
-        raise UserError(f"config.model.vocab_size={model['vocab_size']} is smaller than the dataset's vocabulary "
-                        f"({vocab_size}): raise it or leave it unset")
+    vocab_from_data = model["vocab_size"] is None
+    if vocab_from_data:
+        model["vocab_size"] = 1  # replaced by the dataset's vocabulary before anything is built
     optim = dict(c.optim.to_dict())
     if optim["decay_steps"] is None:
         optim["decay_steps"] = max(c.max_steps, optim["warmup_steps"] + 1)
-    try:
-        optim_cfg = OptimConfig(**optim)
-    except TypeError as e:
-        raise UserError(f"bad optimizer config: {e}") from None
     return TrainConfig(
-        workdir=c.workdir, seed=c.seed, model=model_config_from_dict(model), optim=optim_cfg,
-        batch_size=c.batch_size, grad_accum=c.grad_accum, max_steps=c.max_steps, log_interval=c.log_interval,
-        eval_interval=c.eval_interval, eval_batches=c.eval_batches, ckpt_interval=c.ckpt_interval,
-        keep_checkpoints=c.keep_checkpoints, resume=c.resume, mesh=(c.mesh.data, c.mesh.fsdp, c.mesh.tensor), raw=c)
+        task=c.task, workdir=c.workdir, seed=c.seed, model=model_config_from_dict(model),
+        vocab_from_data=vocab_from_data, init_from=c.init_from, optim=_typed(OptimConfig, optim, "optimizer"),
+        data=DataConfig(**c.data.to_dict()), classify=ClassifyConfig(**k.to_dict()),
+        runtime=RuntimeConfig(mesh=(c.mesh.data, c.mesh.fsdp, c.mesh.tensor), cpu_devices=c.cpu_devices,
+                              compilation_cache_dir=c.compilation_cache_dir,
+                              distributed=DistributedConfig(**c.distributed.to_dict())),
+        sample=SampleConfig(**c.sample.to_dict()), batch_size=c.batch_size, grad_accum=c.grad_accum,
+        max_steps=c.max_steps, log_interval=c.log_interval, eval_interval=c.eval_interval,
+        eval_batches=c.eval_batches, ckpt_interval=c.ckpt_interval, keep_checkpoints=c.keep_checkpoints,
+        resume=c.resume, settings=json.loads(c.to_json()))

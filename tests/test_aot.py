@@ -24,7 +24,9 @@ GiB = 2**30
 
 
 def config(path: str, **overrides: object):
-    """A config file's ConfigDict with dotted overrides, as the command line would give."""
+    """A config file's typed config with dotted overrides, as the command line would give."""
+    from jaxgpt.train_config import from_config_dict
+
     spec = importlib.util.spec_from_file_location(Path(path).stem.replace(".", "_"), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -35,13 +37,14 @@ def config(path: str, **overrides: object):
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return c
+    c.workdir = c.workdir or "aot"
+    return from_config_dict(c)
 
 
 def test_cli_compiles_a_small_model_for_a_v5e_slice(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        ["timeout", "600", sys.executable, "-m", "jaxgpt.aot", f"--config={TINY}", "--topology=v5e:2x2",
+        ["timeout", "600", sys.executable, "-m", "jaxgpt", "aot", f"--config={TINY}", "--topology=v5e:2x2",
          "--config.model.vocab_size=128", "--config.model.n_head=4", "--config.model.dtype=bfloat16",
          "--config.mesh.data=2", "--config.mesh.fsdp=2", f"--json={out}"],
         capture_output=True, text=True, cwd=ROOT, timeout=660)
@@ -81,11 +84,11 @@ def test_a_model_too_big_for_the_slice_is_reported_not_raised() -> None:
 
 def test_fsdp_and_tensor_parallel_placement_on_tpu_devices() -> None:
     """Shardings only (nothing compiled): FSDP splits parameters and moments, tensor splits heads and MLP."""
-    from jaxgpt import aot, distributed, sharding
+    from jaxgpt import aot
 
     devices = aot.topology_devices("v5e:4x4")
     cfg = aot._resolved(config(str(ROOT / "configs" / "gpt2_medium.py"), **{"mesh.fsdp": 4, "mesh.tensor": 4}))
-    prog = distributed.build_program(cfg, sharding.make_mesh(cfg.mesh, devices))
+    prog = aot.program(cfg, devices)
     params = prog.abstract_state["params"]
     per_chip = aot._bytes_per_chip(params)
     total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -93,11 +96,11 @@ def test_fsdp_and_tensor_parallel_placement_on_tpu_devices() -> None:
     assert aot._bytes_per_chip(prog.abstract_state["opt_state"]) == pytest.approx(2 * per_chip, rel=0.01)
     kernel = params["h"]["mlp"]["fc"]["kernel"]  # (layers, embed, mlp)
     assert tuple(kernel.sharding.spec) == (None, "fsdp", "tensor")
-    assert tuple(prog.batch_sh.spec) == (None, ("data", "fsdp"), None)
+    assert tuple(prog.batch_sh["x"].spec) == (None, ("data", "fsdp"), None)
 
 
 def test_bad_topology_is_a_one_line_error() -> None:
-    proc = subprocess.run(["timeout", "300", sys.executable, "-m", "jaxgpt.aot", f"--config={TINY}",
+    proc = subprocess.run(["timeout", "300", sys.executable, "-m", "jaxgpt", "aot", f"--config={TINY}",
                            "--topology=v9:2x2"], capture_output=True, text=True, cwd=ROOT, timeout=330)
     assert proc.returncode == 2 and "error: --topology 'v9:2x2' is not understood" in proc.stderr
     assert "Traceback" not in proc.stderr

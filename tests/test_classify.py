@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import classify
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPT, GPTClassifier, init_params
 from jaxgpt.optim import OptimConfig, make_optimizer
+from jaxgpt.tasks import classify, classify_data
 from jaxgpt.tokenizer import CharTokenizer
+from jaxgpt.train_config import base_config, from_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHABET = "\nabcdefxyz"  # sorted by code point, as CharTokenizer requires
@@ -36,26 +37,26 @@ def write(path: Path, text: str) -> Path:
 
 def test_csv_labels_strings_map_sorted_and_quoted_fields_survive(tmp_path: Path) -> None:
     path = write(tmp_path / "d.csv", '\ufeffid,text,label\n1,"a, b",spam\n2,"two\nlines",ham\n3,c,spam\n')
-    ex = classify.read_labelled(path)
+    ex = classify_data.read_labelled(path)
     assert ex.texts == ["a, b", "two\nlines", "c"] and ex.labels == ["spam", "ham", "spam"]
-    names = classify.label_names(ex.labels)
+    names = classify_data.label_names(ex.labels)
     assert names == ["ham", "spam"]
-    assert classify.label_ids(ex.labels, names).tolist() == [1, 0, 1]
+    assert classify_data.label_ids(ex.labels, names).tolist() == [1, 0, 1]
 
 
 def test_csv_integer_labels_become_ints_sorted_numerically(tmp_path: Path) -> None:
-    ex = classify.read_labelled(write(tmp_path / "d.csv", "text,label\na,10\nb,2\nc,-1\n"))
+    ex = classify_data.read_labelled(write(tmp_path / "d.csv", "text,label\na,10\nb,2\nc,-1\n"))
     assert ex.labels == [10, 2, -1]
-    assert classify.label_names(ex.labels) == [-1, 2, 10]
+    assert classify_data.label_names(ex.labels) == [-1, 2, 10]
 
 
 def test_jsonl_int_and_string_labels(tmp_path: Path) -> None:
     ints = write(tmp_path / "i.jsonl", '{"text": "x", "label": 1}\n\n{"text": "y", "label": 0, "extra": 3}\n')
-    ex = classify.read_labelled(ints)
-    assert ex.texts == ["x", "y"] and ex.labels == [1, 0] and classify.label_names(ex.labels) == [0, 1]
+    ex = classify_data.read_labelled(ints)
+    assert ex.texts == ["x", "y"] and ex.labels == [1, 0] and classify_data.label_names(ex.labels) == [0, 1]
     strs = write(tmp_path / "s.jsonl", "\n".join(json.dumps({"text": t, "label": lab})
                                                  for t, lab in [("a", "pos"), ("b", "neg")]))
-    assert classify.label_names(classify.read_labelled(strs).labels) == ["neg", "pos"]
+    assert classify_data.label_names(classify_data.read_labelled(strs).labels) == ["neg", "pos"]
 
 
 @pytest.mark.parametrize("name,content,message", [
@@ -72,36 +73,36 @@ def test_jsonl_int_and_string_labels(tmp_path: Path) -> None:
 ])
 def test_bad_files_are_one_line_user_errors(tmp_path: Path, name: str, content: str, message: str) -> None:
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        classify.read_labelled(write(tmp_path / name, content))
+        classify_data.read_labelled(write(tmp_path / name, content))
 
 
 def test_missing_file_single_class_and_mixed_labels(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not found"):
-        classify.read_labelled(tmp_path / "nope.csv")
+        classify_data.read_labelled(tmp_path / "nope.csv")
     with pytest.raises(UserError, match="single class"):
-        classify.label_names(["a", "a"])
+        classify_data.label_names(["a", "a"])
     with pytest.raises(UserError, match="mixes integer and string"):
-        classify.label_names([1, "1"])
+        classify_data.label_names([1, "1"])
 
 
 def test_stratified_split_holds_out_each_class() -> None:
     ids = np.array([0] * 50 + [1] * 10 + [2] * 1)
-    train, val = classify.stratified_split(ids, 0.2, seed=3)
+    train, val = classify_data.stratified_split(ids, 0.2, seed=3)
     assert sorted(np.concatenate([train, val]).tolist()) == list(range(len(ids)))
     assert np.bincount(ids[val], minlength=3).tolist() == [10, 2, 0]  # a singleton class stays in training
-    again = classify.stratified_split(ids, 0.2, seed=3)
+    again = classify_data.stratified_split(ids, 0.2, seed=3)
     assert all(np.array_equal(a, b) for a, b in zip((train, val), again, strict=True))
 
 
 def test_builtin_task_is_balanced_deterministic_and_file_disjoint() -> None:
-    train, val, description = classify.stdlib_packages_task(0.2, per_class=200)
+    train, val, description = classify_data.stdlib_packages_task(0.2, per_class=200)
     assert "stdlib_packages" in description
     for ex in (train, val):
-        counts = {label: ex.labels.count(label) for label in classify.STDLIB_PACKAGES}
+        counts = {label: ex.labels.count(label) for label in classify_data.STDLIB_PACKAGES}
         assert len(set(counts.values())) == 1, counts
-        assert all(len(t) == classify.SNIPPET_CHARS for t in ex.texts)
+        assert all(len(t) == classify_data.SNIPPET_CHARS for t in ex.texts)
     assert len(val) == 4 * 40 and not set(train.texts) & set(val.texts)
-    assert classify.stdlib_packages_task(0.2, per_class=200)[1].texts == val.texts
+    assert classify_data.stdlib_packages_task(0.2, per_class=200)[1].texts == val.texts
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -110,23 +111,23 @@ def test_builtin_task_is_balanced_deterministic_and_file_disjoint() -> None:
 
 def test_rows_are_truncated_then_left_padded_with_the_cls_token_last() -> None:
     tok = CharTokenizer(ALPHABET)
-    cls_id = classify.cls_token_id(tok)
+    cls_id = classify_data.cls_token_id(tok)
     assert tok.decode([cls_id]) == "\n"
-    x, mask = classify.encode_texts(["ab", "abcdefxyz", ""], tok, cls_id, width=5)
+    x, mask = classify_data.encode_texts(["ab", "abcdefxyz", ""], tok, cls_id, width=5)
     assert x[:, -1].tolist() == [cls_id] * 3
     assert mask.tolist() == [[False, False, True, True, True], [True] * 5, [False] * 4 + [True]]
     assert tok.decode(x[1, :-1].tolist()) == "abcd"
     assert tok.decode(x[0, 2:].tolist()) == "ab\n"
     with pytest.raises(UserError, match=re.escape("example 1 ('ab!')")):
-        classify.encode_texts(["ab", "ab!"], tok, cls_id, width=5)
+        classify_data.encode_texts(["ab", "ab!"], tok, cls_id, width=5)
     with pytest.raises(UserError, match="not a single token"):
-        classify.cls_token_id(tok, "ab")
+        classify_data.cls_token_id(tok, "ab")
 
 
 def test_batches_are_a_pure_function_of_seed_and_step_and_cover_each_epoch() -> None:
     n, b = 10, 4
-    first = [classify.batch_indices(7, s, n, b) for s in range(5)]
-    assert all(np.array_equal(a, classify.batch_indices(7, s, n, b)) for s, a in enumerate(first))
+    first = [classify_data.batch_indices(7, s, n, b) for s in range(5)]
+    assert all(np.array_equal(a, classify_data.batch_indices(7, s, n, b)) for s, a in enumerate(first))
     flat = np.concatenate(first)  # 20 positions = two epochs
     assert sorted(flat[:10].tolist()) == list(range(10)) and sorted(flat[10:].tolist()) == list(range(10))
     assert not np.array_equal(flat[:10], flat[10:])
@@ -192,20 +193,29 @@ def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny_config(workdir: Path, lm: Path, data: Path, **overrides: object):
-    c = classify.base_config()
-    c.workdir, c.init_from, c.data = str(workdir), f"workdir:{lm}", str(data)
-    c.batch_size, c.steps, c.eval_interval, c.log_interval = 16, 40, 20, 10
+    c = base_config()
+    c.task, c.workdir, c.init_from, c.classify.data = "classify", str(workdir), f"workdir:{lm}", str(data)
+    c.batch_size, c.max_steps, c.eval_interval, c.log_interval = 16, 40, 20, 10
     c.optim.lr, c.optim.warmup_steps = 3e-3, 5
     c.compilation_cache_dir = ""
     for key, value in overrides.items():
-        c[key] = value
+        if key in c.classify:
+            c.classify[key] = value
+        else:
+            c[key] = value
     return c
+
+
+def finetune(c) -> dict:
+    from tests_helpers import train_run
+
+    return train_run(c)
 
 
 def test_finetune_beats_majority_saves_and_predicts(tmp_path: Path, tiny_lm: Path) -> None:
     data = synthetic_csv(tmp_path / "easy.csv", 300, seed=0)
     workdir = tmp_path / "cls"
-    result = classify.finetune(tiny_config(workdir, tiny_lm, data))
+    result = finetune(tiny_config(workdir, tiny_lm, data))
     val = result["val"]
     assert result["labels"] == ["high", "low", "mid"]
     assert val["accuracy"] > result["majority_baseline"] + 0.3, (val, result["majority_baseline"])
@@ -220,10 +230,10 @@ def test_finetune_beats_majority_saves_and_predicts(tmp_path: Path, tiny_lm: Pat
     assert meta["classifier"]["labels"] == ["high", "low", "mid"] and meta["classifier"]["n_class"] == 3
     assert meta["classifier"]["cls_token_id"] == ALPHABET.index("\n") and meta["tokenizer"]["type"] == "char"
 
-    again = classify.finetune(tiny_config(workdir, tiny_lm, data))  # resumes at the end: nothing to do
+    again = finetune(tiny_config(workdir, tiny_lm, data))  # resumes at the end: nothing to do
     assert again["steps"] == 0
     with pytest.raises(UserError, match="different model, labels"):
-        classify.finetune(tiny_config(workdir, tiny_lm, synthetic_csv(tmp_path / "two.csv", 40, 1), max_len=8))
+        finetune(tiny_config(workdir, tiny_lm, synthetic_csv(tmp_path / "two.csv", 40, 1), max_len=8))
 
 
 @pytest.mark.slow
@@ -241,8 +251,8 @@ def test_finetune_from_a_gpt2_directory_uses_the_end_of_text_token(tmp_path: Pat
     jsonl = write(tmp_path / "d.jsonl", "".join(json.dumps({"text": f"{word} number {i}", "label": int(word == "cat")})
                                                 + "\n" for i in range(40) for word in ("cat", "dog")))
     workdir = tmp_path / "cls"
-    result = classify.finetune(tiny_config(workdir, tmp_path, jsonl, init_from=f"hf:{hf_dir}", max_len=12,
-                                           steps=20, eval_interval=20))
+    result = finetune(tiny_config(workdir, tmp_path, jsonl, init_from=f"hf:{hf_dir}", max_len=12,
+                                           max_steps=20, eval_interval=20))
     assert result["labels"] == [0, 1]
     clf = classify.load_classifier(workdir)
     assert clf.model.cls_token_id == GPT2_EOT and clf.width == 4 and clf.model.cfg.block_size == 12
@@ -254,7 +264,7 @@ def test_classifier_reads_the_last_column() -> None:
     cfg = ModelConfig(vocab_size=len(ALPHABET), block_size=8, n_layer=1, n_head=2, n_embd=16)
     model = GPTClassifier(cfg, n_class=2, cls_token_id=ALPHABET.index("\n"), cls_dropout=0.0)
     params = init_params(cfg, jax.random.key(1), model)
-    x, mask = classify.encode_texts(["a\nb", "xyz"], CharTokenizer(ALPHABET), model.cls_token_id, 6)
+    x, mask = classify_data.encode_texts(["a\nb", "xyz"], CharTokenizer(ALPHABET), model.cls_token_id, 6)
     _, cls = jax.jit(model.apply)({"params": params}, x, mask)
     h = jax.jit(lambda p, x, m: model.apply(p, x, m, method=GPTClassifier.hidden))({"params": params}, x, mask)[:, -1]
     want = h @ params["cls_head"]["kernel"] + params["cls_head"]["bias"]
@@ -271,18 +281,18 @@ def test_classifier_reads_the_last_column() -> None:
 def test_bad_config_is_a_user_error(tmp_path: Path, tiny_lm: Path, overrides: dict, message: str) -> None:
     data = synthetic_csv(tmp_path / "easy.csv", 30, seed=0)
     with pytest.raises(UserError, match=message):
-        classify.finetune(tiny_config(tmp_path / "w", tiny_lm, data, **overrides))
+        finetune(tiny_config(tmp_path / "w", tiny_lm, data, **overrides))
 
 
 def test_single_class_data_is_a_user_error(tmp_path: Path, tiny_lm: Path) -> None:
     data = write(tmp_path / "one.jsonl", '{"text": "ab", "label": "a"}\n{"text": "cd", "label": "a"}\n')
     with pytest.raises(UserError, match="single class"):
-        classify.finetune(tiny_config(tmp_path / "w", tiny_lm, data))
+        finetune(tiny_config(tmp_path / "w", tiny_lm, data))
 
 
 def test_cli_prints_one_line_error_and_exits_2(tmp_path: Path) -> None:
     config = str(ROOT / "configs" / "classify_stdlib.py")
-    proc = subprocess.run([sys.executable, "-m", "jaxgpt.classify", "--config", config,
+    proc = subprocess.run([sys.executable, "train.py", "--config", config,
                            f"--config.workdir={tmp_path / 'w'}", "--config.init_from=workdir:/nonexistent/lm"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
@@ -293,17 +303,17 @@ def test_cli_prints_one_line_error_and_exits_2(tmp_path: Path) -> None:
 def test_builtin_task_runs_from_a_char_model_and_a_classifier_refines(tmp_path: Path) -> None:
     """The built-in task end to end (random weights, so only the plumbing is checked), then a second
     fine-tune that starts from the first classifier (its body, without the head)."""
-    train, val, _ = classify.stdlib_packages_task(0.2)
+    train, val, _ = classify_data.stdlib_packages_task(0.2)
     tok = CharTokenizer.from_text("".join(train.texts + val.texts) + "\n")
     lm = tmp_path / "lm"
     save_random_lm(lm, ModelConfig(vocab_size=tok.vocab_size, block_size=160, n_layer=1, n_head=2, n_embd=32), tok)
-    first = classify.finetune(tiny_config(tmp_path / "a", lm, "stdlib_packages", steps=10, eval_interval=10))
-    assert first["labels"] == list(classify.STDLIB_PACKAGES) and first["majority_baseline"] == 0.25
+    first = finetune(tiny_config(tmp_path / "a", lm, "stdlib_packages", max_steps=10, eval_interval=10))
+    assert first["labels"] == list(classify_data.STDLIB_PACKAGES) and first["majority_baseline"] == 0.25
     data = synthetic_csv(tmp_path / "easy.csv", 60, seed=2)
     snowmen = write(tmp_path / "snow.csv", "text,label\n" + "".join(f"a\u2603,{i % 2}\n" for i in range(10)))
     with pytest.raises(UserError, match=re.escape("example 0 ('a\u2603'): text has characters outside")):
-        classify.finetune(tiny_config(tmp_path / "b", tmp_path / "a", snowmen))
-    second = classify.finetune(tiny_config(tmp_path / "b", tmp_path / "a", data, steps=10, eval_interval=10))
+        finetune(tiny_config(tmp_path / "b", tmp_path / "a", snowmen))
+    second = finetune(tiny_config(tmp_path / "b", tmp_path / "a", data, max_steps=10, eval_interval=10))
     assert second["labels"] == ["high", "low", "mid"]
 
 
@@ -315,6 +325,7 @@ def test_shipped_config_is_valid() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config()
-    optim = classify.check_config(c)
-    assert c.data in classify.BUILTIN_TASKS and c.init_from.startswith("workdir:")
-    assert optim.decay_steps == c.steps and c.steps % c.eval_interval == 0
+    cfg = from_config_dict(c)
+    assert cfg.task == "classify" and c.classify.data in classify_data.BUILTIN_TASKS
+    assert c.init_from.startswith("workdir:")
+    assert cfg.optim.decay_steps == c.max_steps and c.max_steps % c.eval_interval == 0

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxgpt.model import GPT
-from jaxgpt.train_config import resolve
+from jaxgpt.train_config import from_config_dict
 
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.py")
                  if not p.stem.startswith("classify_"))  # classification configs: tests/test_classify.py
@@ -22,7 +22,10 @@ def test_config_resolves_and_builds(path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config()
-    cfg = resolve(c, vocab_size=50257 if c.data.name in ("shakespeare", "openwebtext") else 100)
+    cfg = from_config_dict(c)
+    if cfg.vocab_from_data:
+        cfg = cfg.with_model(cfg.model.replace(vocab_size=50257 if c.data.name in ("shakespeare", "openwebtext")
+                                               else 100))
     assert cfg.workdir and cfg.optim.decay_steps >= cfg.optim.warmup_steps
     idx = jnp.zeros((1, 4), jnp.int32)
     shapes = jax.eval_shape(GPT(cfg.model).init, jax.random.key(0), idx)

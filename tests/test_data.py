@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import tiktoken
 
-from jaxgpt import data
+from jaxgpt import data, datasets
 from jaxgpt import tokenizer as tok
-from jaxgpt.data import batch_for_step, eval_batches, load_dataset, prepare_builtin, prepare_text
+from jaxgpt.commands import data as data_command
+from jaxgpt.data import batch_for_step, eval_batches, load_dataset, prepare_text
+from jaxgpt.datasets import prepare_builtin
 from jaxgpt.errors import UserError
 from jaxgpt.tokenizer import CharTokenizer, Tokenizer, load_bpe
 
@@ -206,7 +208,7 @@ def _fake_stdlib(root: Path) -> None:
 
 def test_stdlib_corpus_selection_order_and_headers(tmp_path):
     _fake_stdlib(tmp_path)
-    text, description = data.stdlib_corpus(tmp_path)
+    text, description = datasets.stdlib_corpus(tmp_path)
     assert text == (
         "# file: alpha.py\na = 'é'\n\n"
         "# file: pkg/__init__.py\n\n"
@@ -220,7 +222,7 @@ def test_stdlib_char_is_deterministic_on_a_small_tree(tmp_path, monkeypatch):
     root = tmp_path / "lib"
     _fake_stdlib(root)
     (root / "big.py").write_text("x = [i * 2 for i in range(10)]\n" * 50)
-    monkeypatch.setattr(data, "stdlib_root", lambda: root)
+    monkeypatch.setattr(datasets, "stdlib_root", lambda: root)
     meta_a = prepare_builtin("stdlib_char", tmp_path / "a")
     meta_b = prepare_builtin("stdlib_char", tmp_path / "b")
     assert meta_a == meta_b
@@ -240,15 +242,15 @@ def test_stdlib_char_real_library_is_deterministic(tmp_path):
 
 
 def test_shakespeare_download_failure_says_how_to_use_a_local_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # refused at once
+    monkeypatch.setattr(datasets, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # refused at once
     with pytest.raises(UserError) as err:
         prepare_builtin("shakespeare_char", tmp_path / "sh")
-    assert "download" in str(err.value) and "--text input.txt --tokenizer char" in str(err.value)
+    assert "download" in str(err.value) and "jaxgpt data --text input.txt --tokenizer char" in str(err.value)
     assert not (tmp_path / "sh" / "input.txt").exists()
 
 
 def test_shakespeare_uses_an_already_downloaded_copy(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")
+    monkeypatch.setattr(datasets, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")
     (tmp_path / "sh").mkdir()
     (tmp_path / "sh" / "input.txt").write_text(TEXT)
     meta = prepare_builtin("shakespeare_char", tmp_path / "sh")
@@ -258,7 +260,7 @@ def test_shakespeare_uses_an_already_downloaded_copy(tmp_path, monkeypatch):
 def test_openwebtext_without_datasets_package_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(UserError, match="pip install datasets"):
-        next(data._hub_documents("HuggingFaceFW/fineweb", "sample-10BT", None))
+        next(datasets._hub_documents("HuggingFaceFW/fineweb", "sample-10BT", None))
 
 
 def test_unknown_builtin_dataset_is_a_user_error(tmp_path):
@@ -379,14 +381,31 @@ def test_eval_batches_are_fixed_and_separate_from_training():
 
 def test_cli_prepares_text_and_prints_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(TEXT)
-    assert data.main(["--text", str(tmp_path / "a.txt"), "--out", str(tmp_path / "ds")]) == 0
+    assert data_command.main(["jaxgpt data", "--text", str(tmp_path / "a.txt"), "--out", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and f"vocab {len(VOCAB)}" in out
     assert load_dataset(tmp_path / "ds").meta["n_val"] == int(len(TEXT) * 0.1)
 
 
+def test_cli_text_takes_several_files_in_order(tmp_path, capsys):
+    """`--text a.txt b.txt` (as before the commands layer) and `--text a.txt --text b.txt` are the same."""
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(TEXT.upper())
+    files = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    assert data_command.main(["jaxgpt data", "--text", *files, "--out", str(tmp_path / "one")]) == 0
+    assert data_command.main(["jaxgpt data", "--text", files[0], "--out", str(tmp_path / "two"), "--text",
+                              files[1]]) == 0
+    assert _bin_bytes(tmp_path / "one") == _bin_bytes(tmp_path / "two")
+    ds = load_dataset(tmp_path / "one")
+    assert ds.meta["n_train"] + ds.meta["n_val"] == 2 * len(TEXT)
+    assert ds.tokenizer.decode(ds.val.tolist()) == (TEXT + TEXT.upper())[-ds.meta["n_val"]:]
+    capsys.readouterr()
+    assert data_command.main(["jaxgpt data", "--dataset", "stdlib_char", "--out", str(tmp_path / "x"), files[0]]) == 2
+    assert "unexpected arguments" in capsys.readouterr().err
+
+
 def test_cli_user_error_exits_2_with_one_line(tmp_path, capsys):
-    code = data.main(["--text", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "ds")])
+    code = data_command.main(["jaxgpt data", "--text", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "ds")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
 
@@ -403,6 +422,6 @@ def test_cli_gpt2_offline_without_ranks_is_a_user_error(tmp_path, capsys, monkey
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
     (tmp_path / "a.txt").write_text(TEXT)
     argv = ["--text", str(tmp_path / "a.txt"), "--tokenizer", "gpt2", "--out", str(tmp_path / "ds")]
-    code = data.main(argv)
+    code = data_command.main(["jaxgpt data", *argv])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: no GPT-2 BPE ranks") and err.count("\n") == 1

@@ -22,7 +22,8 @@ pytest.importorskip("safetensors")
 
 from safetensors.numpy import load_file, save_file
 
-from jaxgpt import hf
+from jaxgpt import hf, weights
+from jaxgpt.commands import hf as hf_command
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPT, GPTClassifier, stack_layers, unstack_layers
@@ -380,6 +381,16 @@ def test_error_size_override(good_checkpoint):
     assert "n_layer" in one_line_error(hf.load_hf_gpt2, good_checkpoint, n_layer=4)
 
 
+def test_n_inner_follows_the_config_rule():
+    """n_inner absent or None <-> d_ff derived from n_embd by ModelConfig's rule; other widths are explicit."""
+    derived = hf.hf_config_to_model_config({"model_type": "gpt2", "n_embd": 48, "n_head": 6})
+    assert derived.d_ff == 192 and derived.is_derived("d_ff") and derived.settings()["d_ff"] is None
+    assert hf.model_config_to_hf_config(derived)["n_inner"] is None
+    wide = hf.hf_config_to_model_config({"model_type": "gpt2", "n_embd": 48, "n_head": 6, "n_inner": 80})
+    assert wide.d_ff == 80 and hf.model_config_to_hf_config(wide)["n_inner"] == 80
+    assert "n_inner=0" in one_line_error(hf.hf_config_to_model_config, {"model_type": "gpt2", "n_inner": 0})
+
+
 @pytest.mark.parametrize("changes, named", [
     (dict(norm_placement="post", final_norm=False), "norm_placement='post'"),
     (dict(position="sinusoidal"), "position='sinusoidal'"),
@@ -413,25 +424,31 @@ def test_export_never_overwrites_by_default(good_checkpoint):
 
 
 def test_cli_inspect_and_errors(good_checkpoint, tmp_path, capsys):
-    assert hf.main(["inspect", str(good_checkpoint)]) == 0
+    assert hf_command.main(["jaxgpt hf", "inspect", str(good_checkpoint)]) == 0
     out = capsys.readouterr().out
     assert "GPT-2 checkpoint" in out and "n_layer        2" in out
-    assert hf.main(["inspect", str(tmp_path / "missing")]) == 2
+    assert hf_command.main(["jaxgpt hf", "inspect", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_cli_export(tmp_path, monkeypatch, capsys):
-    """Exports what `load_for_inference` returns (faked here: the training side is tested elsewhere),
+    """Exports what `weights.load("workdir:...")` returns (faked here: the training side is tested elsewhere),
     leaving out a classifier head."""
-    import jaxgpt.checkpoint
-
     cfg = GPT2_SHAPED
     params = random_params(cfg, seed=6)
     with_head = {**params, "cls_head": {"kernel": jnp.zeros((32, 2)), "bias": jnp.zeros(2)}}
-    monkeypatch.setattr(jaxgpt.checkpoint, "load_for_inference", lambda workdir, which="latest": (with_head, cfg, {}))
-    assert hf.main(["export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    asked = []
+
+    def fake_load(source, which="latest", **_):
+        asked.append((source, which))
+        return weights.Weights(with_head, cfg, None, {}, "run")
+
+    monkeypatch.setattr(weights, "load", fake_load)
+    export = ["jaxgpt hf", "export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
+    assert hf_command.main(export) == 0
     assert "left out cls_head" in capsys.readouterr().out
     assert_trees_equal(hf.load_hf_gpt2(tmp_path / "out")[0], params)
-    assert hf.main(["export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert hf_command.main([*export, "--which", "best"]) == 2
     assert "not empty" in capsys.readouterr().err
+    assert asked == [(f"workdir:{tmp_path / 'run'}", "latest"), (f"workdir:{tmp_path / 'run'}", "best")]

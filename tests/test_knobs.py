@@ -93,17 +93,20 @@ def test_bf16_compute_keeps_fp32_parameters_and_optimizer_state(runs: dict) -> N
 
 def test_bf16_matmuls_in_the_compiled_step() -> None:
     """The trainer's own train step, lowered: bf16 dot products, fp32 parameters in and out."""
-    from jaxgpt import distributed, sharding
-    from jaxgpt.config import ModelConfig
-    from jaxgpt.optim import OptimConfig
-    from jaxgpt.train_config import TrainConfig
+    from tests_helpers import load_tiny
 
-    cfg = TrainConfig(workdir="w", seed=0, model=ModelConfig(dtype="bfloat16", param_dtype="float32"),
-                      optim=OptimConfig(), batch_size=4, grad_accum=1, max_steps=1, log_interval=1, eval_interval=1,
-                      eval_batches=1, ckpt_interval=1, keep_checkpoints=1, resume=True, mesh=(-1, 1, 1), raw=None)
-    prog = distributed.build_program(cfg, sharding.make_mesh(cfg.mesh))
+    from jaxgpt import layout
+    from jaxgpt.tasks.lm import LanguageModelling
+    from jaxgpt.train_config import from_config_dict
+
+    c = load_tiny(workdir="w", batch_size=4)
+    c.model.vocab_size, c.model.block_size, c.model.dtype, c.model.param_dtype = 256, 64, "bfloat16", "float32"
+    cfg = from_config_dict(c)
+    prog = layout.build_program(LanguageModelling(cfg, None), cfg.optim, layout.make_mesh(cfg.runtime.mesh), 4)
+    shape = (1, 4, 64)
     with prog.activate():
-        hlo = prog.train_step.lower(prog.abstract_state, prog.abstract_batch(4, 1, 64), prog.abstract_key()).as_text()
+        hlo = prog.train_step.lower(prog.abstract_state, prog.abstract_batch({"x": shape, "y": shape}),
+                                    prog.abstract_key()).as_text()
     dots = [line for line in hlo.splitlines() if "dot_general" in line]
     assert dots and all("bf16" in line for line in dots if "tensor<" in line)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(prog.abstract_state["params"]))

@@ -10,9 +10,10 @@ import numpy as np
 import numpy_reference as ref
 import pytest
 
+from jaxgpt.attention import query_blocks
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, GPTClassifier, init_params, query_blocks, stack_layers, unstack_layers
+from jaxgpt.model import GPT, GPTClassifier, init_params, stack_layers, unstack_layers
 from jaxgpt.presets import PRESETS, get_preset
 from jaxgpt.summary import count_params, param_shapes, summary
 

@@ -20,8 +20,9 @@ import pytest
 from flax import traverse_util
 from tests_helpers import logged_losses
 
-from jaxgpt import distributed
-from jaxgpt.checkpoint import Checkpointer, load_for_inference
+from jaxgpt import layout
+from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.weights import load
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -72,9 +73,9 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
 
 
 def final_params(workdir: Path) -> dict:
-    params, _, meta = load_for_inference(workdir)  # onto this process's one device: a resharding restore
-    assert meta["step"] == STEPS
-    return traverse_util.flatten_dict(params)
+    loaded = load(f"workdir:{workdir}")  # onto this process's one device: a resharding restore
+    assert loaded.meta["step"] == STEPS
+    return traverse_util.flatten_dict(loaded.params)
 
 
 def test_two_processes_equal_one_process_with_four_devices(tmp_path: Path, data_dir: Path) -> None:
@@ -136,7 +137,7 @@ def test_each_host_reads_only_the_rows_its_devices_hold() -> None:
     """Row ranges per host on a 16-chip, 4-host v5e slice, for rows split over 16, 4 and 1 (replicated) groups."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxgpt import aot, sharding
+    from jaxgpt import aot
 
     devices = aot.topology_devices("v5e:4x4")
     hosts = sorted({d.process_index for d in devices})
@@ -145,9 +146,9 @@ def test_each_host_reads_only_the_rows_its_devices_hold() -> None:
     # (16,1,1): 4 rows per chip, 4 chips per host. (1,4,4): 4 row groups of 16; the physical layout puts each
     # host's 4 chips in two of them (a tensor group spans two hosts). (1,1,16): rows replicated, all 64.
     for mesh_shape, rows_per_host in [((16, 1, 1), 16), ((1, 4, 4), 32), ((1, 1, 16), 64)]:
-        mesh = sharding.make_mesh(mesh_shape, devices)
-        sh = NamedSharding(mesh, PartitionSpec(None, sharding.BATCH_AXES, None))
-        spans = {h: distributed.local_rows(sh, shape, dim=1, process_index=h) for h in hosts}
+        mesh = layout.make_mesh(mesh_shape, devices)
+        sh = NamedSharding(mesh, PartitionSpec(None, layout.BATCH_AXES, None))
+        spans = {h: layout.local_rows(sh, shape, dim=1, process_index=h) for h in hosts}
         for h in hosts:
             assert sum(b - a for a, b in spans[h]) == rows_per_host, (mesh_shape, spans)
             for d, index in sh.devices_indices_map(shape).items():  # every row a host's device needs is read
@@ -165,10 +166,10 @@ def test_read_rows_takes_one_block_or_gathers_spans() -> None:
         rows = np.arange(16)[i * 16 // n:(i + 1) * 16 // n]
         return (rows,)
 
-    (rows,) = distributed.read_rows(read, [(2, 3)], n_rows=16, unit=4)  # rows 8..11: "process 2 of 4"
+    (rows,) = layout.read_rows(read, [(2, 3)], n_rows=16, unit=4)  # rows 8..11: "process 2 of 4"
     assert calls == [(2, 4)] and rows.tolist() == [8, 9, 10, 11]
     calls.clear()
-    (rows,) = distributed.read_rows(read, [(0, 1), (3, 4)], n_rows=16, unit=4)  # two spans: read all, keep both
+    (rows,) = layout.read_rows(read, [(0, 1), (3, 4)], n_rows=16, unit=4)  # two spans: read all, keep both
     assert calls == [(0, 1)] and rows.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
 
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
-from jaxgpt import plots
+from jaxgpt import plots, weights
+from jaxgpt.commands import plots as plots_command
+from jaxgpt.commands import summary as summary_command
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.model import init_params, stack_layers
-from jaxgpt.summary import main as summary_main
 from jaxgpt.tokenizer import CharTokenizer
 
 CHARS = "".join(sorted(set(" .,?HTabcdefghiklmnorstuwy\n")))
@@ -82,26 +83,33 @@ def test_attention_heatmap_png(params, tmp_path):
 
 
 def test_attention_cli(params, tmp_path, monkeypatch, capsys):
-    """--workdir goes through `load_for_inference` (faked: a checkpoint with a char tokenizer); --hf through
-    the GPT-2 importer, with --ids when the vocabulary has no known tokenizer."""
-    import jaxgpt.checkpoint
+    """--workdir goes through `weights.load` (faked: a checkpoint with a char tokenizer); --hf through the
+    GPT-2 importer, with --ids when the vocabulary has no known tokenizer."""
     from jaxgpt.hf import save_hf_gpt2
 
+    real_load = weights.load
     meta = {"tokenizer": CharTokenizer(CHARS).to_meta()}
-    monkeypatch.setattr(jaxgpt.checkpoint, "load_for_inference", lambda workdir, which="latest": (params, CFG, meta))
+
+    def fake_load(source, which="latest", **kwargs):
+        if not source.startswith("workdir:"):
+            return real_load(source, which=which, **kwargs)
+        assert source == f"workdir:{tmp_path}" and which == "latest"
+        return weights.Weights(params, CFG, meta["tokenizer"], meta, "run (latest, step 1)")
+
+    monkeypatch.setattr(weights, "load", fake_load)
     out = tmp_path / "a.png"
     argv = ["attention", "--workdir", str(tmp_path), "--prompt", "How are you?", "--layer", "-1", "--out", str(out)]
-    assert plots.main(argv) == 0
+    assert plots_command.main(["jaxgpt plots", *argv]) == 0
     assert "4 heads of layer 1, 12 tokens" in capsys.readouterr().out
     assert_png(out)
 
     save_hf_gpt2(params, CFG, tmp_path / "hf")
     hf_argv = ["attention", "--hf", str(tmp_path / "hf"), "--layer", "0", "--out", str(tmp_path / "b.png")]
-    assert plots.main([*hf_argv, "--ids", "3,4,5,6"]) == 0
+    assert plots_command.main(["jaxgpt plots", *hf_argv, "--ids", "3,4,5,6"]) == 0
     assert_png(tmp_path / "b.png")
-    assert plots.main([*hf_argv, "--prompt", "hi"]) == 2
+    assert plots_command.main(["jaxgpt plots", *hf_argv, "--prompt", "hi"]) == 2
     assert "pass token ids with --ids" in capsys.readouterr().err
-    assert plots.main([*argv[:-4], "--layer", "2", "--out", str(out)]) == 2
+    assert plots_command.main(["jaxgpt plots", *argv[:-4], "--layer", "2", "--out", str(out)]) == 2
     assert "layers 0..1" in capsys.readouterr().err
 
 
@@ -152,10 +160,10 @@ def test_metrics_errors(tmp_path):
 def test_curves_png_and_cli(tmp_path, capsys):
     write_metrics(tmp_path, steps=200)
     out = tmp_path / "plots" / "curves.png"
-    assert plots.main(["curves", "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    assert plots_command.main(["jaxgpt plots", "curves", "--workdir", str(tmp_path), "--out", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
     assert_png(out)
-    assert plots.main(["curves", "--workdir", str(tmp_path / "none"), "--out", str(out)]) == 2
+    assert plots_command.main(["jaxgpt plots", "curves", "--workdir", str(tmp_path / "none"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
 
@@ -171,7 +179,7 @@ def test_curves_with_missing_quantities(tmp_path):
 
 
 def test_summary_command_gpt2(capsys):
-    assert summary_main(["--preset", "gpt2"]) == 0
+    assert summary_command.main(["jaxgpt summary", "--preset", "gpt2"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("124,439,808")
     assert "wte" in out and "h_11/mlp" in out and "4,722,432" in out
@@ -180,15 +188,15 @@ def test_summary_command_gpt2(capsys):
 def test_summary_command_config_and_errors(tmp_path, capsys):
     (tmp_path / "m.json").write_text(json.dumps({"model": {"vocab_size": 10, "n_layer": 1, "n_embd": 8,
                                                            "n_head": 2, "block_size": 4}}))
-    assert summary_main(["--config", str(tmp_path / "m.json")]) == 0
+    assert summary_command.main(["jaxgpt summary", "--config", str(tmp_path / "m.json")]) == 0
     # wte 80 + wpe 32 + ln 2*16 + attn (8*24+24 + 8*8+8) + mlp (8*32+32 + 32*8+8) + ln_f 16
     assert capsys.readouterr().out.rstrip().endswith(f"{80 + 32 + 32 + 288 + 552 + 16:,}")
-    assert summary_main(["--preset", "gpt5"]) == 2
+    assert summary_command.main(["jaxgpt summary", "--preset", "gpt5"]) == 2
     assert "unknown model preset 'gpt5'" in capsys.readouterr().err
 
 
 def test_summary_module_entry_point():
-    done = subprocess.run([sys.executable, "-m", "jaxgpt.summary", "--preset", "gpt2-medium"],
+    done = subprocess.run([sys.executable, "-m", "jaxgpt", "summary", "--preset", "gpt2-medium"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip().endswith("354,823,168")

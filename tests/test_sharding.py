@@ -1,7 +1,7 @@
 """Sharded training equals single-device training, and checkpoints move between meshes.
 
 Eight fake CPU devices need XLA_FLAGS before jax is imported, so the multi-device runs happen in one
-subprocess (the real trainer, `jaxgpt.trainer.train`, once per mesh); the single-device runs happen here,
+subprocess (the real training loop, `jaxgpt.loop.train`, once per mesh); the single-device runs happen here,
 in the test process, which stays on one device.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AbstractMesh
 from tests_helpers import logged_losses
 
-from jaxgpt import sharding
+from jaxgpt import layout
 from jaxgpt.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,14 +33,13 @@ OVERRIDES = dict(max_steps=STEPS, log_interval=1, eval_interval=STEPS, ckpt_inte
 WORKER = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
-from tests_helpers import load_tiny
-from jaxgpt.trainer import train
+from tests_helpers import load_tiny, train_run
 
 def run(workdir, mesh, **overrides):
     c = load_tiny(workdir=workdir, data_dir={data!r}, **{overrides!r})
     c.model.n_head = 4
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
-    train(c)
+    train_run(c)
 
 out = {{}}
 for mesh in {meshes!r}:
@@ -75,14 +74,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """The reference: the same training on this process's single device."""
-    from tests_helpers import load_tiny
-
-    from jaxgpt.trainer import train
+    from tests_helpers import load_tiny, train_run
 
     workdir = tmp_path_factory.mktemp("single") / "run"
     c = load_tiny(workdir=str(workdir), data_dir=str(data_dir), **OVERRIDES)
     c.model.n_head = 4
-    train(c)
+    train_run(c)
     return workdir
 
 
@@ -97,9 +94,7 @@ def test_mesh_losses_equal_single_device(mesh: tuple[int, int, int], runs: Path,
 
 
 def test_checkpoint_from_fsdp8_resumes_on_one_device_and_on_2x2x2(runs: Path, single: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny
-
-    from jaxgpt.trainer import train
+    from tests_helpers import load_tiny, train_run
 
     moved = runs / "moved_1"  # (1, 8, 1) checkpoint -> this process's single device
     shutil.copytree(runs / "mesh_1_8_1", moved)
@@ -107,7 +102,7 @@ def test_checkpoint_from_fsdp8_resumes_on_one_device_and_on_2x2x2(runs: Path, si
     c = load_tiny(workdir=str(moved), data_dir=str(data_dir), **OVERRIDES)
     c.model.n_head = 4
     c.mesh.data = 1
-    train(c)
+    train_run(c)
 
     want = losses(single)
     for workdir in (moved, runs / "moved_222"):
@@ -119,27 +114,27 @@ def test_checkpoint_from_fsdp8_resumes_on_one_device_and_on_2x2x2(runs: Path, si
 
 
 def test_mesh_shape_resolution_and_errors() -> None:
-    assert sharding.resolve_mesh_shape((-1, 2, 2), 8) == (2, 2, 2)
-    assert sharding.resolve_mesh_shape((1, -1, 1), 8) == (1, 8, 1)
+    assert layout.resolve_mesh_shape((-1, 2, 2), 8) == (2, 2, 2)
+    assert layout.resolve_mesh_shape((1, -1, 1), 8) == (1, 8, 1)
     for bad in [(3, -1, 1), (2, 2, 1), (-1, -1, 1), (0, 8, 1)]:
         with pytest.raises(UserError):
-            sharding.resolve_mesh_shape(bad, 8)
+            layout.resolve_mesh_shape(bad, 8)
 
 
 def test_divisibility_errors_name_the_fix() -> None:
     from jaxgpt.config import ModelConfig
 
-    mesh = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
-    sharding.check_divisibility(ModelConfig(n_head=4, n_embd=32), mesh, global_batch=8)
+    mesh = AbstractMesh((2, 2, 2), layout.MESH_AXES)
+    layout.check_divisibility(ModelConfig(n_head=4, n_embd=32), mesh, global_batch=8)
     with pytest.raises(UserError, match="n_head=3 over tensor=2"):
-        sharding.check_divisibility(ModelConfig(n_head=3, n_embd=48), mesh, global_batch=8)
+        layout.check_divisibility(ModelConfig(n_head=3, n_embd=48), mesh, global_batch=8)
     with pytest.raises(UserError, match="micro-batch batch_size/grad_accum = 2 over data\\*fsdp=4"):
-        sharding.check_divisibility(ModelConfig(n_head=4, n_embd=32), mesh, global_batch=8, grad_accum=4)
+        layout.check_divisibility(ModelConfig(n_head=4, n_embd=32), mesh, global_batch=8, grad_accum=4)
 
 
 def test_vocab_rule_replicates_an_indivisible_vocabulary() -> None:
     from jaxgpt.config import ModelConfig
 
-    mesh = AbstractMesh((1, 1, 4), sharding.MESH_AXES)
-    assert dict(sharding.rules_for(ModelConfig(vocab_size=50304), mesh))["vocab"] == "tensor"
-    assert dict(sharding.rules_for(ModelConfig(vocab_size=50257), mesh))["vocab"] is None
+    mesh = AbstractMesh((1, 1, 4), layout.MESH_AXES)
+    assert dict(layout.rules_for(ModelConfig(vocab_size=50304), mesh))["vocab"] == "tensor"
+    assert dict(layout.rules_for(ModelConfig(vocab_size=50257), mesh))["vocab"] is None

@@ -118,12 +118,10 @@ def test_keeps_last_n_plus_best(tmp_path: Path) -> None:
 
 
 def test_train_in_process_learns_and_writes_outputs(tmp_path: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny
-
-    from jaxgpt.trainer import train
+    from tests_helpers import load_tiny, train_run
 
     c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=60, eval_interval=30)
-    out = train(c)
+    out = train_run(c)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in evals] == [30, 60]
@@ -134,16 +132,14 @@ def test_train_in_process_learns_and_writes_outputs(tmp_path: Path, data_dir: Pa
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny
-
-    from jaxgpt.trainer import train
+    from tests_helpers import load_tiny, train_run
 
     runs = {}
     for accum in (1, 4):
         c = load_tiny(workdir=str(tmp_path / f"a{accum}"), data_dir=str(data_dir), max_steps=5, eval_interval=5,
                       grad_accum=accum)
         c.optim.warmup_steps = 1
-        runs[accum] = train(c)["state"]["params"]
+        runs[accum] = train_run(c)["state"]["params"]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), runs[1], runs[4])
 
 
@@ -183,7 +179,7 @@ def test_cpu_devices_train_data_parallel_like_one_device(tmp_path: Path, data_di
 
 def test_cpu_devices_after_jax_started_is_a_user_error() -> None:
     from jaxgpt.errors import UserError
-    from jaxgpt.trainer import use_cpu_devices
+    from jaxgpt.runtime import use_cpu_devices
 
     jax.devices()  # this process's CPU backend is running with one device
     use_cpu_devices(len(jax.devices("cpu")))  # asking for what is there is fine
@@ -234,7 +230,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, data_dir:
 
 FAULTS_PER_256MB = """
 import ctypes, resource
-from jaxgpt.cli import use_huge_pages
+from jaxgpt.commands import use_huge_pages
 use_huge_pages()
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -281,22 +277,21 @@ def test_schedule_warms_up_then_decays_to_min() -> None:
 
 
 def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny
+    from tests_helpers import load_tiny, train_run
 
     from jaxgpt.hf import save_hf_gpt2
-    from jaxgpt.init_from import load_initial_params
-    from jaxgpt.trainer import train
+    from jaxgpt.weights import load_for
 
-    first = train(load_tiny(workdir=str(tmp_path / "first"), data_dir=str(data_dir), max_steps=20))
+    first = train_run(load_tiny(workdir=str(tmp_path / "first"), data_dir=str(data_dir), max_steps=20))
     cfg, params = first["model_cfg"], first["state"]["params"]
     save_hf_gpt2(params, cfg, tmp_path / "hf")
     for spec in (f"workdir:{tmp_path / 'first'}", f"hf:{tmp_path / 'hf'}"):
-        loaded = load_initial_params(spec, cfg.replace(scan_layers=True))
+        loaded = load_for(spec, cfg.replace(scan_layers=True)).params
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)),
                      loaded["h"], params["h_0"])
     c = load_tiny(workdir=str(tmp_path / "second"), data_dir=str(data_dir), max_steps=1, eval_interval=1)
     c.init_from = f"workdir:{tmp_path / 'first'}"
-    second = train(c)
+    second = train_run(c)
     assert second["val_loss"] < first["val_loss"] + 0.05  # starts where the first run ended, not from scratch
     with pytest.raises(Exception, match="different architecture"):
-        load_initial_params(f"workdir:{tmp_path / 'first'}", cfg.replace(n_layer=3))
+        load_for(f"workdir:{tmp_path / 'first'}", cfg.replace(n_layer=3))

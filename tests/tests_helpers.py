@@ -44,3 +44,11 @@ def logged_losses(workdir: Path) -> list[tuple[int, float]]:
     """(step, train loss) of every periodic record in a run's metrics.jsonl, in the order written."""
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["train_loss"]) for r in rows if "lr" in r]
+
+
+def train_run(c: ConfigDict) -> dict:
+    """The loop on a ConfigDict, typed at the boundary as the train command does."""
+    from jaxgpt.loop import train
+    from jaxgpt.train_config import from_config_dict
+
+    return train(from_config_dict(c))

@@ -1,0 +1,166 @@
+"""Attention behind one function, `attend`, and the self-attention module with its key/value cache.
+
+Shapes: B batch, T query length, S key length (the cache length when decoding), H heads, D head_dim,
+C n_embd, L layers. Keys and values are head-major, (B, H, S, D): the layout both attention products
+want, and the cache's.
+
+`attend` has three paths (`ModelConfig.attention_impl`): "einsum" (explicit products and softmax, the
+only one with attention-probability dropout and sown weights; causal query blocks skip the masked
+triangle), "xla" (`jax.nn.dot_product_attention`, XLA's fused attention) and "cudnn" (its cuDNN flash
+attention on NVIDIA GPUs). Decoding one token against a cache has a path of its own (`attend_one`).
+
+The cache is one layout for scanned and listed layers: {"k", "v"} of shape (L, B, H, S, D). Scanned layers
+see their (B, H, S, D) slice through `nn.scan`; listed layers get the whole cache and their index, and
+write their slice in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.layers import EinsumDense
+
+Array = jax.Array
+Cache = dict[str, Array]  # {"k", "v"}: (L, B, H, S, D), or one layer's (B, H, S, D) inside a scan
+NEG_INF = float(jnp.finfo(jnp.float32).min)
+
+
+def query_blocks(T: int, S: int, causal: bool) -> list[tuple[int, int, int]]:
+    """Row blocks (t0, t1, s1) of causal attention: queries t0..t1 need only keys 0..s1 = t1.
+
+    Without a cache the visible keys are always a subset of the causal ones, so splitting the queries
+    into blocks and giving each block only its prefix of keys skips the masked upper triangle: about
+    40% of the attention FLOPs and of the (T, S) memory traffic, which dominates small models on CPUs.
+    Blocks of max(64, T / 8) queries were the fastest of the sizes tried on a 2-core CPU (T = 256 and
+    1024); the "one query block" row of benchmarks/bench_train.py shows the gain. Shorter or
+    indivisible sequences, and decoding against a cache, use one block.
+    """
+    block = max(64, T // 8)
+    n_blocks, ragged = divmod(T, block)
+    if not causal or T != S or n_blocks < 2 or ragged:
+        return [(0, T, S)]
+    return [(t0, t0 + block, t0 + block) for t0 in range(0, T, block)]
+
+
+def scaled_queries(q_BTHD: Array, dtype: str) -> Array:
+    """Head-major queries times 1/sqrt(D): scaling the (T, D) queries costs less than the (T, S) scores."""
+    scaled = q_BTHD.astype(jnp.float32) / math.sqrt(q_BTHD.shape[-1])
+    return scaled.astype(dtype).transpose(0, 2, 1, 3)
+
+
+def attend(q_BTHD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, *, impl: str, dtype: str,
+           causal: bool, dropout: Callable[[Array], Array] | None = None) -> tuple[Array, str, Array | None]:
+    """softmax(q k^T / sqrt(D)) v over the keys `visible_BTS` allows (B or 1 rows).
+
+    `causal` says the visible keys are a subset of the causal ones (no cache), so the einsum path may
+    skip the masked triangle. Returns (y, its axes "bhtd" or "bthd", the probabilities (B, H, T, S) on
+    the einsum path, else None); `dropout` applies to the probabilities (einsum path only).
+    """
+    if impl != "einsum":  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, H, D)
+        y = jax.nn.dot_product_attention(q_BTHD, k_BHSD.transpose(0, 2, 1, 3), v_BHSD.transpose(0, 2, 1, 3),
+                                         mask=visible_BTS[:, None],
+                                         implementation=None if impl == "xla" else "cudnn")
+        return y, "bthd", None
+    q_BHTD = scaled_queries(q_BTHD, dtype)
+    y_parts, probs_parts = [], []
+    for t0, t1, s1 in query_blocks(T=q_BTHD.shape[1], S=k_BHSD.shape[2], causal=causal):
+        att_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD[:, :, t0:t1], k_BHSD[:, :, :s1]).astype(jnp.float32)
+        att_BHTS = jnp.where(visible_BTS[:, None, t0:t1, :s1], att_BHTS, NEG_INF)
+        probs_BHTS = jax.nn.softmax(att_BHTS, axis=-1)
+        probs_parts.append(jnp.pad(probs_BHTS, ((0, 0), (0, 0), (0, 0), (0, k_BHSD.shape[2] - s1))))
+        if dropout is not None:
+            probs_BHTS = dropout(probs_BHTS)
+        y_parts.append(jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(dtype), v_BHSD[:, :, :s1]))
+    return jnp.concatenate(y_parts, axis=2), "bhtd", jnp.concatenate(probs_parts, axis=2)
+
+
+def _ordering_zeros(x: Array) -> Array:
+    """Zeros shaped like `x` that XLA can only get by computing `x` first (0 * x, NaN-safe).
+
+    Added to a cache write, they order the write after the reads that produced `x`. With no data
+    path from those reads to the write, XLA cannot prove the write comes last, and copies the cache
+    (twice per layer and token) instead of updating it in place. Elementwise, so a sharded `x` needs
+    no communication.
+    """
+    return jnp.nan_to_num(x * 0)
+
+
+def attend_one(q_B1HD: Array, k_BH1D: Array, v_BH1D: Array, old_k_BHSD: Array, old_v_BHSD: Array,
+               index: Array, dtype: str) -> tuple[Array, Array, Array]:
+    """One new token: attend over the cache as it was (slots < index) plus the new key/value.
+
+    The same keys and values as attending over the updated cache, but the updated cache is then only
+    written, never read, and the write is ordered after the reads (`_ordering_zeros`), so XLA updates it
+    in place; each copy of the cache it made otherwise cost as much as the attention. Returns y (B, H, 1, D)
+    and the key and value to write.
+    """
+    q_BH1D = scaled_queries(q_B1HD, dtype)
+    old_BH1S = jnp.einsum("bhtd,bhsd->bhts", q_BH1D, old_k_BHSD.astype(dtype)).astype(jnp.float32)
+    old_BH1S = jnp.where(jnp.arange(old_BH1S.shape[-1]) < index, old_BH1S, NEG_INF)
+    self_BH11 = jnp.einsum("bhtd,bhtd->bht", q_BH1D, k_BH1D.astype(dtype)).astype(jnp.float32)[..., None]
+    probs = jax.nn.softmax(jnp.concatenate([old_BH1S, self_BH11], axis=-1), axis=-1)
+    y_BH1D = (jnp.einsum("bhts,bhsd->bhtd", probs[..., :-1].astype(dtype), old_v_BHSD.astype(dtype))
+              + probs[..., -1:].astype(dtype) * v_BH1D.astype(dtype))
+    zeros_BH1D = _ordering_zeros(y_BH1D)
+    return y_BH1D, k_BH1D + zeros_BH1D, v_BH1D + zeros_BH1D
+
+
+def read_cache(cache: Cache, layer: int | None) -> tuple[Array, Array]:
+    """A layer's (B, H, S, D) keys and values: the whole cache inside a scan, else slice `layer`."""
+    return (cache["k"], cache["v"]) if layer is None else (cache["k"][layer], cache["v"][layer])
+
+
+def write_cache(cache: Cache, k_BHTD: Array, v_BHTD: Array, index: Array, layer: int | None) -> Cache:
+    """The cache with T new keys/values written at slots index..index+T-1 of `layer` (in the cache's dtype)."""
+    def put(buffer: Array, new: Array) -> Array:
+        new = new.astype(buffer.dtype)
+        if layer is None:
+            return jax.lax.dynamic_update_slice_in_dim(buffer, new, index, 2)
+        return jax.lax.dynamic_update_slice(buffer, new[None], (layer, 0, 0, index, 0))
+    return {"k": put(cache["k"], k_BHTD), "v": put(cache["v"], v_BHTD)}
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, length: int | None = None, dtype: str | None = None) -> Cache:
+    """Zeroed KV cache for `GPT.decode`: (L, B, H, S, D) keys and values."""
+    shape = (cfg.n_layer, batch_size, cfg.n_head, length or cfg.block_size, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype or cfg.dtype), "v": jnp.zeros(shape, dtype or cfg.dtype)}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention over visible keys, optionally reading/writing a KV cache."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
+                 cache_index: Array | None = None, layer: int | None = None) -> tuple[Array, Cache | None]:
+        cfg = self.cfg
+        H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
+        qkv = EinsumDense(cfg, "btc,ckhd->btkhd", (C, 3, H, D), ("embed", None, "heads", "head_dim"),
+                          (None, "heads", "head_dim"), fans=(C, H * D), name="qkv")(x_BTC)
+        q_BTHD = qkv[:, :, 0]
+        k_BHSD, v_BHSD = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
+        if cache is not None and x_BTC.shape[1] == 1 and cfg.attention_impl == "einsum":
+            y, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, *read_cache(cache, layer), cache_index, cfg.dtype)
+            return self._out(y, "bhtd"), write_cache(cache, k_new, v_new, cache_index, layer)
+        if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
+            cache = write_cache(cache, k_BHSD, v_BHSD, cache_index, layer)
+            k_BHSD, v_BHSD = (a.astype(cfg.dtype) for a in read_cache(cache, layer))
+        drop = nn.Dropout(cfg.attn_dropout)
+        y, axes, probs = attend(q_BTHD, k_BHSD, v_BHSD, visible_BTS, impl=cfg.attention_impl, dtype=cfg.dtype,
+                                causal=cache is None, dropout=lambda p: drop(p, deterministic=deterministic))
+        if probs is not None:
+            self.sow("intermediates", "attn_weights", probs)  # dropped unless asked for
+        return self._out(y, axes), cache
+
+    def _out(self, y: Array, axes: str) -> Array:
+        cfg = self.cfg
+        return EinsumDense(cfg, f"{axes},hdc->btc", (cfg.n_head, cfg.head_dim, cfg.n_embd),
+                           ("heads", "head_dim", "embed"), ("embed",), residual=True,
+                           fans=(cfg.n_head * cfg.head_dim, cfg.n_embd), name="out")(y)

@@ -1,0 +1,139 @@
+"""The command layer: the only place that parses command lines.
+
+Every command is a module here with a docstring (its help), `define(flags_, argv)` (its absl flags, on a
+fresh `FlagValues`, so commands can run one after another in one process), and `run(flags_, args)`.
+`main(argv)` of each module calls `run_command`, which turns bad flags, config overrides and jaxgpt's
+`UserError` into one line on stderr and exit status 2; anything else is a bug and keeps its traceback.
+
+    jaxgpt COMMAND [--flag=value ...]          (console script)
+    python -m jaxgpt COMMAND [--flag=value ...]
+    python train.py / sample.py ...            (from a checkout: the same commands)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import flags
+from ml_collections import ConfigDict, config_flags
+
+from jaxgpt.errors import UserError
+
+COMMANDS = {
+    "train": "train or resume a run (a language model, or a classifier): --config configs/NAME.py",
+    "sample": "generate text from a run, a Hugging Face GPT-2 directory or a preset",
+    "data": "prepare a dataset from text files or a built-in corpus",
+    "hf": "Hugging Face GPT-2 directories: `hf inspect PATH`, `hf export --workdir DIR --out PATH`",
+    "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`",
+    "summary": "parameter table of a preset, config or Hugging Face directory",
+    "aot": "compile the sharded train step for a TPU slice on this machine: memory, FLOPs, roofline",
+}
+# Commands whose processes run long XLA programs: they restart once with huge-page malloc (see below).
+LONG_RUNNING = ("train", "sample")
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+Define = Callable[[flags.FlagValues, Sequence[str]], None]
+Action = Callable[[flags.FlagValues, list[str]], object]
+
+
+def use_huge_pages() -> None:
+    """Restart this process, once, with glibc's malloc asking the kernel for transparent huge pages.
+
+    XLA:CPU allocates each execution's temporaries as one block (736 MB per training step of the quick
+    start) that glibc maps fresh from the kernel every time: with 4 KiB pages that is about 190,000 page
+    faults per step, a third of the quick start's step time on 2 cores. The `glibc.malloc.hugetlb=1`
+    tunable (glibc >= 2.35; older ones ignore it) marks such blocks for 2 MiB pages on kernels whose
+    transparent-huge-page mode is `madvise`, the common default. glibc reads tunables only at startup,
+    hence the restart, first thing in a long-running command. JAXGPT_HUGE_PAGES=0 opts out.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if (sys.platform != "linux" or "glibc.malloc.hugetlb" in tunables or os.environ.get("JAXGPT_HUGE_PAGES") == "0"
+            or platform.libc_ver()[0] != "glibc"):
+        return
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, (tunables, HUGE_PAGES)))}
+    with contextlib.suppress(OSError):  # if the restart fails, carry on with small pages
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).replace("\\n", " ").replace("'", "").split())
+
+
+def define_config(flags_: flags.FlagValues, argv: Sequence[str], example: str) -> None:
+    """--config FILE with `--config.key=value` overrides (ml_collections), locked so unknown keys fail."""
+    config_flags.DEFINE_config_file("config", None, f"config file, e.g. {example}", flag_values=flags_,
+                                    lock_config=True, sys_argv=list(argv))
+
+
+def require_config(flags_: flags.FlagValues, example: str) -> ConfigDict:
+    """The parsed --config; a missing, unloadable or wrongly typed config file is a UserError."""
+    config = flags_.config
+    if config is None:
+        raise UserError(f"--config is required, e.g. --config {example}")
+    try:
+        config.keys()  # ml_collections defers a failed load: any use of the placeholder raises
+    except Exception as e:
+        raise UserError(f"cannot load the --config file: {one_line(e)}") from None
+    if not isinstance(config, ConfigDict):
+        raise UserError(f"the --config file's get_config() returned a {type(config).__name__}, not an "
+                        f"ml_collections ConfigDict: start it from jaxgpt.train_config.base_config() (see {example})")
+    return config
+
+
+def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` (default sys.argv) with the command's flags and run it; returns the exit status."""
+    argv = list(sys.argv if argv is None else argv)
+    flags_ = flags.FlagValues()
+    define(flags_, argv)
+    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
+        print(doc.strip() + "\n\nflags:\n" + flags_.get_help(include_special_flags=False))
+        return 0
+    try:
+        args = flags_(argv)[1:]
+    except Exception as e:  # flags.Error, or the KeyError/AttributeError/TypeError of a bad config override
+        if isinstance(e, KeyError | AttributeError) and e.args:
+            text = str(e.args[0]).replace("\\n", " ").translate(str.maketrans("", "", "\\'\""))
+            what = "unknown config key " + " ".join(text.split())
+        else:
+            what = one_line(e)
+        print(f"error: bad command line: {what} (see {os.path.basename(argv[0])} --help)", file=sys.stderr)
+        return 2
+    from absl import logging
+
+    logging.set_verbosity(logging.ERROR)  # orbax reports every file it writes, and every read-only open
+    try:
+        action(flags_, args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def no_arguments(args: list[str]) -> None:
+    if args:
+        raise UserError(f"unexpected arguments {args}: every setting is a --flag (see --help)")
+
+
+def dispatch(argv: Sequence[str] | None = None) -> int:
+    """`jaxgpt COMMAND ...` / `python -m jaxgpt COMMAND ...`: run one command module's `main`."""
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        listing = "\n".join(f"  {name:<9} {what}" for name, what in COMMANDS.items())
+        print(f"usage: jaxgpt COMMAND [--flag=value ...]   (jaxgpt COMMAND --help for its flags)\n{listing}",
+              file=sys.stderr if len(argv) > 1 and argv[1] not in ("-h", "--help") else sys.stdout)
+        return 0 if len(argv) > 1 and argv[1] in ("-h", "--help") else 2
+    return importlib.import_module(f"jaxgpt.commands.{argv[1]}").main([f"jaxgpt {argv[1]}", *argv[2:]])
+
+
+def main() -> None:
+    """The `jaxgpt` console script and `python -m jaxgpt`: a fresh process, so long runs may restart it first."""
+    if len(sys.argv) > 1 and sys.argv[1] in LONG_RUNNING:
+        use_huge_pages()
+    sys.exit(dispatch())

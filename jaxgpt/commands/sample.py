@@ -1,0 +1,161 @@
+"""Sample text from a jaxgpt model: jaxgpt sample --workdir DIR [--prompt TEXT | --prompt_file PATH] ...
+
+The model, its config and its tokenizer come from the work directory's latest (or `--which best`) checkpoint.
+`--init_from hf:PATH` samples from a Hugging Face GPT-2 directory with GPT-2's BPE. `--preset NAME` instead
+samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which exercises the whole
+pipeline without training (seed 000's demo; the text is nonsense):
+
+    jaxgpt sample --preset seed000 --prompt "A long time ago" --max_new_tokens 10 --temperature 0 --num_samples 2
+    python sample.py --workdir runs/stdlib_char --prompt "def " --temperature 0.8 --top_k 20   (from a checkout)
+
+One sample is printed as it is generated; several are printed one after another, separated by a line of
+dashes. A sample ends after --max_new_tokens tokens or at the tokenizer's end-of-text token, if it has one.
+
+Prompts: the text is encoded with the model's tokenizer. An empty prompt (the default) starts from the
+end-of-text token when the tokenizer has one (GPT-2 BPE: "a new document"); a character vocabulary has no
+such token, so it needs a prompt of at least one character, and characters outside the vocabulary are an
+error. Mistakes print one line, `error: ...`, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import jax
+from absl import flags
+
+from jaxgpt import sampling, weights
+from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.errors import UserError
+from jaxgpt.tokenizer import Tokenizer
+
+SEPARATOR = "-" * 40
+
+
+def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
+    flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to sample from", flag_values=flags_)
+    flags.DEFINE_string("init_from", None, "hf:PATH: sample from a Hugging Face GPT-2 directory (save_pretrained "
+                        "layout) with the GPT-2 tokenizer", flag_values=flags_)
+    flags.DEFINE_string("preset", None, "sample from a randomly initialized preset with the GPT-2 vocabulary "
+                        "(e.g. seed000, gpt2): a pipeline check, no checkpoint needed", flag_values=flags_)
+    flags.mark_flags_as_mutual_exclusive(["workdir", "init_from", "preset"], required=True, flag_values=flags_)
+    flags.DEFINE_enum("which", "latest", ("latest", "best"), "which checkpoint of --workdir", flag_values=flags_)
+    flags.DEFINE_string("prompt", None, "text to continue (default: empty, see above)", flag_values=flags_)
+    flags.DEFINE_string("prompt_file", None, "read the prompt from this UTF-8 file", flag_values=flags_)
+    flags.mark_flags_as_mutual_exclusive(["prompt", "prompt_file"], flag_values=flags_)
+    flags.DEFINE_integer("num_samples", 1, "samples generated as one batch", flag_values=flags_)
+    flags.DEFINE_alias("batch_size", "num_samples", flag_values=flags_)
+    flags.DEFINE_integer("max_new_tokens", 500, "tokens to generate per sample", flag_values=flags_)
+    flags.DEFINE_float("temperature", 1.0, "0 = greedy; <1 sharper, >1 flatter", flag_values=flags_)
+    flags.DEFINE_integer("top_k", None, "sample only among the k most likely tokens", flag_values=flags_)
+    flags.DEFINE_float("top_p", None, "sample only among the most likely tokens whose probabilities sum to p "
+                       "(nucleus sampling)", flag_values=flags_)
+    flags.DEFINE_integer("seed", 0, "random seed (sampling; also the init of --preset)", flag_values=flags_)
+    flags.DEFINE_integer("window_shift", None, "beyond block_size tokens of context, the window jumps by this many "
+                         "tokens (1 = always the last block_size tokens, exact but slow; default block_size // 2)",
+                         flag_values=flags_)
+    flags.DEFINE_integer("stream_chunk", 16, "a single sample is printed every this many tokens (each chunk is one "
+                         "call of the loop)", flag_values=flags_)
+    flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE models", flag_values=flags_)
+
+
+def read_prompt(flags_: flags.FlagValues) -> str:
+    if flags_.prompt_file is None:
+        return flags_.prompt or ""
+    try:
+        return Path(flags_.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --prompt_file {flags_.prompt_file}: {e}") from e
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The prompt's token ids, with the empty-prompt rule: start from end-of-text, or refuse."""
+    ids = tokenizer.encode(text)  # a char tokenizer raises UserError naming unknown characters
+    if ids:
+        return ids
+    if tokenizer.eot_token is None:
+        raise UserError("the prompt is empty and this character vocabulary has no start token: "
+                        "give --prompt with at least one character")
+    return [tokenizer.eot_token]
+
+
+def load_model(flags_: flags.FlagValues) -> tuple[weights.Weights, Tokenizer]:
+    """The weights of --workdir, --init_from or --preset, and their tokenizer."""
+    if flags_.workdir is not None:
+        source = f"workdir:{flags_.workdir}"
+    elif flags_.init_from is not None:
+        if flags_.init_from.partition(":")[0] != "hf":
+            raise UserError(f"--init_from {flags_.init_from!r} is not understood: use hf:PATH (for a jaxgpt run, "
+                            "use --workdir)")
+        source = flags_.init_from
+    else:
+        source = f"preset:{flags_.preset}"
+    loaded = weights.load(source, which=flags_.which, seed=flags_.seed)
+    tokenizer = loaded.tokenizer(flags_.bpe_file)
+    if flags_.preset is not None:
+        n_params = sum(x.size for x in jax.tree.leaves(loaded.params))
+        print(f"note: {flags_.preset} is randomly initialized ({n_params / 1e6:.1f}M parameters): expect nonsense",
+              file=sys.stderr)
+    return loaded, tokenizer
+
+
+class StreamDecoder:
+    """Turns token ids arriving in chunks into text that can be printed at once.
+
+    A BPE token can end in the middle of a UTF-8 character, which decodes to U+FFFD until the rest
+    arrives, so trailing replacement characters are held back until the next chunk (or the end).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def push(self, ids: Iterable[int], final: bool = False) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self.tokenizer.decode(self.ids)
+        stable = text if final else text.rstrip("\ufffd")
+        new, self.shown = stable[self.shown:], max(self.shown, len(stable))
+        return new
+
+
+def until_eot(ids: Iterable[int], eot: int | None) -> list[int]:
+    ids = [int(i) for i in ids]
+    return ids[: ids.index(eot)] if eot is not None and eot in ids else ids
+
+
+def run(flags_: flags.FlagValues, args: list[str]) -> None:
+    no_arguments(args)
+    sampling.validate_options(flags_.max_new_tokens, flags_.temperature, flags_.top_k, flags_.top_p)
+    if flags_.num_samples < 1:
+        raise UserError(f"--num_samples={flags_.num_samples} must be at least 1")
+    if flags_.stream_chunk < 1:
+        raise UserError(f"--stream_chunk={flags_.stream_chunk} must be at least 1")
+    text = read_prompt(flags_)
+    loaded, tokenizer = load_model(flags_)
+    params, cfg = loaded.params, loaded.model
+    prompt = encode_prompt(tokenizer, text)
+    eot = tokenizer.eot_token
+    options = dict(max_new_tokens=flags_.max_new_tokens, key=flags_.seed, num_samples=flags_.num_samples,
+                   temperature=flags_.temperature, top_k=flags_.top_k, top_p=flags_.top_p, eot_token=eot,
+                   window_shift=flags_.window_shift)
+    if flags_.num_samples == 1:
+        out = StreamDecoder(tokenizer)
+        print(text, end="", flush=True)
+        for chunk_BN in sampling.stream(params, cfg, prompt, chunk_size=flags_.stream_chunk, **options):
+            print(out.push(until_eot(chunk_BN[0], eot)), end="", flush=True)
+        print(out.push([], final=True))
+        return
+    tokens_BN = sampling.generate(params, cfg, prompt, **options)
+    for i, row in enumerate(tokens_BN):
+        if i:
+            print(SEPARATOR)
+        print(text + tokenizer.decode(until_eot(row, eot)), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(__doc__, define, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Parameter table of a model: shapes and counts per module.
+
+    jaxgpt summary --preset gpt2
+    jaxgpt summary --config configs/stdlib_char.py --vocab_size 100 [--depth 3]
+    jaxgpt summary --hf path/to/gpt2        # only its config.json is read
+
+--config takes a training config file (configs/*.py with get_config()) or a JSON file of model fields
+(alone or under "model"). Only shapes are computed (jax.eval_shape), so even gpt2-xl's table prints in
+seconds without memory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from absl import flags
+
+from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.config import ModelConfig, model_config_from_dict
+from jaxgpt.errors import UserError
+from jaxgpt.hf import hf_config_to_model_config, read_hf_config
+from jaxgpt.presets import PRESETS, get_preset
+from jaxgpt.summary import summary
+
+
+def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
+    flags.DEFINE_string("preset", None, f"one of {', '.join(PRESETS)}", flag_values=flags_)
+    flags.DEFINE_string("config", None, "a training config file (configs/*.py with get_config()) or a JSON file "
+                        "of model fields", flag_values=flags_)
+    flags.DEFINE_string("hf", None, "a Hugging Face GPT-2 directory (only its config.json is read)",
+                        flag_values=flags_)
+    flags.mark_flags_as_mutual_exclusive(["preset", "config", "hf"], required=True, flag_values=flags_)
+    flags.DEFINE_integer("vocab_size", None, "vocabulary size, for configs that take it from the dataset",
+                         flag_values=flags_)
+    flags.DEFINE_integer("depth", 2, "path components that name a module row", lower_bound=1, flag_values=flags_)
+
+
+def model_fields(path: Path) -> dict[str, Any]:
+    """The model fields of a config file: a whole training config's `model`, or just the model's fields.
+
+    A plain file path rather than an ml_collections config flag, because a JSON file of fields is accepted too.
+    """
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist")
+    if path.suffix == ".json":
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} is not valid JSON: {e}") from None
+    else:
+        spec = importlib.util.spec_from_file_location("_summary_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise UserError(f"{path} defines no get_config(): pass a configs/*.py training config")
+        values = module.get_config().to_dict()
+    values = values.get("model", values)
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: the model config is not a mapping of fields")
+    return dict(values)
+
+
+def model_config(flags_: flags.FlagValues) -> ModelConfig:
+    if flags_.preset:
+        cfg = get_preset(flags_.preset)
+    elif flags_.hf:
+        cfg = hf_config_to_model_config(read_hf_config(flags_.hf), where=flags_.hf)
+    else:
+        fields = model_fields(Path(flags_.config))
+        if flags_.vocab_size is not None:
+            fields["vocab_size"] = flags_.vocab_size
+        elif fields.get("vocab_size") is None:
+            raise UserError(f"{flags_.config} takes vocab_size from its dataset: pass --vocab_size N")
+        return model_config_from_dict(fields)
+    return cfg if flags_.vocab_size is None else cfg.replace(vocab_size=flags_.vocab_size)
+
+
+def run(flags_: flags.FlagValues, args: list[str]) -> None:
+    no_arguments(args)
+    print(summary(model_config(flags_), depth=flags_.depth))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(__doc__, define, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

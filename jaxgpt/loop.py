@@ -1,0 +1,221 @@
+"""The training loop: a task -> sharded state -> compiled steps -> logs and checkpoints.
+
+One loop for every task (`jaxgpt.tasks`). Everything a step needs is a function of (config, step): the
+batch comes from `task.train_rows(step, ...)`, dropout from `fold_in(key, step)`, so resuming from a
+checkpoint replays exactly what an uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from jaxgpt import layout, runtime, tasks
+from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.errors import UserError
+from jaxgpt.flops import flops_per_token, measure_matmul_peak
+from jaxgpt.train_config import TrainConfig
+
+
+class MetricsLog:
+    """metrics.jsonl, TensorBoard events and the console, written by process 0 only."""
+
+    def __init__(self, workdir: Path, resume_step: int) -> None:
+        self.enabled = jax.process_index() == 0
+        self.path = workdir / "metrics.jsonl"
+        if not self.enabled:
+            return
+        if resume_step and self.path.exists():  # steps after the checkpoint will be logged again, identically
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+        from tensorboardX import SummaryWriter
+
+        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step or None)
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        """Log the numeric scalars of `values` (nested or non-numeric entries are for the caller)."""
+        values = {k: float(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        for name, value in values.items():
+            self.tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+
+
+def micro_batches(x: np.ndarray, grad_accum: int) -> np.ndarray:
+    """(b, ...) local rows -> (A, b/A, ...), interleaved so each process's rows stay contiguous per micro-batch."""
+    b = x.shape[0]
+    return np.swapaxes(x.reshape(b // grad_accum, grad_accum, *x.shape[1:]), 0, 1)
+
+
+def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
+    """Run (or resume) training as configured; returns the final metrics, state and model config.
+
+    The task is `cfg.task`'s (`tasks.build`) unless one is given: any object with the `tasks.Task` methods
+    trains here unchanged.
+    """
+    runtime.setup(cfg.runtime)
+    task = task or tasks.build(cfg)
+    workdir = runtime.check_workdir(cfg.workdir)
+    is_main = jax.process_index() == 0
+    mesh = layout.make_mesh(cfg.runtime.mesh)
+    prog = layout.build_program(task, cfg.optim, mesh, cfg.batch_size, cfg.grad_accum)
+    init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
+    ckpt = Checkpointer(workdir, keep=cfg.keep_checkpoints)
+    meta = {"model": task.model_cfg.to_dict(), "config": cfg.settings, "tokenizer": task.tokenizer_meta, **task.meta}
+    # Weights from elsewhere are read outside the mesh context, as plain host arrays.
+    pretrained = task.pretrained() if ckpt.latest_step() is None else None
+    if is_main and task.describe():
+        print(task.describe(), flush=True)
+    with prog.activate():
+        state, start = _initial_state(cfg, task, ckpt, prog, init_key, pretrained)
+        if is_main:
+            (workdir / "config.json").write_text(json.dumps(cfg.settings, indent=2) + "\n")
+            n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+            print(f"model: {n_params:,} parameters; mesh {dict(mesh.shape)}; "
+                  f"{'resuming at step ' + str(start) if start else 'starting from step 0'}", flush=True)
+        A = cfg.grad_accum
+        # Each process reads only the rows its devices hold (all of them if the batch is replicated over hosts).
+        train_spans = layout.local_rows(layout.batch_sharding(mesh, 1, leading=1), (A, cfg.batch_size // A), dim=1)
+        eval_spans = layout.local_rows(layout.batch_sharding(mesh, 1), (task.eval_rows_per_batch,), dim=0)
+
+        def to_global(shardings: dict, rows: dict[str, np.ndarray], n_rows: int, leading: tuple = ()) -> dict:
+            return {k: layout.global_array(shardings[k], v, (*leading, n_rows, *v.shape[1 + len(leading):]))
+                    for k, v in rows.items()}
+
+        def batch(step: int) -> dict[str, jax.Array]:
+            rows = layout.read_rows(lambda i, n: task.train_rows(step, i, n), train_spans, cfg.batch_size, unit=A)
+            return to_global(prog.batch_sh, {k: micro_batches(v, A) for k, v in rows.items()},
+                             cfg.batch_size // A, leading=(A,))
+
+        evals = {split: [to_global(prog.eval_sh, rows, task.eval_rows_per_batch) for rows in batches]
+                 for split, batches in layout.read_rows(task.eval_rows, eval_spans, task.eval_rows_per_batch).items()}
+
+        def evaluate(params: Any) -> dict[str, Any]:
+            return task.summarize({split: jax.device_get([prog.eval_step(params, b) for b in batches])
+                                   for split, batches in evals.items()})
+
+        t0 = time.perf_counter()
+        compiled = prog.train_step.lower(state, batch(start), dropout_key).compile() if start < cfg.max_steps else None
+        compile_s = time.perf_counter() - t0
+        log = MetricsLog(workdir, start)
+        bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
+        pending: list[tuple[int, dict]] = []
+        last_eval: dict[str, Any] = {}
+        tokens_per_step = cfg.batch_size * task.tokens_per_row
+        t_log, n_timed, t_train = time.perf_counter(), 0, 0.0
+
+        def flush(step: int) -> None:
+            """Fetch the queued step metrics; stop on a non-finite loss before anything is saved."""
+            nonlocal t_log, n_timed, t_train
+            if not pending:
+                return
+            fetched = jax.device_get([m for _, m in pending])
+            elapsed = time.perf_counter() - t_log
+            t_train += elapsed
+            tok_s = tokens_per_step * len(pending) / elapsed
+            for (s, _), m in zip(pending, fetched, strict=True):
+                if not np.isfinite(m["loss"]):
+                    raise UserError(f"loss is {m['loss']} at step {s}: training stopped; the last good checkpoint "
+                                    f"(step {ckpt.latest_step()}) is kept. Lower optim.lr or raise optim.warmup_steps")
+            n_timed += len(pending)
+            last = {k: float(v) for k, v in fetched[-1].items()}
+            terms = {f"train_{k}": v for k, v in last.items() if k not in ("loss", "lr", "grad_norm")}
+            log.write(step, {"train_loss": last["loss"], **terms, "lr": last["lr"], "grad_norm": last["grad_norm"],
+                             "tokens_per_sec": tok_s})
+            bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{tok_s:,.0f}")
+            pending.clear()
+            t_log = time.perf_counter()
+
+        try:
+            for step in range(start, cfg.max_steps):
+                state, metrics = compiled(state, batch(step), dropout_key)
+                pending.append((step + 1, metrics))
+                bar.update(1)
+                done = step + 1
+                is_eval = done % cfg.eval_interval == 0 or done == cfg.max_steps
+                if done % cfg.log_interval == 0 or is_eval or done % cfg.ckpt_interval == 0:
+                    flush(done)
+                if is_eval:
+                    t_eval = time.perf_counter()
+                    last_eval = evaluate(state["params"])
+                    log.write(done, last_eval)
+                    if is_main:
+                        bar.write(task.eval_line(done, last_eval))
+                    t_log += time.perf_counter() - t_eval  # keep evaluation out of tokens/s
+                if is_eval or done % cfg.ckpt_interval == 0:
+                    ckpt.save(state, {**meta, **({"val_loss": last_eval["val_loss"]} if is_eval else {})})
+            flush(cfg.max_steps)
+        finally:  # a save in flight must commit even when training stops early, or it is silently lost
+            bar.close()
+            ckpt.wait()
+            ckpt.close()
+            log.close()
+    summary = _throughput(task, cfg.batch_size, n_timed, t_train, compile_s)
+    if is_main:
+        print(summary["report"], flush=True)
+        if last_eval and task.final_line(last_eval):
+            print(task.final_line(last_eval), flush=True)
+    multihost_utils.sync_global_devices("jaxgpt-train-end")
+    return {**last_eval, **summary, "steps": cfg.max_steps - start, "state": state, "model_cfg": task.model_cfg,
+            "tokenizer_meta": task.tokenizer_meta}
+
+
+def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog: layout.Program, key: jax.Array,
+                   pretrained: Any = None) -> tuple[dict, int]:
+    """Resume from the latest checkpoint, or initialize (from scratch or from pretrained weights) directly sharded.
+
+    Pretrained weights may lack top-level subtrees of the model (a classifier's new head): those are
+    initialized, and XLA drops the rest of the (discarded) full initialization.
+    """
+    latest = ckpt.latest_step()
+    if latest is not None:
+        if not cfg.resume:
+            raise UserError(f"{cfg.workdir} already holds checkpoints (latest step {latest}): pass "
+                            "--config.resume=True to continue, or choose a new --config.workdir")
+        task.check_resume(ckpt.read_meta(latest), cfg.workdir)
+        return ckpt.restore(latest, prog.abstract_state), latest
+    param_sh = prog.state_sh["params"]
+    example = task.example_input()
+    missing = sorted(set(param_sh) - set(pretrained or {})) if pretrained is not None else sorted(param_sh)
+    fresh = jax.jit(lambda k: {name: nn.unbox(task.model.init(k, example)["params"])[name] for name in missing},
+                    out_shardings={name: param_sh[name] for name in missing})(key)
+    params = {**fresh, **(jax.device_put({k: v for k, v in pretrained.items() if k in param_sh},
+                                         {k: param_sh[k] for k in pretrained if k in param_sh})
+                          if pretrained is not None else {})}
+    shapes = jax.tree.map(lambda s: s.shape, prog.abstract_state["params"])
+    if jax.tree.map(lambda a: a.shape, params) != shapes:
+        raise UserError("the initial weights do not match the model's parameter shapes (corrupt checkpoint?)")
+    opt_state = jax.jit(prog.tx.init, out_shardings=prog.state_sh["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), prog.state_sh["step"])}, 0
+
+
+def _throughput(task: tasks.Task, batch_size: int, n_steps: int, seconds: float, compile_s: float) -> dict[str, Any]:
+    tokens = n_steps * batch_size * task.tokens_per_row
+    tok_s = tokens / seconds if seconds else 0.0
+    model_flops = tok_s * flops_per_token(task.model_cfg, task.tokens_per_row)
+    # Fake CPU devices share the same cores; accelerators each bring their own peak.
+    peak = measure_matmul_peak() * (jax.device_count() if jax.devices()[0].platform != "cpu" else 1)
+    report = (f"throughput: {tok_s:,.0f} tokens/s over {n_steps} steps (compile {compile_s:.1f} s); model "
+              f"{model_flops / 1e9:,.1f} GFLOP/s = {model_flops / peak:.1%} of the measured matmul peak "
+              f"({peak / 1e9:,.0f} GFLOP/s)")
+    return {"tokens_per_sec": tok_s, "model_flops_per_sec": model_flops, "mfu_vs_measured_peak": model_flops / peak,
+            "compile_seconds": compile_s, "report": report}

@@ -1,0 +1,75 @@
+"""Tasks: what the one training loop (`jaxgpt.loop`) trains.
+
+A task is the model, its data and its objective; the loop owns everything else (state, sharding,
+resume, evaluation cadence, checkpoints, logs). Language modelling (`lm`) and seed 001's classification
+fine-tuning (`classify`) are tasks; a new one implements `Task` and is added to `build`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.train_config import TrainConfig
+
+Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf has the rows first
+
+
+class Task(Protocol):
+    model: nn.Module
+    model_cfg: ModelConfig
+    tokenizer_meta: dict[str, Any]
+    meta: dict[str, Any]  # saved with every checkpoint beside the model config and tokenizer
+    batch_ndims: dict[str, int]  # every batch leaf and its number of axes (rows first)
+    tokens_per_row: int  # for tokens/s and model FLOP/s
+    eval_rows_per_batch: int
+
+    def example_input(self) -> jax.Array:
+        """The smallest input `model.init` needs: parameter shapes do not depend on it."""
+
+    def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
+        """(mean loss, {term: value}) of one micro-batch in training mode (dropout from `key`)."""
+
+    def evaluate(self, params: Any, batch: dict[str, jax.Array]) -> Any:
+        """Per-batch evaluation outputs (dropout off); `summarize` combines them."""
+
+    def pretrained(self) -> Any | None:
+        """Initial parameters from elsewhere (host arrays), or None for a random init. Top-level subtrees
+        the model has but these lack (a new head) are initialized."""
+
+    def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
+        """A UserError if the checkpoint in `workdir` belongs to a different run."""
+
+    def train_rows(self, step: int, process_index: int, process_count: int) -> Rows:
+        """Rows [p * n / P, (p + 1) * n / P) of the global training batch of `step`: a pure function of
+        (seed, step), so resuming needs no iterator state."""
+
+    def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[Rows]]:
+        """Fixed evaluation batches per split (the same every call), split over processes like `train_rows`."""
+
+    def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
+        """Metrics from every split's `evaluate` outputs; must hold `val_loss` (the best-checkpoint metric)."""
+
+    def describe(self) -> str:
+        """A line (or a few) printed when the run starts."""
+
+    def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
+        """The console line of an evaluation."""
+
+    def final_line(self, metrics: dict[str, Any]) -> str | None:
+        """An extra closing line after the throughput report, or None."""
+
+
+def build(cfg: TrainConfig) -> Task:
+    """The task `cfg.task` names, with its data opened and checked (before anything is compiled)."""
+    if cfg.task == "classify":
+        from jaxgpt.tasks.classify import Classification
+
+        return Classification(cfg)
+    from jaxgpt.tasks.lm import LanguageModelling, open_dataset
+
+    return LanguageModelling(cfg, open_dataset(cfg.data))
