@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch_reference
 
-from jaxgpt import sampling
+from jaxgpt import sampling, sampling_reference
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.model import init_params
@@ -124,7 +124,7 @@ def cached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) ->
 def uncached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) -> float:
     """Seconds for one token of the naive loop with a `context`-token window (one forward pass + sampling)."""
     prompt = np.random.default_rng(context).integers(0, cfg.vocab_size, size=context)
-    one = lambda: sampling.generate_uncached(params, cfg, prompt, max_new_tokens=1, key=1)
+    one = lambda: sampling_reference.generate_uncached(params, cfg, prompt, max_new_tokens=1, key=1)
     one()
     return best_seconds(one, repeats)
 
@@ -149,7 +149,7 @@ def bench_model(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[d
 
     if not args.skip_uncached:
         def uncached(prompt, n: int):
-            return sampling.generate_uncached(params, cfg, prompt, max_new_tokens=n, key=1)
+            return sampling_reference.generate_uncached(params, cfg, prompt, max_new_tokens=n, key=1)
 
         # Compile every window bucket (1, 2, 4, ..., 256) with one-token runs, then time a full run.
         compile_s = sum(seconds(lambda b=b: uncached([NEWLINE] * b, 1)) for b in (1, 2, 3, 5, 9, 17, 33, 65, 129))

@@ -4,6 +4,11 @@ of the f32 matmul peak measured in the same process.
     python benchmarks/bench_train.py            # configs (a) and (b) of issue 3, a few model variants
     python benchmarks/bench_train.py --gpt2     # a few GPT-2 124M steps at batch 4 x 1024, peak memory
 
+On a TPU or GPU host it instead trains GPT-2 124M as configs/gpt2_124m.py does (bf16 compute, `auto`
+attention: splash on TPU, cuDNN on GPU; the chunked loss), 8 x 1024 tokens per device on every device, and
+prints tokens/s and MFU against the chips' published bf16 peak (`jaxgpt.chips`): the number to compare with
+llm.c's (about 40% MFU for GPT-2 124M on an H100).
+
 Uses the real train step (`jaxgpt.train_step.make_train_step`, jit with donation) on random tokens.
 When PyTorch is installed, the same model in eager PyTorch (benchmarks/torch_reference.py) is timed
 in the same run, and jaxgpt's default variant is reported as a multiple of it next to issue 3's
@@ -31,6 +36,7 @@ import numpy as np
 import torch_reference
 
 from jaxgpt import attention, layout
+from jaxgpt.chips import peak_flops_for
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.flops import flops_per_token, matmul_params, measure_matmul_peak
@@ -63,7 +69,8 @@ def one_query_block():
         attention.query_blocks = blocks
 
 
-def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1) -> tuple[float, float]:
+def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1, loss_chunk: int = 0
+               ) -> tuple[float, float]:
     """(compile seconds, median seconds per step) of the real jitted, donated train step.
 
     One device: `make_train_step` under plain `jax.jit`. Several: the trainer's sharded program on a
@@ -71,7 +78,7 @@ def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1) -> 
     """
     optim = OptimConfig(warmup_steps=1, decay_steps=1000)
     c = base_config()
-    c.workdir, c.batch_size, c.model = "unused", batch, model_fields(cfg)
+    c.workdir, c.batch_size, c.model, c.loss_chunk = "unused", batch, model_fields(cfg), loss_chunk
     c.optim.update(dataclasses.asdict(optim))
     train_cfg = from_config_dict(c)
     task, tx = LanguageModelling(train_cfg, None), make_optimizer(optim)
@@ -81,16 +88,18 @@ def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1) -> 
     tokens = rng.integers(0, cfg.vocab_size, (1, batch, cfg.block_size + 1), dtype=np.int32)
     data = {"x": jnp.asarray(tokens[..., :-1]), "y": jnp.asarray(tokens[..., 1:])}
     key = jax.random.key(1)
+    context = contextlib.nullcontext()
     if n_devices == 1:
         step_fn = jax.jit(make_train_step(task.loss, tx), donate_argnums=(0,))
     else:
         mesh = layout.make_mesh((-1, 1, 1), devices=jax.devices()[:n_devices])
         prog = layout.build_program(task, train_cfg.optim, mesh, batch)
-        step_fn = prog.train_step
+        step_fn, context = prog.train_step, prog.activate()  # the mesh the model's constraints and kernels read
         state = jax.device_put(state, prog.state_sh)
         data = jax.device_put(data, prog.batch_sh)
     t0 = time.perf_counter()
-    step = step_fn.lower(state, data, key).compile()
+    with context:
+        step = step_fn.lower(state, data, key).compile()
     compile_s = time.perf_counter() - t0
     state, m = step(state, data, key)  # warm-up
     jax.block_until_ready(m)
@@ -142,11 +151,29 @@ def print_row(name: str, variant: str, compile_s: str, step_s: float, cfg: Model
     return tok_s
 
 
+def accelerator_run(steps: int) -> None:
+    """GPT-2 124M as configs/gpt2_124m.py trains it, data parallel over every TPU or GPU: tokens/s and MFU."""
+    cfg = get_preset("gpt2").replace(vocab_size=50304, dtype="bfloat16", param_dtype="float32", attention_impl="auto")
+    devices = jax.devices()
+    batch = 8 * len(devices)
+    compile_s, step_s = time_steps(cfg, batch, steps, n_devices=len(devices), loss_chunk=128)
+    tok_s = batch * cfg.block_size / step_s
+    peak = peak_flops_for(devices)
+    mfu = f"MFU {tok_s * flops_per_token(cfg) / peak:.1%} of the published bf16 peak" if peak else (
+        f"MFU unknown: {devices[0].device_kind!r} is not in jaxgpt.chips")
+    print(f"jax {jax.__version__}, {len(devices)} x {devices[0].device_kind}: GPT-2 124M, bf16, attention auto, "
+          f"chunked loss, {batch} x {cfg.block_size} tokens per step; compile {compile_s:.1f} s, "
+          f"{step_s * 1e3:.1f} ms per step, {tok_s:,.0f} tokens/s, {mfu} (llm.c: about 40% on an H100)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--gpt2", action="store_true", help="GPT-2 124M at batch 4 x 1024 instead")
     args = parser.parse_args()
+    if jax.devices()[0].platform in ("tpu", "gpu"):
+        accelerator_run(args.steps)
+        return
     peak = measure_matmul_peak(2048, 10)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; f32 matmul peak (2048^2): {peak / 1e9:.0f} GFLOP/s")
     runs = ({"GPT-2 124M T1024 B4": (get_preset("gpt2"), 4)} if args.gpt2 else CONFIGS).items()

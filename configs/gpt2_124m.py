@@ -1,7 +1,9 @@
 """GPT-2 124M on an OpenWebText-style web corpus (GPT-2 BPE), nanoGPT's reproduction recipe.
 
 About 0.5M tokens per step (480 sequences of 1024), 600k steps; bf16 compute with fp32 parameters
-and optimizer state. On a pod, set the mesh, e.g. --config.mesh.data=-1 --config.mesh.fsdp=8.
+and optimizer state; the platform's fused attention (`auto`: splash on TPU, cuDNN on GPU) and a loss
+computed 128 positions at a time (the float32 logits of the whole batch never exist at once).
+On a pod, set the mesh, e.g. --config.mesh.data=-1 --config.mesh.fsdp=8.
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """
 
@@ -14,7 +16,9 @@ def get_config():
     c.workdir = "runs/gpt2_124m"
     c.data.name = "openwebtext"
     c.data.dir = "data/openwebtext"
-    c.model = model_fields(get_preset("gpt2"), vocab_size=50304, dtype="bfloat16", param_dtype="float32")
+    c.model = model_fields(get_preset("gpt2"), vocab_size=50304, dtype="bfloat16", param_dtype="float32",
+                           attention_impl="auto")
+    c.loss_chunk = 128
     c.batch_size = 480
     c.grad_accum = 8
     c.max_steps = 600_000

@@ -5,7 +5,7 @@ bf16 compute with fp32 parameters and optimizer state, layers scanned (compile t
 and fully rematerialized (activations recomputed in the backward pass). Parameters and optimizer state are
 sharded over all chips (FSDP); 4 micro-batches per step. Check a slice before paying for it, e.g.
     jaxgpt aot --config configs/gpt2_medium.py --topology v5e:4x4
-(4.0 GiB per chip of 16, >= 0.90 s per step by the roofline bound).
+(4.0 GiB per chip of 16, >= 0.90 s per step by the roofline bound, compiled with XLA attention and the dense loss).
 See docs/scaling.md for the plan (which slice, mesh, batch and remat) and launch recipes.
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """

@@ -6,7 +6,8 @@ and fully rematerialized (activations recomputed in the backward pass). Paramete
 sharded over all chips (FSDP). Check a slice before paying for it:
     jaxgpt aot --config configs/gpt2_xl.py --topology v5p:4x4x4
 (5.7 GiB per chip of 95, >= 244 ms per step by the roofline bound; with --config.model.remat=save_dots
-16.3 GiB and >= 223 ms, the better choice on v5p; v5e:8x8 needs full remat).
+16.3 GiB and >= 223 ms, the better choice on v5p; v5e:8x8 needs full remat; compiled with XLA attention
+and the dense loss).
 See docs/scaling.md for the plan (which slice, mesh, batch and remat) and launch recipes.
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """

@@ -13,9 +13,14 @@ shardings), so nothing is allocated. Printed per chip:
   once, so for scanned layers the count is extrapolated from unscanned 1- and 2-layer compiles of the
   same step, the gradient-accumulation loop is multiplied by its length, and FLOPs are counted from
   compiles without "windowed einsum" (matmuls that XLA splits into loops over FSDP shards);
-* a roofline lower bound on the step time, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), and the
-  model FLOPs utilization (MFU) it implies. It ignores communication between chips, so real steps are
-  slower; treat it as "no faster than".
+* Pallas kernels (splash attention) are custom calls that XLA's cost analysis counts as nearly nothing:
+  their FLOPs and bytes are added analytically (`jaxgpt.kernels.splash_cost`), once per call the HLO makes;
+* collectives: all-gather, reduce-scatter and all-reduce bytes read from the compiled HLO (`jaxgpt.hlo`,
+  loop bodies times their trip counts) and the time they take over the chip's ICI bandwidth (ring
+  algorithms, one mesh axis at a time);
+* a roofline bound on the step time, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth, collective bytes /
+  ICI bandwidth), and the model FLOPs utilization (MFU) it implies. A bound, not a prediction: it assumes
+  every collective overlaps with compute and every kernel runs at peak, so real steps are slower.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from typing import Any
 
 import jax
 
-from jaxgpt import layout
+from jaxgpt import hlo, kernels, layout
+from jaxgpt.chips import TPUS, Chip
 from jaxgpt.errors import UserError
 from jaxgpt.flops import flops_per_token
 from jaxgpt.tasks.lm import LanguageModelling
@@ -41,23 +47,7 @@ from jaxgpt.train_config import TrainConfig
 GiB = 2**30
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """One TPU generation's per-chip numbers (Google Cloud's published specifications)."""
-
-    name: str
-    device_kind: str  # what libtpu calls it
-    hbm_bytes: float
-    peak_flops: float  # dense bf16 FLOP/s
-    hbm_bandwidth: float  # bytes/s
-
-
-CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", "TPU v4", 32 * GiB, 275e12, 1228e9),
-    "v5e": Chip("v5e", "TPU v5 lite", 16 * GiB, 197e12, 819e9),
-    "v5p": Chip("v5p", "TPU v5", 95 * GiB, 459e12, 2765e9),
-    "v6e": Chip("v6e", "TPU v6 lite", 32 * GiB, 918e12, 1640e9),
-}
+CHIPS: dict[str, Chip] = TPUS  # the table the trainer's runtime MFU uses too (jaxgpt.chips)
 TOPOLOGY_HELP = "GEN:AxB[xC], e.g. v5e:2x2, v5e:16x16, v4:4x4x4, v5p:4x4x8, v6e:8x8"
 
 
@@ -147,7 +137,10 @@ def _loops(compiled: Any) -> int:
 
 
 def _variant(cfg: TrainConfig, **model_changes: Any) -> TrainConfig:
-    return cfg.with_model(cfg.model.replace(**model_changes))
+    """`cfg` with model changes, and its loss in one chunk: XLA counts a loop body once, and one chunk of the
+    whole sequence has the FLOPs and bytes of all the chunks together (every logit is made and read once)."""
+    one_chunk = cfg.model.block_size if cfg.loss_chunk else 0
+    return dataclasses.replace(cfg.with_model(cfg.model.replace(**model_changes)), loss_chunk=one_chunk)
 
 
 def _counted(cfg: TrainConfig, devices: list[Any]) -> tuple[float, float]:
@@ -192,6 +185,7 @@ def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> d
         "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
         "mesh": dict(zip(layout.MESH_AXES, layout.resolve_mesh_shape(cfg.runtime.mesh, n_chips), strict=True)),
         "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.model.block_size,
+        "loss_chunk": cfg.loss_chunk,
         "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "dtype",
                                                      "param_dtype", "remat", "scan_layers", "attention_impl")},
     }
@@ -231,21 +225,57 @@ def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> d
         else:
             notes.append(f"scanned layers: XLA counts the loop body once, so FLOPs and bytes cover 1 of "
                          f"{cfg.model.n_layer} layers")
-    elif _loops(compiled) > int(cfg.grad_accum > 1):  # loops that XLA made (windowed einsum): count without
-        flops, bytes_accessed = _counted(cfg, devices)
-        notes.append(f"XLA split some matmuls into loops over FSDP shards ({report['xla_flops_raw']:.3g} FLOPs as "
-                     "compiled, loop bodies counted once); counted from a compile without them")
+    elif cfg.loss_chunk or _loops(compiled) > int(cfg.grad_accum > 1):  # loops XLA counts once: count without
+        flops, bytes_accessed = _counted(_variant(cfg), devices)
+        notes.append(f"loops counted once by XLA ({report['xla_flops_raw']:.3g} FLOPs as compiled: "
+                     + ("the chunked loss, " if cfg.loss_chunk else "") + "matmuls split over FSDP shards); "
+                     "counted from a compile without them" + (" (the loss in one chunk)" if cfg.loss_chunk else ""))
     if cfg.grad_accum > 1:
         flops, bytes_accessed = flops * cfg.grad_accum, bytes_accessed * cfg.grad_accum
         notes.append(f"gradient accumulation: XLA counts the micro-batch loop once; multiplied by {cfg.grad_accum} "
                      "(which overcounts the small optimizer update)")
+    text = compiled.as_text()
+    kernel_flops, kernel_bytes, n_kernels = _kernel_cost(cfg, report, text)
+    if n_kernels:
+        notes.append(f"{n_kernels} Pallas kernel calls per step (splash attention): {kernel_flops:.3g} FLOPs and "
+                     f"{kernel_bytes:.3g} bytes added analytically (XLA counts custom calls as ~0)")
+    flops, bytes_accessed = flops + kernel_flops, bytes_accessed + kernel_bytes
+    comms = hlo.collectives(text, n_chips)
+    by_source = hlo.bytes_by_source(text)
+    moved = sum(by_source.values()) or 1.0
+    traffic = sum(c["traffic"] for c in comms.values())
     analytic = flops_per_token(cfg.model) * tokens / n_chips
     t_compute, t_memory = flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth
-    step = max(t_compute, t_memory)
+    t_collective = traffic / chip.ici_bandwidth
+    times = {"compute": t_compute, "memory": t_memory, "collectives": t_collective}
+    bound = max(times, key=times.get)
+    step = times[bound]
     report.update(xla_flops=flops, xla_bytes=bytes_accessed, analytic_flops=analytic, flops_ratio=flops / analytic,
-                  t_compute=t_compute, t_memory=t_memory, step_time=step, tokens_per_sec=tokens / step,
-                  mfu=analytic / (step * chip.peak_flops), notes=notes)
+                  kernel_flops=kernel_flops, kernel_bytes=kernel_bytes, ici_bandwidth=chip.ici_bandwidth,
+                  collectives={k: v for k, v in comms.items() if v["count"]}, collective_traffic=traffic,
+                  bytes_by_source={k: v / moved for k, v in by_source.items()},
+                  t_compute=t_compute, t_memory=t_memory, t_collective=t_collective, bound=bound, step_time=step,
+                  tokens_per_sec=tokens / step, mfu=analytic / (step * chip.peak_flops), notes=notes)
     return report
+
+
+def _kernel_cost(cfg: TrainConfig, report: dict[str, Any], text: str) -> tuple[float, float, int]:
+    """Analytic (FLOPs, bytes) per chip per step of the program's splash kernels, and how many calls it makes.
+
+    Zero when the compiled program has no Pallas calls (another attention path, or shapes splash does not
+    tile). Per micro-batch and layer: the forward kernel (twice with remat, which reruns the forward pass)
+    and the fused backward kernel, on this chip's rows and heads.
+    """
+    calls = hlo.custom_calls(text)
+    n_calls = sum(c["runs"] for c in calls)
+    if not n_calls:
+        return 0.0, 0.0, 0
+    m, mesh = cfg.model, report["mesh"]
+    rows = cfg.batch_size // cfg.grad_accum // (mesh["data"] * mesh["fsdp"])
+    itemsize = 2 if m.dtype in ("bfloat16", "float16") else 4
+    flops, bytes_ = kernels.splash_cost(rows, m.n_head // mesh["tensor"], m.block_size, m.head_dim, itemsize,
+                                        forward_passes=1 if m.remat == "none" else 2)
+    return flops * m.n_layer * cfg.grad_accum, bytes_ * m.n_layer * cfg.grad_accum, n_calls
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -257,7 +287,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"model {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, vocab {m['vocab_size']}"
         + (f" ({r['n_params'] / 1e6:,.1f}M params)" if "n_params" in r else "")
         + f"; compute {m['dtype']}, params {m['param_dtype']}; remat {m['remat']}; scan_layers {m['scan_layers']}; "
-        f"attention {m['attention_impl']}",
+        f"attention {m['attention_impl']}; loss chunk {r['loss_chunk'] or 'none'}",
         f"batch {r['batch_size']} x {r['block_size']} tokens per step (grad_accum {r['grad_accum']}); "
         f"compiled in {r['compile_seconds']:.1f} s",
     ]
@@ -282,17 +312,28 @@ def format_report(r: dict[str, Any]) -> str:
         f"{fits} ({r['total_bytes'] / r['hbm_bytes']:.0%})",
         "",
         "per chip per step",
-        f"  XLA FLOPs                       {r['xla_flops']:12.4g}",
+        f"  FLOPs (XLA + Pallas kernels)    {r['xla_flops']:12.4g}",
         f"  analytic FLOPs (6N + attention) {r['analytic_flops']:12.4g}   XLA / analytic = {r['flops_ratio']:.3f}"
         + {"none": "", "full": "  (remat recomputes the forward pass: about 4/3 expected)",
            "save_dots": "  (save_dots recomputes only element-wise work)"}[m["remat"]],
-        f"  XLA bytes accessed              {r['xla_bytes']:12.4g}",
+        f"  HBM bytes (XLA + Pallas kernels){r['xla_bytes']:12.4g}",
         *[f"  note: {n}" for n in r["notes"]],
         "",
-        "roofline (ignores inter-chip communication; a lower bound on step time)",
-        f"  compute bound   {r['t_compute'] * 1e3:10.1f} ms",
-        f"  memory bound    {r['t_memory'] * 1e3:10.1f} ms",
-        f"  step time    >= {r['step_time'] * 1e3:10.1f} ms  -> <= {r['tokens_per_sec']:,.0f} tokens/s, "
-        f"MFU <= {r['mfu']:.1%}",
+        f"collectives per chip per step (from the compiled HLO; ring traffic over {r['ici_bandwidth'] / 1e9:.0f} GB/s "
+        "of ICI per chip)",
+        *[f"  {kind:<20}{c['count']:6.0f} x {c['bytes'] / 2**20:10.1f} MiB moved, {c['traffic'] / 2**20:10.1f} MiB sent"
+          for kind, c in r["collectives"].items()],
+        f"  total sent          {r['collective_traffic'] / 2**20:10.1f} MiB",
+        "",
+        "roofline bound (not a prediction: assumes peak FLOP/s, peak HBM bandwidth and collectives that fully "
+        "overlap with compute)",
+        f"  compute          {r['t_compute'] * 1e3:10.1f} ms",
+        f"  memory           {r['t_memory'] * 1e3:10.1f} ms",
+        f"  collectives      {r['t_collective'] * 1e3:10.1f} ms",
+        f"  step time     >= {r['step_time'] * 1e3:10.1f} ms ({r['bound']}-bound)  -> <= {r['tokens_per_sec']:,.0f} "
+        f"tokens/s, roofline-bound MFU <= {r['mfu']:.1%}",
     ]
+    if r["bound"] == "memory":
+        lines += ["  where the HBM bytes go (shares of the compiled step's top-level ops, by name scope):",
+                  *[f"    {source:<40}{share:6.1%}" for source, share in list(r["bytes_by_source"].items())[:6]]]
     return "\n".join(lines)

@@ -4,14 +4,17 @@ Shapes: B batch, T query length, S key length (the cache length when decoding), 
 C n_embd, L layers. Keys and values are head-major, (B, H, S, D): the layout both attention products
 want, and the cache's.
 
-`attend` has three paths (`ModelConfig.attention_impl`): "einsum" (explicit products and softmax, the
+`attend` has four paths (`ModelConfig.attention_impl`): "einsum" (explicit products and softmax, the
 only one with attention-probability dropout and sown weights; causal query blocks skip the masked
-triangle), "xla" (`jax.nn.dot_product_attention`, XLA's fused attention) and "cudnn" (its cuDNN flash
-attention on NVIDIA GPUs). Decoding one token against a cache has a path of its own (`attend_one`).
+triangle), "xla" (`jax.nn.dot_product_attention`, XLA's fused attention), "cudnn" (its cuDNN flash
+attention on NVIDIA GPUs) and "splash" (TPU flash attention, `jaxgpt.kernels`). "auto" picks per platform
+(`resolve_impl`). Decoding one token against a cache has a path of its own (`attend_one`).
 
-The cache is one layout for scanned and listed layers: {"k", "v"} of shape (L, B, H, S, D). Scanned layers
-see their (B, H, S, D) slice through `nn.scan`; listed layers get the whole cache and their index, and
-write their slice in place.
+The cache holds (B, H, S, D) keys and values per layer: a list of {"k", "v"} for listed layers, one
+{"k", "v"} stacked to (L, B, H, S, D) for scanned ones (`nn.scan` hands each layer its slice). A stacked
+buffer for listed layers too was measured: XLA:CPU then copies each layer's slice out of it for the
+attention products on every token (a `slice_bitcast_fusion` per layer; -30% tokens/s on 4x4x128), while a
+buffer per layer is read in place.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxgpt import kernels
 from jaxgpt.config import ModelConfig
 from jaxgpt.layers import EinsumDense
 
 Array = jax.Array
-Cache = dict[str, Array]  # {"k", "v"}: (L, B, H, S, D), or one layer's (B, H, S, D) inside a scan
+Cache = dict[str, Array]  # one layer's {"k", "v"}: (B, H, S, D); (L, B, H, S, D) when layers are scanned
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
@@ -54,18 +58,44 @@ def scaled_queries(q_BTHD: Array, dtype: str) -> Array:
     return scaled.astype(dtype).transpose(0, 2, 1, 3)
 
 
+def resolve_impl(impl: str, dtype: str) -> str:
+    """The path "auto" means on the platform being traced for; other names unchanged.
+
+    TPU: splash. NVIDIA GPU: cuDNN flash attention, which needs 16-bit inputs (XLA's otherwise). CPU: einsum,
+    the fastest measured there (benchmarks/bench_train.py: its causal query blocks beat XLA's attention).
+    """
+    if impl != "auto":
+        return impl
+    platform = kernels.current_platform()
+    if platform == "tpu":
+        return "splash"
+    if platform in ("gpu", "cuda"):
+        return "cudnn" if dtype in ("bfloat16", "float16") else "xla"
+    return "einsum"
+
+
 def attend(q_BTHD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, *, impl: str, dtype: str,
            causal: bool, dropout: Callable[[Array], Array] | None = None) -> tuple[Array, str, Array | None]:
     """softmax(q k^T / sqrt(D)) v over the keys `visible_BTS` allows (B or 1 rows).
 
     `causal` says the visible keys are a subset of the causal ones (no cache), so the einsum path may
     skip the masked triangle. Returns (y, its axes "bhtd" or "bthd", the probabilities (B, H, T, S) on
-    the einsum path, else None); `dropout` applies to the probabilities (einsum path only).
+    the einsum path, else None); `dropout` applies to the probabilities (einsum path only). Splash needs
+    a causal step whose shapes tile (`kernels.splash_fits`); other calls (decoding, a one-row init) take
+    the XLA path.
     """
+    B, T, H, _ = q_BTHD.shape
+    if impl == "splash" and causal and kernels.splash_fits(B, H, T):
+        y = kernels.splash_attention(scaled_queries(q_BTHD, dtype), k_BHSD.astype(dtype), v_BHSD.astype(dtype),
+                                     kernels.padding_segments(visible_BTS))
+        return y, "bhtd", None
     if impl != "einsum":  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, H, D)
+        # One mask row for the batch under `causal` is exactly the causal triangle: say so (cuDNN then skips
+        # the masked tiles and computes no mask gradient); padding needs the explicit mask.
+        plain_causal = causal and visible_BTS.shape[0] == 1
         y = jax.nn.dot_product_attention(q_BTHD, k_BHSD.transpose(0, 2, 1, 3), v_BHSD.transpose(0, 2, 1, 3),
-                                         mask=visible_BTS[:, None],
-                                         implementation=None if impl == "xla" else "cudnn")
+                                         mask=None if plain_causal else visible_BTS[:, None], is_causal=plain_causal,
+                                         implementation="cudnn" if impl == "cudnn" else None)
         return y, "bthd", None
     q_BHTD = scaled_queries(q_BTHD, dtype)
     y_parts, probs_parts = [], []
@@ -111,25 +141,19 @@ def attend_one(q_B1HD: Array, k_BH1D: Array, v_BH1D: Array, old_k_BHSD: Array, o
     return y_BH1D, k_BH1D + zeros_BH1D, v_BH1D + zeros_BH1D
 
 
-def read_cache(cache: Cache, layer: int | None) -> tuple[Array, Array]:
-    """A layer's (B, H, S, D) keys and values: the whole cache inside a scan, else slice `layer`."""
-    return (cache["k"], cache["v"]) if layer is None else (cache["k"][layer], cache["v"][layer])
+def write_cache(cache: Cache, k_BHTD: Array, v_BHTD: Array, index: Array) -> Cache:
+    """The layer's cache with T new keys/values written at slots index..index+T-1 (in the cache's dtype)."""
+    return {name: jax.lax.dynamic_update_slice_in_dim(cache[name], new.astype(cache[name].dtype), index, 2)
+            for name, new in (("k", k_BHTD), ("v", v_BHTD))}
 
 
-def write_cache(cache: Cache, k_BHTD: Array, v_BHTD: Array, index: Array, layer: int | None) -> Cache:
-    """The cache with T new keys/values written at slots index..index+T-1 of `layer` (in the cache's dtype)."""
-    def put(buffer: Array, new: Array) -> Array:
-        new = new.astype(buffer.dtype)
-        if layer is None:
-            return jax.lax.dynamic_update_slice_in_dim(buffer, new, index, 2)
-        return jax.lax.dynamic_update_slice(buffer, new[None], (layer, 0, 0, index, 0))
-    return {"k": put(cache["k"], k_BHTD), "v": put(cache["v"], v_BHTD)}
-
-
-def init_cache(cfg: ModelConfig, batch_size: int, length: int | None = None, dtype: str | None = None) -> Cache:
-    """Zeroed KV cache for `GPT.decode`: (L, B, H, S, D) keys and values."""
-    shape = (cfg.n_layer, batch_size, cfg.n_head, length or cfg.block_size, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype or cfg.dtype), "v": jnp.zeros(shape, dtype or cfg.dtype)}
+def init_cache(cfg: ModelConfig, batch_size: int, length: int | None = None,
+               dtype: str | None = None) -> Cache | list[Cache]:
+    """Zeroed KV cache for `GPT.decode`: a (B, H, S, D) pair per layer, stacked when layers are scanned."""
+    shape = (batch_size, cfg.n_head, length or cfg.block_size, cfg.head_dim)
+    zeros = lambda *lead: {"k": jnp.zeros((*lead, *shape), dtype or cfg.dtype),
+                           "v": jnp.zeros((*lead, *shape), dtype or cfg.dtype)}
+    return zeros(cfg.n_layer) if cfg.scan_layers else [zeros() for _ in range(cfg.n_layer)]
 
 
 class CausalSelfAttention(nn.Module):
@@ -139,21 +163,22 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
-                 cache_index: Array | None = None, layer: int | None = None) -> tuple[Array, Cache | None]:
+                 cache_index: Array | None = None) -> tuple[Array, Cache | None]:
         cfg = self.cfg
         H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
         qkv = EinsumDense(cfg, "btc,ckhd->btkhd", (C, 3, H, D), ("embed", None, "heads", "head_dim"),
                           (None, "heads", "head_dim"), fans=(C, H * D), name="qkv")(x_BTC)
         q_BTHD = qkv[:, :, 0]
         k_BHSD, v_BHSD = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
-        if cache is not None and x_BTC.shape[1] == 1 and cfg.attention_impl == "einsum":
-            y, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, *read_cache(cache, layer), cache_index, cfg.dtype)
-            return self._out(y, "bhtd"), write_cache(cache, k_new, v_new, cache_index, layer)
+        impl = resolve_impl(cfg.attention_impl, cfg.dtype)
+        if cache is not None and x_BTC.shape[1] == 1 and impl == "einsum":
+            y, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, cache["k"], cache["v"], cache_index, cfg.dtype)
+            return self._out(y, "bhtd"), write_cache(cache, k_new, v_new, cache_index)
         if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
-            cache = write_cache(cache, k_BHSD, v_BHSD, cache_index, layer)
-            k_BHSD, v_BHSD = (a.astype(cfg.dtype) for a in read_cache(cache, layer))
+            cache = write_cache(cache, k_BHSD, v_BHSD, cache_index)
+            k_BHSD, v_BHSD = cache["k"].astype(cfg.dtype), cache["v"].astype(cfg.dtype)
         drop = nn.Dropout(cfg.attn_dropout)
-        y, axes, probs = attend(q_BTHD, k_BHSD, v_BHSD, visible_BTS, impl=cfg.attention_impl, dtype=cfg.dtype,
+        y, axes, probs = attend(q_BTHD, k_BHSD, v_BHSD, visible_BTS, impl=impl, dtype=cfg.dtype,
                                 causal=cache is None, dropout=lambda p: drop(p, deterministic=deterministic))
         if probs is not None:
             self.sow("intermediates", "attn_weights", probs)  # dropped unless asked for

@@ -17,7 +17,7 @@ NORMS = ("layernorm", "unbiased_std")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 INITS = ("gpt2", "xavier")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "splash", "auto")  # jaxgpt.attention.attend
 REMATS = ("none", "full", "save_dots")
 # Settings that change neither parameter shapes nor their meaning: weights trained under one value load
 # under any other (fine-tuning, sampling, export).
@@ -142,3 +142,62 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     if unknown:
         raise UserError(f"unknown model config keys {unknown}: valid keys are {sorted(known)}")
     return ModelConfig(**values)
+
+
+# Fields only an encoder-decoder has; every other choice is a ModelConfig field that both stacks share.
+SEQ2SEQ_FIELDS = ("n_encoder_layer", "src_vocab_size", "src_block_size", "share_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqConfig:
+    """An encoder-decoder transformer: a ModelConfig for the decoder and the shared choices, plus the encoder's sizes.
+
+    `model` says everything both stacks have in common (width, heads, norm and its placement, activation,
+    positions, dropout, init, pad_id) and describes the decoder itself: n_layer decoder layers, vocab_size
+    target tokens, block_size the longest target, tie_embeddings the output head sharing the target
+    embedding. Composing rather than adding these four fields to ModelConfig keeps ModelConfig the
+    description of one stack, which every GPT module, checkpoint and command reads, and lets the encoder
+    reuse jaxgpt's layers unchanged.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    n_encoder_layer: int = 2
+    src_vocab_size: int | None = None  # None -> the target vocabulary (model.vocab_size)
+    src_block_size: int | None = None  # longest source; None -> model.block_size
+    share_embeddings: bool = False  # one token table for source and target (needs equal vocabularies)
+
+    def __post_init__(self) -> None:
+        if self.src_vocab_size is None:
+            object.__setattr__(self, "src_vocab_size", self.model.vocab_size)
+        if self.src_block_size is None:
+            object.__setattr__(self, "src_block_size", self.model.block_size)
+        for name in ("n_encoder_layer", "src_vocab_size", "src_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"model.{name}={value!r} must be a positive integer")
+        if self.share_embeddings and self.src_vocab_size != self.model.vocab_size:
+            raise UserError(f"share_embeddings needs one vocabulary: src_vocab_size={self.src_vocab_size} != "
+                            f"vocab_size={self.model.vocab_size}")
+        if self.model.pad_id is not None and self.model.pad_id >= self.src_vocab_size:
+            raise UserError(f"model.pad_id={self.model.pad_id} is outside the source vocabulary "
+                            f"[0, {self.src_vocab_size})")
+        unsupported = {"scan_layers": False, "remat": "none", "pad_positions": False}
+        for name, plain in unsupported.items():
+            if getattr(self.model, name) != plain:
+                raise UserError(f"model.{name}={getattr(self.model, name)!r} is not available for the "
+                                f"encoder-decoder: set {name}={plain!r}")
+
+    def replace(self, **changes: Any) -> Seq2SeqConfig:
+        """A validated copy; ModelConfig fields and the encoder's own fields may be mixed in `changes`.
+
+        Source sizes equal to the target's follow them (as when derived), unless given.
+        """
+        own = {name: changes.pop(name) for name in SEQ2SEQ_FIELDS if name in changes}
+        for name, target in (("src_vocab_size", "vocab_size"), ("src_block_size", "block_size")):
+            if name not in own and getattr(self, name) == getattr(self.model, target):
+                own[name] = None
+        return dataclasses.replace(self, model=self.model.replace(**changes) if changes else self.model, **own)
+
+    def to_dict(self) -> dict[str, Any]:
+        """One flat dict: the ModelConfig fields and the encoder's."""
+        return {**self.model.to_dict(), **{name: getattr(self, name) for name in SEQ2SEQ_FIELDS}}

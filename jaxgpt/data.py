@@ -14,10 +14,12 @@ The built-in corpora are prepared by `jaxgpt.datasets`; the command line is `jax
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,31 +58,51 @@ def _content_key(meta: dict[str, Any]) -> tuple:
     return tuple(meta.get(k) for k in keys)
 
 
-def _check_may_write(out_dir: Path, new_meta: dict[str, Any], overwrite: bool) -> None:
-    """Refuse to replace a different dataset unless asked to: it may be the only copy of hours of work."""
+PREPARING_MARKER = ".jaxgpt-preparing"  # in a dataset directory while new token files are swapped in
+
+
+def _existing_meta(out_dir: Path) -> dict[str, Any] | None:
+    """The meta.json already in `out_dir` (None if there is none); unreadable is a UserError."""
     meta_path = out_dir / META_FILE
-    if overwrite or not meta_path.exists():
-        return
+    if not meta_path.exists():
+        return None
     try:
-        old = json.loads(meta_path.read_bytes())
+        return json.loads(meta_path.read_bytes())
     except (OSError, ValueError) as e:
-        raise UserError(
-            f"{meta_path} exists but is unreadable ({e}): pass --overwrite (overwrite=True) to replace the "
-            "dataset, or choose another output directory"
-        ) from e
-    if _content_key(old) != _content_key(new_meta):
-        raise UserError(
-            f"{out_dir} already holds a different dataset ({old.get('source', 'unknown source')}): pass "
-            "--overwrite (overwrite=True) to replace it, or choose another output directory"
-        )
+        raise UserError(f"{meta_path} exists but is unreadable ({e}): pass --overwrite (overwrite=True) to replace "
+                        "the dataset, or choose another output directory") from e
 
 
-def _temp_file(directory: Path, name: str) -> Path:
-    """A new empty file in `directory` (same file system, so it can be renamed into place atomically).
-    Created with the umask's permissions, unlike tempfile.mkstemp's owner-only 0600: datasets are shared."""
-    path = directory / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    path.open("xb").close()
-    return path
+def _check_may_write(out_dir: Path, new_meta: dict[str, Any] | None, overwrite: bool) -> dict[str, Any] | None:
+    """Refuse to replace anything in `out_dir` unless asked to: it may be the only copy of hours of work.
+
+    Token files without a meta.json are someone's own (refused) unless the marker says an interrupted
+    preparation left them. Returns the existing meta when it describes exactly `new_meta`'s tokens (then
+    nothing needs writing). With `new_meta=None` only what can be known before tokenizing is checked.
+    """
+    if overwrite or not out_dir.is_dir():
+        return None
+    old = _existing_meta(out_dir)
+    if old is None:
+        own = [name for name in SPLIT_FILES.values() if (out_dir / name).exists()]
+        if own and not (out_dir / PREPARING_MARKER).exists():
+            raise UserError(f"{out_dir} holds {' and '.join(own)} without a meta.json (token files prepared by other "
+                            "means?): pass --overwrite (overwrite=True) to replace them, or choose another directory")
+        return None
+    if new_meta is None:
+        return None
+    if not isinstance(old, dict) or _content_key(old) != _content_key(new_meta):
+        source = old.get("source", "unknown source") if isinstance(old, dict) else "unknown source"
+        raise UserError(f"{out_dir} already holds a different dataset ({source}): pass --overwrite "
+                        "(overwrite=True) to replace it, or choose another output directory")
+    return old
+
+
+def _disk_full(out_dir: Path, written: int, e: OSError) -> UserError:
+    free = shutil.disk_usage(out_dir.parent).free
+    return UserError(f"preparing the dataset in {out_dir} failed ({e.strerror}): it needs more than "
+                     f"{written / 2**20:,.1f} MiB ({free / 2**20:,.1f} MiB free there, or a file-size limit "
+                     "applies); nothing was changed. Free space, or prepare it on another disk")
 
 
 def _split_tail(all_path: Path, val_path: Path, n_train: int) -> None:
@@ -90,6 +112,57 @@ def _split_tail(all_path: Path, val_path: Path, n_train: int) -> None:
         while block := src.read(CHUNK_BYTES):
             dst.write(block)
         src.truncate(n_train * TOKEN_DTYPE.itemsize)
+
+
+def _write_splits(tmp: Path, chunks: Iterable[np.ndarray], tokenizer: Tokenizer, val_fraction: float,
+                  source: str) -> dict[str, Any]:
+    """The whole dataset (token files, then meta.json) in the temporary directory `tmp`; returns its meta."""
+    train_path, val_path = tmp / SPLIT_FILES["train"], tmp / SPLIT_FILES["val"]
+    with open(train_path, "wb") as f:
+        for chunk in chunks:
+            f.write(np.asarray(chunk).astype(TOKEN_DTYPE).tobytes())
+    n_total = train_path.stat().st_size // TOKEN_DTYPE.itemsize
+    n_val = int(n_total * val_fraction)
+    n_train = n_total - n_val
+    if n_val < 1 or n_train < 1:
+        raise UserError(f"corpus has only {n_total} tokens, too few to split into train and validation at "
+                        f"val_fraction {val_fraction}: use more text")
+    _split_tail(train_path, val_path, n_train)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.to_meta(),
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": "uint16",
+        "n_train": n_train,
+        "n_val": n_val,
+        "train_sha256": _sha256_file(train_path),
+        "val_sha256": _sha256_file(val_path),
+        "source": source,
+    }
+    for path in (train_path, val_path):  # on disk before meta.json says they are there
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    with open(tmp / META_FILE, "w") as f:
+        f.write(json.dumps(meta, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return meta
+
+
+def _install(tmp: Path, out_dir: Path) -> None:
+    """Put the finished dataset of `tmp` in place: one rename for a new (or empty) directory; in a directory
+    that holds other files, the old meta.json goes first and the new one comes last, with a marker meanwhile,
+    so a kill leaves either the old dataset, the new one, or a directory that does not look prepared."""
+    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        os.replace(tmp, out_dir)
+        return
+    marker = out_dir / PREPARING_MARKER
+    marker.touch()
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    for name in SPLIT_FILES.values():
+        os.replace(tmp / name, out_dir / name)
+    os.replace(tmp / META_FILE, out_dir / META_FILE)
+    marker.unlink()
 
 
 def write_dataset(
@@ -103,9 +176,9 @@ def write_dataset(
 ) -> dict[str, Any]:
     """Stream token chunks to disk, split off the last `val_fraction` as validation, write meta.json.
 
-    Everything goes to temp files in `out_dir` first; the old meta.json is removed before the .bin files
-    are renamed into place and the new meta.json is renamed in last, so a killed process leaves either
-    the old dataset, no dataset, or the complete new one: never a mix that passes `load_dataset`.
+    Everything is written into a temporary directory beside `out_dir` and moved into place only when
+    complete (`_install`), so a failure, a full disk or a kill never leaves anything that looks prepared.
+    An existing dataset is replaced only with `overwrite`; the same tokens again leave it untouched.
     """
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"val_fraction {val_fraction} must be between 0 and 1 (exclusive), e.g. 0.1")
@@ -114,45 +187,30 @@ def write_dataset(
             f"vocabulary of {tokenizer.vocab_size} tokens does not fit uint16 token files: use a tokenizer "
             "with at most 65536 tokens"
         )
+    out_dir = out_dir.absolute()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"cannot create output directory {out_dir} (it is a file): use another --out")
+    _check_may_write(out_dir, None, overwrite)
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp.mkdir(mode=0o755)  # the umask's permissions, unlike tempfile's owner-only: datasets are shared
     except OSError as e:
         raise UserError(f"cannot create output directory {out_dir} ({e.strerror}): use another --out") from e
-    temps = {name: _temp_file(out_dir, name) for name in ("train", "val", "meta")}
     try:
-        with open(temps["train"], "wb") as f:
-            for chunk in chunks:
-                f.write(np.asarray(chunk).astype(TOKEN_DTYPE).tobytes())
-        n_total = temps["train"].stat().st_size // TOKEN_DTYPE.itemsize
-        n_val = int(n_total * val_fraction)
-        n_train = n_total - n_val
-        if n_val < 1 or n_train < 1:
-            raise UserError(
-                f"corpus has only {n_total} tokens, too few to split into train and validation at "
-                f"val_fraction {val_fraction}: use more text"
-            )
-        _split_tail(temps["train"], temps["val"], n_train)
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "tokenizer": tokenizer.to_meta(),
-            "vocab_size": tokenizer.vocab_size,
-            "dtype": "uint16",
-            "n_train": n_train,
-            "n_val": n_val,
-            "train_sha256": _sha256_file(temps["train"]),
-            "val_sha256": _sha256_file(temps["val"]),
-            "source": source,
-        }
-        _check_may_write(out_dir, meta, overwrite)
-        temps["meta"].write_text(json.dumps(meta, indent=1) + "\n")
-        (out_dir / META_FILE).unlink(missing_ok=True)
-        for split, name in SPLIT_FILES.items():
-            os.replace(temps[split], out_dir / name)
-        os.replace(temps["meta"], out_dir / META_FILE)
+        meta = _write_splits(tmp, chunks, tokenizer, val_fraction, source)
+        same = _check_may_write(out_dir, meta, overwrite)
+        if same is not None:
+            return same
+        _install(tmp, out_dir)
         return meta
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise _disk_full(out_dir, sum(p.stat().st_size for p in tmp.iterdir()), e) from None
+        raise UserError(f"cannot write the dataset into {out_dir} ({e.strerror}: {e.filename}): "
+                        "use another --out") from None
     finally:
-        for path in temps.values():
-            path.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _read_text_file(path: Path) -> str:
@@ -253,6 +311,12 @@ def _read_meta(data_dir: Path) -> dict[str, Any]:
                         f"reads format {FORMAT_VERSION} / uint16: {fix}")
     if meta["n_train"] < 1 or meta["n_val"] < 1:
         raise UserError(f"{path} describes an empty split: {fix}")
+    tok = meta["tokenizer"]
+    sizes = {meta["vocab_size"], tok.get("vocab_size", meta["vocab_size"])}
+    if tok.get("type") == "char":
+        sizes.add(len(tok.get("chars", "")))
+    if len(sizes) != 1:
+        raise UserError(f"{path} disagrees with itself on the vocabulary size ({sorted(sizes)}): {fix}")
     return meta
 
 
@@ -270,7 +334,11 @@ def _open_split(data_dir: Path, split: str, meta: dict[str, Any], verify: bool |
     check_hash = verify or (verify is None and size < VERIFY_MAX_BYTES)
     if check_hash and _sha256_file(path) != meta[f"{split}_sha256"]:
         raise UserError(f"{path} does not match the sha256 in meta.json (corrupted or modified): {fix}")
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    if check_hash and int(tokens.max()) >= meta["vocab_size"]:  # read once anyway: the pages are cached
+        raise UserError(f"{path} holds token id {int(tokens.max())}, beyond the vocabulary of {meta['vocab_size']} "
+                        f"in meta.json: {fix}")
+    return tokens
 
 
 def load_dataset(data_dir: str | os.PathLike[str], *, verify: bool | None = None,

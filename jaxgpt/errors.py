@@ -8,3 +8,11 @@ its traceback.
 
 class UserError(Exception):
     """A bad config, flag, file or prompt: the message names the problem and the fix."""
+
+
+class InterruptError(UserError):
+    """The run stopped on a signal after saving its state; `status` is the exit status (128 + signal)."""
+
+    def __init__(self, message: str, status: int = 130) -> None:
+        super().__init__(message)
+        self.status = status

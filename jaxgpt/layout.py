@@ -183,6 +183,9 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
     if cfg.attention_impl == "cudnn" and platform != "gpu":
         raise UserError(f"model.attention_impl='cudnn' needs NVIDIA GPUs, but the devices are {platform}: "
                         "use 'xla' (or 'einsum')")
+    if cfg.attention_impl == "splash" and platform == "gpu":
+        raise UserError("model.attention_impl='splash' is TPU flash attention (CPUs run it in Pallas interpret mode, "
+                        "for tests): on GPUs use 'cudnn' or 'auto'")
     check_divisibility(cfg, mesh, batch_size, grad_accum)
     tx = make_optimizer(optim)
     rules = rules_for(cfg, mesh)

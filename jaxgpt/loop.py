@@ -7,8 +7,9 @@ checkpoint replays exactly what an uninterrupted run would have done.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,43 +21,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxgpt import layout, runtime, tasks
-from jaxgpt.checkpoint import Checkpointer
+from jaxgpt import layout, resume, rundir, runtime, tasks
+from jaxgpt.checkpoint import Checkpointer, state_bytes
+from jaxgpt.chips import peak_flops_for
 from jaxgpt.errors import UserError
 from jaxgpt.flops import flops_per_token, measure_matmul_peak
+from jaxgpt.interrupt import GracefulStop
+from jaxgpt.logs import MetricsLog, progress_line, require_wandb
 from jaxgpt.train_config import TrainConfig
-
-
-class MetricsLog:
-    """metrics.jsonl, TensorBoard events and the console, written by process 0 only."""
-
-    def __init__(self, workdir: Path, resume_step: int) -> None:
-        self.enabled = jax.process_index() == 0
-        self.path = workdir / "metrics.jsonl"
-        if not self.enabled:
-            return
-        if resume_step and self.path.exists():  # steps after the checkpoint will be logged again, identically
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
-        from tensorboardX import SummaryWriter
-
-        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step or None)
-
-    def write(self, step: int, values: dict[str, Any]) -> None:
-        """Log the numeric scalars of `values` (nested or non-numeric entries are for the caller)."""
-        values = {k: float(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        if not self.enabled:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
-        for name, value in values.items():
-            self.tb.add_scalar(name, value, step)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.tb.close()
 
 
 def micro_batches(x: np.ndarray, grad_accum: int) -> np.ndarray:
@@ -69,25 +41,45 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
     """Run (or resume) training as configured; returns the final metrics, state and model config.
 
     The task is `cfg.task`'s (`tasks.build`) unless one is given: any object with the `tasks.Task` methods
-    trains here unchanged.
+    trains here unchanged. The run owns its work directory while it trains (`rundir.WorkdirLock`).
     """
     runtime.setup(cfg.runtime)
+    if cfg.wandb_project and jax.process_index() == 0:
+        require_wandb(cfg.wandb_project)
     task = task or tasks.build(cfg)
     workdir = runtime.check_workdir(cfg.workdir)
+    rundir.check_not_foreign(workdir)
+    lock = rundir.WorkdirLock(workdir) if jax.process_index() == 0 else None
+    try:
+        return _train(cfg, task, workdir, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.WorkdirLock | None) -> dict[str, Any]:
+    """`train` once the work directory is this run's: nothing in it changes before every check has passed."""
     is_main = jax.process_index() == 0
     mesh = layout.make_mesh(cfg.runtime.mesh)
     prog = layout.build_program(task, cfg.optim, mesh, cfg.batch_size, cfg.grad_accum)
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
     ckpt = Checkpointer(workdir, keep=cfg.keep_checkpoints)
-    meta = {"model": task.model_cfg.to_dict(), "config": cfg.settings, "tokenizer": task.tokenizer_meta, **task.meta}
+    trajectory = resume.trajectory(cfg, task.model_cfg.to_dict(), task.meta)
+    meta = {"model": task.model_cfg.to_dict(), "config": cfg.settings, "tokenizer": task.tokenizer_meta, **task.meta,
+            "trajectory": trajectory}
     # Weights from elsewhere are read outside the mesh context, as plain host arrays.
     pretrained = task.pretrained() if ckpt.latest_step() is None else None
     if is_main and task.describe():
         print(task.describe(), flush=True)
     with prog.activate():
-        state, start = _initial_state(cfg, task, ckpt, prog, init_key, pretrained)
+        state, start = _initial_state(cfg, task, ckpt, prog, init_key, pretrained, trajectory)
+        if start >= cfg.max_steps:
+            ckpt.close()
+            return _finished(cfg, task, workdir, state, start)
+        _check_space(ckpt, prog.abstract_state)
         if is_main:
-            (workdir / "config.json").write_text(json.dumps(cfg.settings, indent=2) + "\n")
+            lock.record_holder()
+            rundir.record_start(workdir, cfg.settings, start)
             n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
             print(f"model: {n_params:,} parameters; mesh {dict(mesh.shape)}; "
                   f"{'resuming at step ' + str(start) if start else 'starting from step 0'}", flush=True)
@@ -113,14 +105,16 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
                                    for split, batches in evals.items()})
 
         t0 = time.perf_counter()
-        compiled = prog.train_step.lower(state, batch(start), dropout_key).compile() if start < cfg.max_steps else None
+        compiled = prog.train_step.lower(state, batch(start), dropout_key).compile()
         compile_s = time.perf_counter() - t0
-        log = MetricsLog(workdir, start)
-        bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
+        log = MetricsLog(workdir, start, cfg.settings, cfg.wandb_project, cfg.wandb_name)
+        plain = is_main and not sys.stderr.isatty()  # a log file gets lines, not a progress bar's \r updates
+        bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main or plain, unit="step", dynamic_ncols=True)
         pending: list[tuple[int, dict]] = []
         last_eval: dict[str, Any] = {}
         tokens_per_step = cfg.batch_size * task.tokens_per_row
-        t_log, n_timed, t_train = time.perf_counter(), 0, 0.0
+        t_start = t_log = time.perf_counter()
+        n_timed, t_train = 0, 0.0
 
         def flush(step: int) -> None:
             """Fetch the queued step metrics; stop on a non-finite loss before anything is saved."""
@@ -138,48 +132,108 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
             n_timed += len(pending)
             last = {k: float(v) for k, v in fetched[-1].items()}
             terms = {f"train_{k}": v for k, v in last.items() if k not in ("loss", "lr", "grad_norm")}
-            log.write(step, {"train_loss": last["loss"], **terms, "lr": last["lr"], "grad_norm": last["grad_norm"],
-                             "tokens_per_sec": tok_s})
-            bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{tok_s:,.0f}")
+            mfu = _mfu(task, tok_s)
+            record = {"train_loss": last["loss"], **terms, "lr": last["lr"], "grad_norm": last["grad_norm"],
+                      "tokens_per_sec": tok_s, **({"mfu": mfu} if mfu is not None else {})}
+            log.write(step, record)
+            bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{tok_s:,.0f}",
+                            **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+            if plain:
+                print(progress_line(step, cfg.max_steps, record, time.perf_counter() - t_start), file=sys.stderr,
+                      flush=True)
             pending.clear()
             t_log = time.perf_counter()
 
-        try:
-            for step in range(start, cfg.max_steps):
-                state, metrics = compiled(state, batch(step), dropout_key)
-                pending.append((step + 1, metrics))
-                bar.update(1)
-                done = step + 1
-                is_eval = done % cfg.eval_interval == 0 or done == cfg.max_steps
-                if done % cfg.log_interval == 0 or is_eval or done % cfg.ckpt_interval == 0:
-                    flush(done)
-                if is_eval:
-                    t_eval = time.perf_counter()
-                    last_eval = evaluate(state["params"])
-                    log.write(done, last_eval)
-                    if is_main:
-                        bar.write(task.eval_line(done, last_eval))
-                    t_log += time.perf_counter() - t_eval  # keep evaluation out of tokens/s
-                if is_eval or done % cfg.ckpt_interval == 0:
-                    ckpt.save(state, {**meta, **({"val_loss": last_eval["val_loss"]} if is_eval else {})})
-            flush(cfg.max_steps)
-        finally:  # a save in flight must commit even when training stops early, or it is silently lost
-            bar.close()
-            ckpt.wait()
-            ckpt.close()
-            log.close()
+        with GracefulStop() as stop:
+            try:
+                for step in range(start, cfg.max_steps):
+                    state, metrics = compiled(state, batch(step), dropout_key)
+                    pending.append((step + 1, metrics))
+                    bar.update(1)
+                    done = step + 1
+                    is_eval = done % cfg.eval_interval == 0 or done == cfg.max_steps
+                    if done % cfg.log_interval == 0 or is_eval or done % cfg.ckpt_interval == 0:
+                        flush(done)
+                    if is_eval:
+                        t_eval = time.perf_counter()
+                        last_eval = evaluate(state["params"])
+                        log.write(done, last_eval, kind="eval")
+                        if is_main:
+                            bar.write(task.eval_line(done, last_eval))
+                        t_log += time.perf_counter() - t_eval  # keep evaluation out of tokens/s
+                    saved = is_eval or done % cfg.ckpt_interval == 0
+                    if saved:
+                        ckpt.save(state, {**meta, **({"val_loss": last_eval["val_loss"]} if is_eval else {})})
+                    if done < cfg.max_steps and _stop_agreed(stop, done, cfg.log_interval):
+                        flush(done)
+                        if not saved:
+                            ckpt.save(state, meta)
+                        ckpt.wait()
+                        raise stop.stopped(done, ckpt.directory)
+                flush(cfg.max_steps)
+            finally:  # a save in flight must commit even when training stops early, or it is silently lost
+                _close(bar, ckpt, log)
     summary = _throughput(task, cfg.batch_size, n_timed, t_train, compile_s)
     if is_main:
         print(summary["report"], flush=True)
         if last_eval and task.final_line(last_eval):
             print(task.final_line(last_eval), flush=True)
+        print(_outputs_report(cfg, workdir), flush=True)
     multihost_utils.sync_global_devices("jaxgpt-train-end")
     return {**last_eval, **summary, "steps": cfg.max_steps - start, "state": state, "model_cfg": task.model_cfg,
             "tokenizer_meta": task.tokenizer_meta}
 
 
+def _stop_agreed(stop: GracefulStop, done: int, log_interval: int) -> bool:
+    """Whether every process stops after step `done`: at once with one process; with several, at the next log
+    interval and only together (a process stopping alone would leave the others hanging in a collective)."""
+    if jax.process_count() == 1:
+        return stop.requested
+    if done % log_interval:
+        return False
+    return bool(np.max(multihost_utils.process_allgather(np.int32(stop.requested))))
+
+
+def _close(bar: tqdm, ckpt: Checkpointer, log: MetricsLog) -> None:
+    """Wait for the last save to commit, then close everything, even when the wait failed (a full disk)."""
+    bar.close()
+    try:
+        ckpt.wait()
+    finally:
+        with contextlib.suppress(Exception):  # after a failed wait, close raises the same error again
+            ckpt.close()
+        log.close()
+
+
+def _check_space(ckpt: Checkpointer, abstract_state: dict[str, Any]) -> None:
+    """Refuse to start (before compiling) when the checkpoint directory cannot hold even one checkpoint."""
+    need = state_bytes([abstract_state["params"], abstract_state["opt_state"]])
+    free = rundir.free_bytes(ckpt.directory)
+    if free < need:
+        raise UserError(f"{ckpt.directory} has {free / 2**20:,.1f} MiB free, but a checkpoint of this run needs about "
+                        f"{need / 2**20:,.1f} MiB: free space there or choose another --config.workdir")
+
+
+def _finished(cfg: TrainConfig, task: tasks.Task, workdir: Path, state: dict, start: int) -> dict[str, Any]:
+    """A resumed run with nothing left to do says so (no throughput of zero steps) and returns its state."""
+    if jax.process_index() == 0:
+        print(f"{workdir} is already trained to step {start} (config.max_steps={cfg.max_steps}): nothing to do; "
+              "raise --config.max_steps to train further", flush=True)
+    return {"steps": 0, "state": state, "model_cfg": task.model_cfg, "tokenizer_meta": task.tokenizer_meta}
+
+
+def _outputs_report(cfg: TrainConfig, workdir: Path) -> str:
+    """Where the run's outputs are, and the commands that use them."""
+    lines = [f"outputs in {workdir}: checkpoints/, metrics.jsonl, tensorboard/, config.json",
+             f"  plot:   jaxgpt plots curves --workdir {workdir} --out {workdir / 'curves.png'}",
+             f"  logs:   tensorboard --logdir {workdir / 'tensorboard'}"]
+    if cfg.task == "lm":
+        lines.insert(1, f"  sample: jaxgpt sample --workdir {workdir} --prompt \"...\"")
+    return "\n".join(lines)
+
+
 def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog: layout.Program, key: jax.Array,
-                   pretrained: Any = None) -> tuple[dict, int]:
+                   pretrained: Any = None, trajectory: dict[str, Any] | None = None) -> tuple[dict, int]:
     """Resume from the latest checkpoint, or initialize (from scratch or from pretrained weights) directly sharded.
 
     Pretrained weights may lack top-level subtrees of the model (a classifier's new head): those are
@@ -190,8 +244,12 @@ def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog:
         if not cfg.resume:
             raise UserError(f"{cfg.workdir} already holds checkpoints (latest step {latest}): pass "
                             "--config.resume=True to continue, or choose a new --config.workdir")
-        task.check_resume(ckpt.read_meta(latest), cfg.workdir)
-        return ckpt.restore(latest, prog.abstract_state), latest
+
+        def check(saved_meta: dict[str, Any]) -> None:
+            task.check_resume(saved_meta, cfg.workdir)
+            resume.check_same_run(saved_meta, trajectory or {}, cfg)
+
+        return resume.restore_readable(cfg, ckpt, prog.abstract_state, check)
     param_sh = prog.state_sh["params"]
     example = task.example_input()
     missing = sorted(set(param_sh) - set(pretrained or {})) if pretrained is not None else sorted(param_sh)
@@ -208,14 +266,25 @@ def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog:
             "step": jax.device_put(jnp.zeros((), jnp.int32), prog.state_sh["step"])}, 0
 
 
+def _mfu(task: tasks.Task, tok_s: float) -> float | None:
+    """Model FLOP/s over the devices' published bf16 peak (`jaxgpt.chips`, the table `jaxgpt aot` bounds
+    with); None on CPUs, which have no such peak."""
+    peak = peak_flops_for(jax.devices())
+    return None if peak is None else tok_s * flops_per_token(task.model_cfg, task.tokens_per_row) / peak
+
+
 def _throughput(task: tasks.Task, batch_size: int, n_steps: int, seconds: float, compile_s: float) -> dict[str, Any]:
+    """Tokens/s and MFU of the run: against the chips' published bf16 peak on TPUs and GPUs (comparable with
+    other trainers' MFU), against a matmul measured here on CPUs (fake CPU devices share the same cores)."""
     tokens = n_steps * batch_size * task.tokens_per_row
     tok_s = tokens / seconds if seconds else 0.0
     model_flops = tok_s * flops_per_token(task.model_cfg, task.tokens_per_row)
-    # Fake CPU devices share the same cores; accelerators each bring their own peak.
-    peak = measure_matmul_peak() * (jax.device_count() if jax.devices()[0].platform != "cpu" else 1)
+    peak = peak_flops_for(jax.devices())
+    against = "the chips' published bf16 peak"
+    if peak is None:
+        peak, against = measure_matmul_peak(), "the measured matmul peak"
     report = (f"throughput: {tok_s:,.0f} tokens/s over {n_steps} steps (compile {compile_s:.1f} s); model "
-              f"{model_flops / 1e9:,.1f} GFLOP/s = {model_flops / peak:.1%} of the measured matmul peak "
+              f"{model_flops / 1e9:,.1f} GFLOP/s = MFU {model_flops / peak:.1%} of {against} "
               f"({peak / 1e9:,.0f} GFLOP/s)")
-    return {"tokens_per_sec": tok_s, "model_flops_per_sec": model_flops, "mfu_vs_measured_peak": model_flops / peak,
-            "compile_seconds": compile_s, "report": report}
+    return {"tokens_per_sec": tok_s, "model_flops_per_sec": model_flops, "mfu": model_flops / peak,
+            "peak_flops": peak, "compile_seconds": compile_s, "report": report}

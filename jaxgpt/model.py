@@ -42,12 +42,10 @@ class Block(nn.Module):
     """One transformer layer, pre-norm (GPT-2, seed 000) or post-norm (seeds 001, 004).
 
     The (carry, xs) -> (carry, ys) signature lets `nn.scan` stack it over layers: the
-    residual stream is the carry and the per-layer cache is scanned. Listed layers know their `layer`
-    index instead and update their slice of the whole cache.
+    residual stream is the carry and the per-layer cache is scanned.
     """
 
     cfg: ModelConfig
-    layer: int | None = None
 
     @nn.compact
     def __call__(self, x_BTC: Array, cache: Cache | None, visible_BTS: Array, cache_index: Array | None,
@@ -57,11 +55,11 @@ class Block(nn.Module):
         ln_1, ln_2 = Norm(cfg, name="ln_1"), Norm(cfg, name="ln_2")
         drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=deterministic)
         if cfg.norm_placement == "pre":
-            y, cache = attn(ln_1(x_BTC), visible_BTS, deterministic, cache, cache_index, self.layer)
+            y, cache = attn(ln_1(x_BTC), visible_BTS, deterministic, cache, cache_index)
             x_BTC = x_BTC + drop(y)
             x_BTC = x_BTC + drop(mlp(ln_2(x_BTC), deterministic))
         else:
-            y, cache = attn(x_BTC, visible_BTS, deterministic, cache, cache_index, self.layer)
+            y, cache = attn(x_BTC, visible_BTS, deterministic, cache, cache_index)
             x_BTC = ln_1(x_BTC + drop(y))
             x_BTC = ln_2(x_BTC + drop(mlp(x_BTC, deterministic)))
         return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), cache
@@ -96,7 +94,7 @@ class GPT(nn.Module):
                              in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layer,
                              metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
         else:
-            self.blocks = [block(cfg, layer=i, name=f"h_{i}") for i in range(cfg.n_layer)]
+            self.blocks = [block(cfg, name=f"h_{i}") for i in range(cfg.n_layer)]
         if cfg.final_norm:
             self.ln_f = Norm(cfg)
         if not cfg.tie_embeddings:
@@ -124,12 +122,14 @@ class GPT(nn.Module):
         return self.drop(x_BTC, deterministic=deterministic)
 
     def _layers(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
-                cache_index: Array | None = None) -> tuple[Array, Cache | None]:
+                cache_index: Array | None = None) -> tuple[Array, Any]:
         if self.cfg.scan_layers:
             return self.h(x_BTC, cache, visible_BTS, cache_index, deterministic)
-        for block in self.blocks:
-            x_BTC, cache = block(x_BTC, cache, visible_BTS, cache_index, deterministic)
-        return x_BTC, cache
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x_BTC, c = block(x_BTC, None if cache is None else cache[i], visible_BTS, cache_index, deterministic)
+            new_cache.append(c)
+        return x_BTC, new_cache
 
     def hidden(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
         """Final hidden states (B, T, C): after the final norm when the model has one."""
@@ -153,8 +153,8 @@ class GPT(nn.Module):
     def __call__(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
         return self.logits(self.hidden(idx_BT, mask_BT, deterministic))
 
-    def decode(self, idx_BT: Array, cache: Cache, cache_index: Array, last_only: bool = False
-               ) -> tuple[Array, Cache]:
+    def decode(self, idx_BT: Array, cache: Cache | list[Cache], cache_index: Array, last_only: bool = False
+               ) -> tuple[Array, Cache | list[Cache]]:
         """Run T new tokens at positions cache_index.. against a cache of S = block_size slots.
 
         Used for both the prompt (prefill, T = prompt length) and each new token (T = 1).
@@ -163,7 +163,7 @@ class GPT(nn.Module):
         visible, so the cache may hold stale values there.
         """
         T = idx_BT.shape[1]
-        S = cache["k"].shape[-2]
+        S = (cache["k"] if self.cfg.scan_layers else cache[0]["k"]).shape[-2]
         q_pos_T = cache_index + jnp.arange(T)
         visible_BTS = (jnp.arange(S)[None, :] <= q_pos_T[:, None])[None]
         pos_BT = jnp.broadcast_to(q_pos_T + int(self.cfg.pad_positions), idx_BT.shape)

@@ -6,7 +6,7 @@ configs override sizes (vocabulary, block size) to fit a dataset.
 
 from __future__ import annotations
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.errors import UserError
 
 _GPT2 = dict(vocab_size=50257, block_size=1024, activation="gelu_tanh", norm_placement="pre", final_norm=True,
@@ -46,6 +46,38 @@ PRESETS: dict[str, ModelConfig] = {
     # A GPT-3-family 6.7B shape (32 x 4096, 2048 context) for pod-scale planning.
     "gpt-6.7b": ModelConfig(n_layer=32, n_embd=4096, n_head=32, **{**_GPT2, "block_size": 2048}),
 }
+
+
+# Encoder-decoder models (`jaxgpt.seq2seq`): `model` holds the decoder and the choices both stacks share.
+SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = {
+    # Seed 002's Keras Transformer: 6 + 6 post-norm layers, 512 wide, 8 heads of key_dim = value_dim = 512,
+    # feed-forward 2048, src_size = tgt_size = 2048 with mask_zero (pad id 0), concatenated sin/cos positions
+    # over a table of vocab_size rows (so at most 2048 tokens), untied softmax head with bias. Its summary:
+    #   one attention, 3 x (512x8x512 + 8x512) + (8x512x512 + 512)   =  8,401,408;  LayerNorm 2 x 512 = 1,024
+    #   feed-forward (512x2048 + 2048) + (2048x512 + 512)            =  2,099,712;  embedding 2048 x 512 = 1,048,576
+    #   encoder: 1,048,576 + 6 x (8,401,408 + 2,099,712 + 2 x 1,024)          =  64,067,584
+    #   decoder: 1,048,576 + 6 x (2 x 8,401,408 + 2,099,712 + 3 x 1,024)      = 114,482,176
+    #   output Dense 512 x 2048 + 2048 = 1,050,624;  total 179,600,384.
+    # Keras applies dropout inside attention and after the feed-forward; resid_dropout also drops the
+    # attention output, as the decoder-only seed002 preset does. (The article sizes the decoder's embedding
+    # by src_size too; with both vocabularies 2048 that changes nothing, here it is the target's.)
+    "seed002-encdec": Seq2SeqConfig(
+        model=PRESETS["seed002"].replace(pad_id=0), n_encoder_layer=6, src_vocab_size=2048, src_block_size=2048),
+    # Seed 000's source, the Annotated Transformer, `make_model(src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048,
+    # h=8, dropout=0.1)`: pre-norm sub-layers with its unbiased-std LayerNorm (eps 1e-6) and a final norm after
+    # each stack, sin/cos positions interleaved (a 5000-row table), Xavier init, dropout 0.1 everywhere. Its
+    # code keeps the source and target embeddings and the Generator's biased Linear separate (the paper's
+    # sharing is share_embeddings / tie_embeddings); both vocabularies are seed 000's r50k (50,257 tokens).
+    "seed000-encdec": Seq2SeqConfig(
+        model=PRESETS["seed000"].replace(block_size=5000), n_encoder_layer=6, src_vocab_size=50257),
+}
+
+
+def get_seq2seq_preset(name: str) -> Seq2SeqConfig:
+    try:
+        return SEQ2SEQ_PRESETS[name]
+    except KeyError:
+        raise UserError(f"unknown encoder-decoder preset {name!r}: choose one of {sorted(SEQ2SEQ_PRESETS)}") from None
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -8,7 +8,7 @@ tokens of each chunk as it finishes (the CLI prints them as they arrive); both g
 
 Tokens are chosen by `jaxgpt.strategies` (greedy, temperature, top-k, top-p). The noise of step i
 depends only on the seed and i, so a seed gives the same tokens whether the loop runs in one call, in
-chunks, or without a cache (`generate_uncached`).
+chunks, or without a cache (`jaxgpt.sampling_reference.generate_uncached`).
 
 Contexts longer than `block_size` (the windowed rule)
 -----------------------------------------------------
@@ -80,14 +80,15 @@ class SamplerSpec:
     eot_token: int | None
     window_shift: int
     return_logits: bool = False
+    vocab_limit: int | None = None  # the tokenizer's vocabulary size, when the model's is padded beyond it
 
     def pick(self, logits_BV: Array, gumbel_BV: Array | None, temperature: Array, top_p: Array,
              banned: int | None) -> Array:
         return pick_tokens(logits_BV, None if self.greedy else gumbel_BV, temperature, self.top_k,
-                           top_p if self.use_top_p else None, banned=banned)
+                           top_p if self.use_top_p else None, banned=banned, vocab_limit=self.vocab_limit)
 
 
-def _finish_rows(tok_B: Array, done_B: Array, eot_token: int | None) -> tuple[Array, Array]:
+def finish_rows(tok_B: Array, done_B: Array, eot_token: int | None) -> tuple[Array, Array]:
     """Finished rows keep emitting eot; a row that has just emitted eot is finished."""
     if eot_token is None:
         return tok_B, done_B
@@ -141,10 +142,15 @@ def _prompt_array(prompt: PromptLike, num_samples: int | None) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+# Far beyond any context jaxgpt trains, and small enough that token buffers and int32 step counters never
+# overflow or exhaust memory (a (B, N) int32 buffer is allocated up front).
+MAX_NEW_TOKENS = 1 << 20
+
+
 def validate_options(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any) -> None:
     """Raise UserError for values that have no meaning (the CLI calls this before loading a model)."""
-    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens <= 0:
-        raise UserError(f"max_new_tokens={max_new_tokens} must be a positive integer")
+    if not isinstance(max_new_tokens, int | np.integer) or not 0 < max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be a positive integer of at most {MAX_NEW_TOKENS:,}")
     if not (temperature >= 0 and np.isfinite(temperature)):  # also rejects NaN
         raise UserError(f"temperature={temperature} must be >= 0 (0 means greedy)")
     if top_k is not None and (not isinstance(top_k, int | np.integer) or top_k < 1):
@@ -153,9 +159,9 @@ def validate_options(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: A
         raise UserError(f"top_p={top_p} must be in (0, 1] (or unset)")
 
 
-def _request(cfg: ModelConfig, prompt: PromptLike, *, num_samples: int | None, max_new_tokens: int,
+def request(cfg: ModelConfig, prompt: PromptLike, *, num_samples: int | None, max_new_tokens: int,
              temperature: float, top_k: int | None, top_p: float | None, key: KeyLike, eot_token: int | None,
-             window_shift: int | None, return_logits: bool) -> _Request:
+             window_shift: int | None, return_logits: bool, vocab_limit: int | None) -> _Request:
     validate_options(max_new_tokens, temperature, top_k, top_p)
     prompt_BT = _prompt_array(prompt, num_samples)
     V, S = cfg.vocab_size, cfg.block_size
@@ -166,6 +172,11 @@ def _request(cfg: ModelConfig, prompt: PromptLike, *, num_samples: int | None, m
         raise UserError(f"the prompt contains the model's padding id {cfg.pad_id}, which it never attends to")
     if eot_token is not None and not 0 <= eot_token < V:
         raise UserError(f"eot_token={eot_token} is outside the vocabulary [0, {V})")
+    if vocab_limit is not None and not 0 < vocab_limit <= V:
+        raise UserError(f"vocab_limit={vocab_limit} must be in [1, {V}] (the model's vocabulary)")
+    if return_logits and prompt_BT.shape[0] * max_new_tokens * V * 4 > 1 << 34:
+        raise UserError(f"return_logits for {prompt_BT.shape[0]} x {max_new_tokens} tokens of a {V}-token vocabulary "
+                        "needs more than 16 GiB: generate fewer tokens or samples")
     shift = default_window_shift(cfg) if window_shift is None else window_shift
     if not isinstance(shift, int | np.integer) or not 1 <= shift <= S:
         raise UserError(f"window_shift={window_shift} must be an integer in [1, block_size={S}]")
@@ -173,7 +184,7 @@ def _request(cfg: ModelConfig, prompt: PromptLike, *, num_samples: int | None, m
     use_top_p = top_p is not None and top_p < 1 and not greedy
     spec = SamplerSpec(greedy=greedy, top_k=None if greedy or top_k is None else min(int(top_k), V),
                        use_top_p=use_top_p, eot_token=eot_token, window_shift=int(shift),
-                       return_logits=return_logits)
+                       return_logits=return_logits, vocab_limit=None if vocab_limit in (None, V) else int(vocab_limit))
     return _Request(prompt_BT, _as_key(key), int(max_new_tokens), float(temperature),
                     1.0 if top_p is None else float(top_p), spec)
 
@@ -274,7 +285,7 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
         st, tokens_BN, logits_BNV = carry
         i = st.step - first
         tok_B = spec.pick(st.logits_BV, gumbel_BV, temperature, top_p, cfg.pad_id)
-        tok_B, done_B = _finish_rows(tok_B, st.done_B, spec.eot_token)
+        tok_B, done_B = finish_rows(tok_B, st.done_B, spec.eot_token)
         logits_BV = st.logits_BV
         if commit is not True:  # write back what is there (the index may be one past the end: it clamps)
             tok_B = jnp.where(commit, tok_B, jax.lax.dynamic_index_in_dim(tokens_BN, i, 1, keepdims=False))
@@ -323,7 +334,7 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
 def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens: int, key: KeyLike = 0,
              num_samples: int | None = None, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eot_token: int | None = None, window_shift: int | None = None,
-             return_logits: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+             return_logits: bool = False, vocab_limit: int | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Sample `max_new_tokens` continuations of a prompt with the KV-cache loop; returns only new tokens.
 
     prompt: token ids, (T,) (repeated `num_samples` times) or (B, T) (every row the same length).
@@ -332,9 +343,9 @@ def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_token
     for steps never run because every row had finished). Compiled programs are cached per shapes and
     static options (`SamplerSpec`); new temperature/top_p values reuse them.
     """
-    req = _request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+    req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
-                   return_logits=return_logits)
+                   return_logits=return_logits, vocab_limit=vocab_limit)
     state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg)
     _, tokens_BN, logits_BNV, _ = _run(params, state, jnp.int32(req.max_new_tokens), jnp.float32(req.temperature),
                                        jnp.float32(req.top_p), cfg=cfg, spec=req.spec, num_steps=req.max_new_tokens)
@@ -346,7 +357,7 @@ def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_token
 def stream(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens: int, key: KeyLike = 0,
            num_samples: int | None = None, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, eot_token: int | None = None, window_shift: int | None = None,
-           chunk_size: int = 16) -> Iterator[np.ndarray]:
+           chunk_size: int = 16, vocab_limit: int | None = None) -> Iterator[np.ndarray]:
     """Like `generate`, but yields the new tokens (B, k) chunk by chunk as the device produces them.
 
     Each chunk is one call of the compiled loop (the cache stays on the device, donated between calls).
@@ -356,9 +367,9 @@ def stream(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens:
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise UserError(f"chunk_size={chunk_size} must be a positive integer")
-    req = _request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+    req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
-                   return_logits=False)
+                   return_logits=False, vocab_limit=vocab_limit)
     state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg)
     total, temperature_, top_p_ = jnp.int32(req.max_new_tokens), jnp.float32(req.temperature), jnp.float32(req.top_p)
     run = functools.partial(_run, params, total=total, temperature=temperature_, top_p=top_p_, cfg=cfg,
@@ -373,73 +384,3 @@ def stream(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens:
         if finished or produced >= req.max_new_tokens:
             return
         state, tokens_BN, _, progress = ahead
-
-
-# ----------------------------------------------------------------------------------------------------
-# The no-cache reference of the same rule
-
-
-def _bucket(n: int, cap: int) -> int:
-    """Next power of two >= n (at most `cap`): few compilations, and cost still grows with the context."""
-    return min(cap, 1 << max(0, n - 1).bit_length())
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _window_logits(params: Any, window_BL: Array, length: Array, *, cfg: ModelConfig) -> Array:
-    """Full forward pass over a right-padded window; the logits at its last real token.
-
-    Padding on the right cannot change earlier positions (attention is causal), so this is the model
-    run on exactly the window, with one compilation per padded length instead of one per length.
-    """
-    logits_BLV = GPT(cfg).apply({"params": params}, window_BL)
-    return jax.lax.dynamic_index_in_dim(logits_BLV, length - 1, axis=1, keepdims=False)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "banned"))
-def _sample_step(logits_BV: Array, key: Array, step: Array, done_B: Array, temperature: Array, top_p: Array, *,
-                 spec: SamplerSpec, banned: int | None) -> tuple[Array, Array]:
-    gumbel_BV = None if spec.greedy else gumbel_noise(key, step, logits_BV.shape)
-    tok_B = spec.pick(logits_BV, gumbel_BV, temperature, top_p, banned)
-    return _finish_rows(tok_B, done_B, spec.eot_token)
-
-
-def generate_uncached(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens: int, key: KeyLike = 0,
-                      num_samples: int | None = None, temperature: float = 1.0, top_k: int | None = None,
-                      top_p: float | None = None, eot_token: int | None = None, window_shift: int | None = None,
-                      return_logits: bool = False, bucketed: bool = True) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """The same generation as `generate`, computed the naive way: the whole model on the window, every step.
-
-    A Python loop, one jitted forward pass per token (as nanoGPT generates, but compiled): the
-    reference the cached loop is tested against, and the baseline of the benchmark. Same arguments
-    and result as `generate`. The window is right-padded to a power of two (`bucketed`, so the cost
-    grows with the context as nanoGPT's does) or always to block_size (one compilation).
-    """
-    req = _request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                   top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
-                   return_logits=return_logits)
-    S, spec = cfg.block_size, req.spec
-    seq_BN = req.prompt_BT
-    B, P = seq_BN.shape
-    start = max(0, P - S)
-    fill = 0 if spec.eot_token is None else spec.eot_token
-    tokens_BN = np.full((B, req.max_new_tokens), fill, np.int32)
-    logits_BNV = np.zeros((B, req.max_new_tokens, cfg.vocab_size), np.float32)
-    done_B = jnp.zeros((B,), bool)
-    temperature, top_p = jnp.float32(req.temperature), jnp.float32(req.top_p)
-    for step in range(req.max_new_tokens):
-        window_BL = seq_BN[:, start:]
-        L = window_BL.shape[1]
-        padded_BL = np.pad(window_BL, ((0, 0), (0, (_bucket(L, S) if bucketed else S) - L)))
-        logits_BV = _window_logits(params, jnp.asarray(padded_BL), jnp.int32(L), cfg=cfg)
-        tok_B, done_B = _sample_step(logits_BV, req.key, jnp.int32(step), done_B, temperature, top_p, spec=spec,
-                                     banned=cfg.pad_id)
-        tokens_BN[:, step] = np.asarray(tok_B)
-        logits_BNV[:, step] = np.asarray(logits_BV)
-        if bool(jnp.all(done_B)):
-            break
-        seq_BN = np.concatenate([seq_BN, tokens_BN[:, step : step + 1]], axis=1)
-        if seq_BN.shape[1] - start > S:  # the window would exceed the context: jump forward
-            start += spec.window_shift
-    if return_logits:
-        return tokens_BN, logits_BNV
-    return tokens_BN

@@ -50,16 +50,20 @@ def gumbel_noise(key: Array, step: Array, shape: tuple[int, int]) -> Array:
 
 
 def pick_tokens(logits_BV: Array, gumbel_BV: Array | None, temperature: Array | float = 1.0,
-                top_k: int | None = None, top_p: Array | float | None = None, *, banned: int | None = None) -> Array:
+                top_k: int | None = None, top_p: Array | float | None = None, *, banned: int | None = None,
+                vocab_limit: int | None = None) -> Array:
     """One token per row (int32 (B,)): argmax when `gumbel_BV` is None (greedy), else a sample.
 
     A sample is argmax(filtered logits / temperature + Gumbel noise), which draws from
     softmax(filtered logits / temperature). The temperature stays a traced value, so changing it
-    does not recompile. `banned` is an id never produced (the model's padding id).
+    does not recompile. `banned` is an id never produced (the model's padding id); ids from `vocab_limit`
+    up are never produced either (a vocabulary padded past its tokenizer's, as GPT-2's 50257 to 50304).
     """
     logits_BV = logits_BV.astype(jnp.float32)
     if banned is not None:
         logits_BV = logits_BV.at[:, banned].set(-jnp.inf)
+    if vocab_limit is not None and vocab_limit < logits_BV.shape[-1]:
+        logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab_limit, logits_BV, -jnp.inf)
     if gumbel_BV is None:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     scaled_BV = filter_logits(logits_BV / temperature, top_k, top_p)

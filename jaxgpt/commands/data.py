@@ -5,7 +5,9 @@
     jaxgpt data --text a.txt b.txt --tokenizer char --out data/mine [--overwrite]
 
 Files given to --text (several after one --text, or one per --text) are concatenated in order; the last
---val_fraction of the tokens becomes the validation split. One summary line is printed when done.
+--val_fraction of the tokens becomes the validation split. One summary line is printed when done. The dataset
+is written into a temporary directory and moved into place complete: a failure or a full disk leaves nothing
+that looks prepared.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
                       "text, or GPT-2's BPE", flag_values=flags_)
     flags.DEFINE_string("out", None, "output directory", flag_values=flags_)
     flags.mark_flag_as_required("out", flag_values=flags_)
-    flags.DEFINE_bool("overwrite", False, "replace a different existing dataset", flag_values=flags_)
+    flags.DEFINE_bool("overwrite", False, "replace an existing different dataset, or token files without a "
+                      "meta.json (never done otherwise; the same tokens again leave a dataset untouched)",
+                      flag_values=flags_)
     flags.DEFINE_float("val_fraction", 0.1, "last fraction of the tokens for validation", flag_values=flags_)
     flags.DEFINE_string("bpe_file", None, "GPT-2 ranks file (gpt2.tiktoken); else $JAXGPT_BPE_FILE",
                         flag_values=flags_)

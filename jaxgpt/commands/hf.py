@@ -1,10 +1,14 @@
 """Hugging Face GPT-2 directories: check one, or export a jaxgpt run as one.
 
-    jaxgpt hf inspect PATH       # what a HF directory maps to, checked tensor by tensor
-    jaxgpt hf export --workdir DIR --out PATH [--which best] [--overwrite]
+    jaxgpt hf inspect PATH       # what a HF directory (or hf:OWNER/NAME Hub repository) maps to, tensor by tensor
+    jaxgpt hf export --workdir DIR --out PATH [--which best] [--overwrite] [--push_to_hub OWNER/NAME]
 
-An export is `config.json` + `model.safetensors`, loadable by `GPT2LMHeadModel.from_pretrained(PATH)`;
-a classifier's head, which GPT-2 has no place for, is left out.
+An export is `config.json` + `model.safetensors` (loadable by `GPT2LMHeadModel.from_pretrained(PATH)`), the
+run's tokenizer (GPT-2's vocab.json + merges.txt, or a character vocabulary, as tokenizer.json) and
+generation_config.json, so that `transformers.pipeline("text-generation", model=PATH)` writes what
+`jaxgpt sample` writes. Writing the tokenizer needs transformers. A classifier's head, which GPT-2 has no
+place for, is left out. `--push_to_hub` then uploads the directory to that Hub repository (creating it;
+needs a login: hf auth login).
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from collections.abc import Sequence
 from absl import flags
 from flax import traverse_util
 
-from jaxgpt import weights
+from jaxgpt import hf_tokenizer, weights
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.errors import UserError
-from jaxgpt.hf import CONFIG_FILE, SAFETENSORS_FILE, load_hf_gpt2, save_hf_gpt2, tensor_specs
+from jaxgpt.hf import load_hf_gpt2, save_hf_gpt2, tensor_specs
 from jaxgpt.summary import count_params
 
 SUBCOMMANDS = ("inspect", "export")
@@ -35,11 +39,14 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.mark_flags_as_required(["workdir", "out"], flag_values=flags_)
     flags.DEFINE_enum("which", "latest", ("latest", "best"), "checkpoint of --workdir", flag_values=flags_)
     flags.DEFINE_bool("overwrite", False, "replace the checkpoint in a non-empty --out", flag_values=flags_)
+    flags.DEFINE_string("push_to_hub", None, "then upload --out to this Hugging Face Hub repository (OWNER/NAME)",
+                        flag_values=flags_)
+    flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE runs", flag_values=flags_)
 
 
 def inspect(path: str) -> str:
     """A report of how a HF directory maps onto jaxgpt, after reading and checking every tensor."""
-    params, cfg = load_hf_gpt2(path)
+    params, cfg = load_hf_gpt2(weights.hf_directory(path.removeprefix("hf:")))
     shapes = {path: tuple(value.shape) for path, value in traverse_util.flatten_dict(params).items()}
     lines = [f"{path}: GPT-2 checkpoint, all {len(tensor_specs(cfg))} tensors present with the expected shapes"]
     lines += [f"  {name:<15}{getattr(cfg, name)}" for name in INSPECTED_FIELDS]
@@ -47,13 +54,40 @@ def inspect(path: str) -> str:
     return "\n".join(lines)
 
 
-def export(workdir: str, out: str, which: str, overwrite: bool) -> str:
+def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None = None) -> str:
+    """Write the run as a Hugging Face directory: weights, tokenizer, generation config."""
     loaded = weights.load(f"workdir:{workdir}", which=which)
+    tokenizer = None if loaded.tokenizer_meta is None else loaded.tokenizer(bpe_file)
+    hf_tokenizer.require_transformers()  # before anything is written: an export without its tokenizer is no use
     params = dict(loaded.params)
     dropped = [k for k in ("cls_head",) if params.pop(k, None) is not None]
     root = save_hf_gpt2(params, loaded.model, out, overwrite=overwrite)
-    note = f" (left out {', '.join(dropped)}: GPT-2 has no such head)" if dropped else ""
-    return f"wrote {root / CONFIG_FILE} and {root / SAFETENSORS_FILE} from {workdir} ({which}){note}"
+    if tokenizer is not None:
+        hf_tokenizer.save_hf_tokenizer(tokenizer, root, loaded.model.block_size)
+    hf_tokenizer.save_generation_config(None if tokenizer is None else tokenizer.eot_token, root)
+    notes = []
+    if dropped:
+        notes.append(f"left out {', '.join(dropped)}: GPT-2 has no such head")
+    if tokenizer is None:
+        notes.append("no tokenizer: the run records none")
+    files = ", ".join(sorted(p.name for p in root.iterdir()))
+    return f"wrote {root} from {workdir} ({which}): {files}" + "".join(f" ({n})" for n in notes)
+
+
+def push_to_hub(out: str, repo: str) -> str:
+    """Upload an export directory to a Hub repository, creating it if needed."""
+    try:
+        from huggingface_hub import HfApi
+    except ImportError:
+        raise UserError("--push_to_hub needs huggingface_hub: pip install huggingface_hub") from None
+    try:
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        commit = api.upload_folder(repo_id=repo, folder_path=out)
+    except Exception as e:  # authentication, network and permission errors come in many types
+        raise UserError(f"pushing {out} to the Hub as {repo} failed ({type(e).__name__}: {weights.short(e)}); the "
+                        f"export in {out} is complete: upload it later with `hf upload {repo} {out}`") from None
+    return f"pushed {out} to {getattr(commit, 'commit_url', repo)}"
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
@@ -66,7 +100,11 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         print(inspect(args[1]))
         return
     no_arguments(args[1:])
-    print(export(flags_.workdir, flags_.out, flags_.which, flags_.overwrite))
+    if flags_.push_to_hub is not None and not weights.HUB_ID.fullmatch(flags_.push_to_hub):
+        raise UserError(f"--push_to_hub={flags_.push_to_hub} is not a Hub repository id: use OWNER/NAME")
+    print(export(flags_.workdir, flags_.out, flags_.which, flags_.overwrite, flags_.bpe_file))
+    if flags_.push_to_hub is not None:
+        print(push_to_hub(flags_.out, flags_.push_to_hub))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """Sample text from a jaxgpt model: jaxgpt sample --workdir DIR [--prompt TEXT | --prompt_file PATH] ...
 
 The model, its config and its tokenizer come from the work directory's latest (or `--which best`) checkpoint.
-`--init_from hf:PATH` samples from a Hugging Face GPT-2 directory with GPT-2's BPE. `--preset NAME` instead
+`--init_from hf:PATH` (or a Hub repository, hf:OWNER/NAME) samples from Hugging Face GPT-2 weights with their
+tokenizer (GPT-2's BPE, or the character vocabulary of a jaxgpt export). `--preset NAME` instead
 samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which exercises the whole
 pipeline without training (seed 000's demo; the text is nonsense):
 
@@ -9,7 +10,9 @@ pipeline without training (seed 000's demo; the text is nonsense):
     python sample.py --workdir runs/stdlib_char --prompt "def " --temperature 0.8 --top_k 20   (from a checkout)
 
 One sample is printed as it is generated; several are printed one after another, separated by a line of
-dashes. A sample ends after --max_new_tokens tokens or at the tokenizer's end-of-text token, if it has one.
+dashes. A sample ends after --max_new_tokens tokens, at the tokenizer's end-of-text token if it has one, or
+just before the first occurrence of a --stop string (repeatable: the earliest of any of them), which is
+not printed; generation stops as soon as every sample has reached one.
 
 Prompts: the text is encoded with the model's tokenizer. An empty prompt (the default) starts from the
 end-of-text token when the tokenizer has one (GPT-2 BPE: "a new document"); a character vocabulary has no
@@ -24,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 from absl import flags
 
 from jaxgpt import sampling, weights
@@ -36,8 +40,8 @@ SEPARATOR = "-" * 40
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to sample from", flag_values=flags_)
-    flags.DEFINE_string("init_from", None, "hf:PATH: sample from a Hugging Face GPT-2 directory (save_pretrained "
-                        "layout) with the GPT-2 tokenizer", flag_values=flags_)
+    flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: sample from a Hugging Face GPT-2 directory or "
+                        "Hub repository, with its tokenizer", flag_values=flags_)
     flags.DEFINE_string("preset", None, "sample from a randomly initialized preset with the GPT-2 vocabulary "
                         "(e.g. seed000, gpt2): a pipeline check, no checkpoint needed", flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["workdir", "init_from", "preset"], required=True, flag_values=flags_)
@@ -56,9 +60,11 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_integer("window_shift", None, "beyond block_size tokens of context, the window jumps by this many "
                          "tokens (1 = always the last block_size tokens, exact but slow; default block_size // 2)",
                          flag_values=flags_)
-    flags.DEFINE_integer("stream_chunk", 16, "a single sample is printed every this many tokens (each chunk is one "
-                         "call of the loop)", flag_values=flags_)
+    flags.DEFINE_integer("stream_chunk", 16, "a single sample is printed, and --stop checked, every this many "
+                         "tokens (each chunk is one call of the loop)", flag_values=flags_)
     flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE models", flag_values=flags_)
+    flags.DEFINE_multi_string("stop", [], "end a sample just before the first occurrence of this string "
+                              "(repeatable; the prompt is not searched)", flag_values=flags_)
 
 
 def read_prompt(flags_: flags.FlagValues) -> str:
@@ -124,6 +130,61 @@ def until_eot(ids: Iterable[int], eot: int | None) -> list[int]:
     return ids[: ids.index(eot)] if eot is not None and eot in ids else ids
 
 
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest occurrence of any stop string begins in `text`, or None."""
+    found = [i for stop in stops if (i := text.find(stop)) >= 0]
+    return min(found) if found else None
+
+
+class StopFilter:
+    """Streamed text cut just before the first stop string.
+
+    A stop string may straddle two chunks, so the last len(longest stop) - 1 characters are held back
+    until the next chunk shows whether they begin one.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops, self.text, self.shown, self.stopped = list(stops), "", 0, False
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def push(self, new: str, final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self.text += new
+        cut = first_stop(self.text, self.stops)
+        self.stopped = cut is not None
+        end = cut if cut is not None else len(self.text) if final else max(self.shown, len(self.text) - self.hold)
+        out, self.shown = self.text[self.shown:end], max(self.shown, end)
+        return out
+
+
+def print_stream(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, text: str, stops: Sequence[str]) -> None:
+    """One sample, printed as its chunks of tokens arrive; stops generating at a stop string."""
+    out, cut = StreamDecoder(tokenizer), StopFilter(stops)
+    print(text, end="", flush=True)
+    for chunk_BN in tokens:
+        print(cut.push(out.push(until_eot(chunk_BN[0], tokenizer.eot_token))), end="", flush=True)
+        if cut.stopped:
+            break
+    print(cut.push(out.push([], final=True), final=True))
+
+
+def collect(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, stops: Sequence[str]) -> list[str]:
+    """Every sample's text, generated chunk by chunk until each has reached a stop string (or the end)."""
+    rows: list[list[int]] = []
+
+    def texts() -> list[str]:
+        return [tokenizer.decode(until_eot(row, tokenizer.eot_token)) for row in rows]
+
+    for chunk_BN in tokens:
+        rows = rows or [[] for _ in chunk_BN]
+        for row, new in zip(rows, chunk_BN, strict=True):
+            row.extend(int(i) for i in new)
+        if stops and all(first_stop(t, stops) is not None for t in texts()):
+            break
+    return [t[: first_stop(t, stops)] for t in texts()]
+
+
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
     no_arguments(args)
     sampling.validate_options(flags_.max_new_tokens, flags_.temperature, flags_.top_k, flags_.top_p)
@@ -131,26 +192,25 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         raise UserError(f"--num_samples={flags_.num_samples} must be at least 1")
     if flags_.stream_chunk < 1:
         raise UserError(f"--stream_chunk={flags_.stream_chunk} must be at least 1")
+    if "" in flags_.stop:
+        raise UserError("--stop='' would end every sample before it starts: give a non-empty string")
     text = read_prompt(flags_)
     loaded, tokenizer = load_model(flags_)
     params, cfg = loaded.params, loaded.model
     prompt = encode_prompt(tokenizer, text)
-    eot = tokenizer.eot_token
-    options = dict(max_new_tokens=flags_.max_new_tokens, key=flags_.seed, num_samples=flags_.num_samples,
-                   temperature=flags_.temperature, top_k=flags_.top_k, top_p=flags_.top_p, eot_token=eot,
-                   window_shift=flags_.window_shift)
+    # Several samples without --stop are printed at the end: one call of the loop generates them all.
+    chunk = flags_.stream_chunk if flags_.num_samples == 1 or flags_.stop else flags_.max_new_tokens
+    tokens = sampling.stream(params, cfg, prompt, max_new_tokens=flags_.max_new_tokens, key=flags_.seed,
+                             num_samples=flags_.num_samples, temperature=flags_.temperature, top_k=flags_.top_k,
+                             top_p=flags_.top_p, eot_token=tokenizer.eot_token, window_shift=flags_.window_shift,
+                             chunk_size=chunk, vocab_limit=tokenizer.vocab_size)
     if flags_.num_samples == 1:
-        out = StreamDecoder(tokenizer)
-        print(text, end="", flush=True)
-        for chunk_BN in sampling.stream(params, cfg, prompt, chunk_size=flags_.stream_chunk, **options):
-            print(out.push(until_eot(chunk_BN[0], eot)), end="", flush=True)
-        print(out.push([], final=True))
+        print_stream(tokens, tokenizer, text, flags_.stop)
         return
-    tokens_BN = sampling.generate(params, cfg, prompt, **options)
-    for i, row in enumerate(tokens_BN):
+    for i, sample in enumerate(collect(tokens, tokenizer, flags_.stop)):
         if i:
             print(SEPARATOR)
-        print(text + tokenizer.decode(until_eot(row, eot)), flush=True)
+        print(text + sample, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,8 +26,8 @@ def print_sample(cfg: Any, result: dict) -> None:
     from jaxgpt.tokenizer import tokenizer_from_meta
 
     s = cfg.sample
-    if cfg.task != "lm" or s.max_new_tokens <= 0 or jax.process_index() != 0:
-        return
+    if cfg.task != "lm" or s.max_new_tokens <= 0 or not result["steps"] or jax.process_index() != 0:
+        return  # nothing trained (a finished run resumed): nothing new to show
     tokenizer = tokenizer_from_meta(result["tokenizer_meta"], cfg.data.bpe_file or None)
     params = result["state"]["params"]
     if all(p.is_fully_addressable and p.sharding.is_fully_replicated for p in jax.tree.leaves(params)):
@@ -36,7 +36,7 @@ def print_sample(cfg: Any, result: dict) -> None:
     print(f"--- sample (temperature {s.temperature}) ---\n{s.prompt}", end="", flush=True)
     for chunk in stream(params, result["model_cfg"], prompt, max_new_tokens=s.max_new_tokens, key=cfg.seed,
                         temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p,
-                        eot_token=tokenizer.eot_token):
+                        eot_token=tokenizer.eot_token, vocab_limit=tokenizer.vocab_size):
         print(tokenizer.decode(chunk[0].tolist()), end="", flush=True)
     print("\n---")
 

@@ -14,21 +14,41 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from jaxgpt import weights
-from jaxgpt.data import Dataset, batch_for_step, check_shapes, eval_batches, load_dataset
+from jaxgpt import kernels, weights
+from jaxgpt.config import ModelConfig
+from jaxgpt.data import META_FILE, Dataset, batch_for_step, check_shapes, eval_batches, load_dataset
 from jaxgpt.datasets import prepare_builtin
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPT, dummy_tokens
-from jaxgpt.train_config import DataConfig, TrainConfig
+from jaxgpt.train_config import DataConfig, TrainConfig, base_config
+
+
+def _check_data_keys(data: DataConfig) -> None:
+    """Refuse a data.dir that cannot be what the user meant, before anything is written.
+
+    A built-in dataset is prepared on first use only into a directory named after it (data/stdlib_char):
+    anywhere else, a missing dataset with data.name still set is almost always a typo in data.dir or own
+    data that was not prepared, and preparing the built-in there would train on the wrong text silently.
+    """
+    if not data.dir:
+        raise UserError("config.data.dir is empty: prepare your text (jaxgpt data --text FILE... --out data/mine) "
+                        "and pass --config.data.dir=data/mine")
+    data_dir = Path(data.dir)
+    if data.name and not (data_dir / META_FILE).exists() and data_dir.name != data.name:
+        raise UserError(f"config.data.dir={data.dir} holds no prepared dataset, and config.data.name={data.name} "
+                        f"would be prepared only into a directory named {data.name}: for your own text, run `jaxgpt "
+                        f"data --text FILE... --out {data.dir}` and pass --config.data.name= ; for {data.name}, "
+                        f"fix --config.data.dir (e.g. data/{data.name})")
 
 
 def open_dataset(data: DataConfig) -> Dataset:
     """Load the prepared dataset, preparing a built-in one on first use."""
+    _check_data_keys(data)
     data_dir = Path(data.dir)
     bpe_file = data.bpe_file or None
 
     def prepare_if_missing() -> None:
-        if not (data_dir / "meta.json").exists() and data.name:
+        if not (data_dir / META_FILE).exists() and data.name:
             if jax.process_index() == 0:
                 print(f"preparing dataset {data.name} in {data_dir} ...", flush=True)
             prepare_builtin(data.name, data_dir, bpe_file=bpe_file)
@@ -43,6 +63,48 @@ def open_dataset(data: DataConfig) -> Dataset:
     return load_dataset(data_dir, bpe_file=bpe_file)
 
 
+def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:
+    """The model to train: the config's, or with `init_from` the weights' architecture (`weights.fit_architecture`).
+
+    Either way the dataset must fit it: its vocabulary within the model's, and, for pretrained weights with
+    a known tokenizer, the same tokenizer (GPT-2 BPE data for a GPT-2 model).
+    """
+    model_cfg, weights_tokenizer = cfg.model, None
+    if cfg.init_from:
+        defaults = base_config().model.to_dict()
+        model_cfg, weights_tokenizer = weights.fit_architecture(cfg.init_from, cfg.model, defaults,
+                                                                cfg.vocab_from_data)
+    if dataset is None:
+        return model_cfg
+    vocab = dataset.meta["vocab_size"]
+    if cfg.vocab_from_data and not cfg.init_from:
+        model_cfg = model_cfg.replace(vocab_size=vocab)
+    elif model_cfg.vocab_size < vocab and cfg.init_from:
+        raise UserError(f"the dataset's vocabulary ({vocab} tokens) is larger than init_from {cfg.init_from}'s "
+                        f"({model_cfg.vocab_size}): prepare the data with the weights' tokenizer")
+    elif model_cfg.vocab_size < vocab:
+        raise UserError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the dataset's "
+                        f"vocabulary ({vocab}): raise it or leave it unset")
+    if weights_tokenizer is not None and not same_tokenizer(weights_tokenizer, dataset.meta["tokenizer"]):
+        raise UserError(f"init_from {cfg.init_from} was trained with {describe_tokenizer(weights_tokenizer)}, "
+                        f"but config.data.dir={cfg.data.dir} uses {describe_tokenizer(dataset.meta['tokenizer'])}: "
+                        "prepare the data with the weights' tokenizer (jaxgpt data --tokenizer gpt2 for GPT-2)")
+    for split in ("train", "val"):  # a block size the data cannot fill fails before anything is written
+        check_shapes(len(getattr(dataset, split)), 1, model_cfg.block_size, split)
+    return model_cfg
+
+
+def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two tokenizer metas give the same ids ("gpt2" and "r50k_base" are one BPE under two names)."""
+    if a.get("type") == b.get("type") == "bpe":
+        return True
+    return a.get("type") == b.get("type") == "char" and a.get("chars") == b.get("chars")
+
+
+def describe_tokenizer(meta: dict[str, Any]) -> str:
+    return "GPT-2 BPE" if meta.get("type") == "bpe" else f"a {meta.get('vocab_size')}-character vocabulary"
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
 
@@ -53,16 +115,10 @@ class LanguageModelling:
     batch_ndims: ClassVar[dict[str, int]] = {"x": 2, "y": 2}
 
     def __init__(self, cfg: TrainConfig, dataset: Dataset | None) -> None:
-        model_cfg = cfg.model
-        if dataset is not None:
-            vocab = dataset.meta["vocab_size"]
-            if cfg.vocab_from_data:
-                model_cfg = model_cfg.replace(vocab_size=vocab)
-            elif model_cfg.vocab_size < vocab:
-                raise UserError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the dataset's "
-                                f"vocabulary ({vocab}): raise it or leave it unset")
-            for split in ("train", "val"):  # a block size the data cannot fill fails before anything is written
-                check_shapes(len(getattr(dataset, split)), 1, model_cfg.block_size, split)
+        model_cfg = model_for(cfg, dataset)
+        if cfg.loss_chunk and model_cfg.block_size % cfg.loss_chunk:
+            raise UserError(f"config.loss_chunk={cfg.loss_chunk} does not divide model.block_size="
+                            f"{model_cfg.block_size}: use a divisor (e.g. 128) or 0")
         self.cfg, self.dataset, self.model_cfg = cfg, dataset, model_cfg
         self.model = GPT(model_cfg)
         self.tokenizer_meta = dataset.meta["tokenizer"] if dataset is not None else {}
@@ -74,13 +130,21 @@ class LanguageModelling:
     def example_input(self) -> jax.Array:
         return dummy_tokens(self.model_cfg)
 
+    def _loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+        """Mean cross-entropy: from all logits at once, or `loss_chunk` positions at a time (same value)."""
+        dropout = self._dropout and key is not None
+        kwargs = {"deterministic": not dropout, "rngs": {"dropout": key} if dropout else None}
+        if not self.cfg.loss_chunk:
+            return cross_entropy(self.model.apply({"params": params}, batch["x"], **kwargs), batch["y"])
+        h_BTC = self.model.apply({"params": params}, batch["x"], method=GPT.hidden, **kwargs)
+        head = lambda h: self.model.apply({"params": params}, h, method=GPT.logits)
+        return kernels.chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk)
+
     def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
-        logits = self.model.apply({"params": params}, batch["x"], deterministic=not self._dropout,
-                                  rngs={"dropout": key} if self._dropout else None)
-        return cross_entropy(logits, batch["y"]), {}
+        return self._loss(params, batch, key), {}
 
     def evaluate(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        return cross_entropy(self.model.apply({"params": params}, batch["x"]), batch["y"])
+        return self._loss(params, batch, None)
 
     def pretrained(self) -> Any | None:
         if not self.cfg.init_from:

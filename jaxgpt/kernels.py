@@ -1,0 +1,165 @@
+"""Computations that never hold their largest intermediate: splash attention and a chunked cross-entropy.
+
+Shapes: B batch, H heads, T sequence, D head_dim, C n_embd, V vocabulary.
+
+* Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, in jax itself) is TPU flash
+  attention: causal tiles above the diagonal are skipped and the (B, H, T, T) scores never reach HBM. It
+  runs per device under `jax.shard_map`, rows split like the batch and heads like the "heads" logical axis,
+  so the same code serves one chip and a pod. On a CPU it runs in Pallas interpret mode (slow, exact),
+  which is how the tests prove its numbers.
+* The chunked cross-entropy computes the loss `chunk` positions at a time in a `lax.scan` whose body is
+  rematerialized: the float32 logits of one chunk exist at a time, forward and backward, instead of the
+  whole (B, T, V) tensor (1.6 GB per pass for GPT-2 at 8 x 1024 tokens per chip).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+Array = jax.Array
+SPLASH_BLOCKS = (512, 256, 128)  # TPU tiles are multiples of 128 lanes; 512 is MaxText's default tile
+
+
+def current_platform() -> str:
+    """The platform a traced program is for: the mesh's (`jax.set_mesh`, also a TPU topology's abstract
+    devices when compiling ahead of time), else the default backend's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+def splash_block(T: int) -> int | None:
+    """Queries and keys per splash tile for sequences of T: the largest of 512, 256, 128 dividing T."""
+    return next((b for b in SPLASH_BLOCKS if T % b == 0), None)
+
+
+def causal_tile_fraction(T: int) -> float:
+    """The fraction of (T, T) score tiles splash computes under a causal mask: nb (nb + 1) / 2 of nb^2."""
+    n_blocks = T // (splash_block(T) or T)
+    return (n_blocks + 1) / (2 * n_blocks)
+
+
+def _specs() -> tuple[PartitionSpec, PartitionSpec]:
+    """(B, H, T, D) and (B, T) partition specs from the logical axis rules in force (flax's context)."""
+    return (nn.logical_to_mesh_axes(("batch", "heads", "length", "head_dim")),
+            nn.logical_to_mesh_axes(("batch", "length")))
+
+
+def _ways(entry: str | tuple[str, ...] | None, mesh_shape: dict[str, int]) -> int:
+    names = (entry,) if isinstance(entry, str) else (entry or ())
+    return math.prod(mesh_shape[n] for n in names)
+
+
+def splash_fits(B: int, H: int, T: int) -> bool:
+    """Whether splash applies: T tiles, and the rows and heads split evenly over the mesh (if any).
+
+    Other shapes (a model's one-row init, odd lengths) take the XLA path, which gives the same result.
+    """
+    if splash_block(T) is None:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return True
+    spec, _ = _specs()
+    shape = dict(mesh.shape)
+    return B % _ways(spec[0], shape) == 0 and H % _ways(spec[1], shape) == 0
+
+
+def padding_segments(visible_BTS: Array) -> Array | None:
+    """Splash segment ids from a causal visibility mask: 0 for real keys, a unique id per padding key.
+
+    A mask with one row for the whole batch is the plain causal one (no padding): None. Otherwise the
+    last query sees every earlier real key, so its row lists which keys are real. Real queries then see
+    exactly the real keys of the einsum path; a padding query sees only itself (the einsum path lets it
+    see the real keys too), so outputs at padding positions differ, and nothing reads those.
+    """
+    if visible_BTS.shape[0] == 1:
+        return None
+    T = visible_BTS.shape[-1]
+    return jnp.where(visible_BTS[:, -1, :], 0, 1 + jnp.arange(T)).astype(jnp.int32)
+
+
+def _splash_local(q_BHTD: Array, k_BHTD: Array, v_BHTD: Array, segments_BT: Array | None,
+                  interpret: bool) -> Array:
+    """Causal splash attention of the rows and heads one device holds (queries already scaled)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    _, H, T, _ = q_BHTD.shape
+    b = splash_block(T)
+    sizes = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+    mask = sa.MultiHeadMask([sa.CausalMask((T, T)) for _ in range(H)])
+    kernel = sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    if segments_BT is None:
+        return jax.vmap(kernel)(q_BHTD, k_BHTD, v_BHTD)
+    return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sa.SegmentIds(s, s)))(
+        q_BHTD, k_BHTD, v_BHTD, segments_BT)
+
+
+def splash_attention(q_BHTD: Array, k_BHTD: Array, v_BHTD: Array, segments_BT: Array | None) -> Array:
+    """Causal attention with splash kernels, per device under `jax.shard_map` when a mesh is set.
+
+    Queries must be scaled by 1/sqrt(D) already. Check `splash_fits` first. Returns (B, H, T, D).
+    """
+    interpret = current_platform() == "cpu"
+    mesh = jax.sharding.get_abstract_mesh()
+    args = (q_BHTD, k_BHTD, v_BHTD) if segments_BT is None else (q_BHTD, k_BHTD, v_BHTD, segments_BT)
+
+    def local(*a: Array) -> Array:
+        return _splash_local(*a[:3], a[3] if len(a) == 4 else None, interpret)
+
+    if mesh.empty:
+        return local(*args)
+    spec, rows = _specs()
+    in_specs = (spec, spec, spec, rows)[:len(args)]
+    return jax.shard_map(local, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
+
+
+def splash_cost(B: int, H: int, T: int, D: int, itemsize: int, forward_passes: int = 1) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one layer's splash attention: `forward_passes` forward kernels (2 with remat,
+    which reruns the forward pass) and one fused backward kernel. XLA's cost analysis counts ~0 for them.
+
+    FLOPs: the forward kernel does 2 products of 2 B H T^2 D FLOPs (scores, weighted sum), the fused backward
+    kernel 5 (scores again, dV, dP, dK, dQ), each over the causal tiles it computes. Bytes: each (B, H, T, D)
+    operand or result once, plus the tiles re-read per block row (keys and values in the forward kernel;
+    queries, output gradients and the float32 row statistics in the backward one).
+    """
+    tiles = causal_tile_fraction(T)
+    product = 2 * B * H * T * T * D * tiles
+    size, stats = B * H * T * D * itemsize, B * H * T * 4
+    rereads = tiles * T / (splash_block(T) or T)  # tile rows each operand block is read by: (nb + 1) / 2
+    forward_bytes = 2 * size + 2 * size * rereads + stats  # q read, o written, k and v per tile row, logsumexp
+    backward_bytes = 5 * size + rereads * (2 * size + 2 * stats)  # k, v, dk, dv, dq once; q, dO, stats per row
+    return (2 * forward_passes + 5) * product, forward_passes * forward_bytes + backward_bytes
+
+
+def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, targets_BT: Array,
+                          chunk: int) -> Array:
+    """Mean next-token cross-entropy of hidden states, `chunk` positions at a time (chunk divides T).
+
+    `logits_fn` is the model's head (hidden (B, t, C) -> float32 logits (B, t, V)), so tied and untied
+    heads and their dtypes are exactly the dense path's. Chunks run along the sequence, keeping each
+    chunk's rows split over the batch axes like the rest of the step; the scan body is rematerialized,
+    so its backward pass recomputes one chunk's logits instead of storing all of them.
+    """
+    B, T, C = h_BTC.shape
+    n = T // chunk
+    h_NBtC = h_BTC.reshape(B, n, chunk, C).swapaxes(0, 1)
+    y_NBt = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk_sum(h_BtC: Array, y_Bt: Array) -> Array:
+        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(h_BtC), y_Bt).sum()
+
+    def body(total: Array, xs: tuple[Array, Array]) -> tuple[Array, None]:
+        return total + chunk_sum(*xs), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NBtC, y_NBt))
+    return total / (B * T)

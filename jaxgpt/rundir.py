@@ -1,0 +1,130 @@
+"""A run owns its work directory: one trainer at a time, never someone else's files, atomic rewrites.
+
+The lock is an `fcntl.flock` on `WORKDIR/jaxgpt.lock`. The kernel drops it when the holder dies, however
+it dies, so a stale lock needs no cleanup: the next trainer simply gets it. The holder's PID is written
+into the file once the run has passed its checks, so a refused start leaves every existing file as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxgpt.errors import UserError
+
+LOCK_FILE = "jaxgpt.lock"
+CONFIG_FILE = "config.json"
+STARTS_DIR = "starts"
+# Everything a run writes at the top of its work directory: a directory holding only these is a run's.
+RUN_FILES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", CONFIG_FILE, STARTS_DIR, LOCK_FILE,
+                       "corrupt-checkpoints", "wandb"})
+# Disk faults a user fixes by freeing space (or raising a quota / file-size limit).
+DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether `path` is a config.json a jaxgpt run wrote (a Hugging Face config.json is not)."""
+    try:
+        settings = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(settings, dict) and {"task", "workdir", "optim", "seed"} <= settings.keys()
+
+
+def check_not_foreign(workdir: Path) -> None:
+    """Refuse a directory holding files a run did not write: training would overwrite or mix with them."""
+    entries = sorted(p.name for p in workdir.iterdir() if not p.name.startswith("."))
+    config = workdir / CONFIG_FILE
+    if config.exists() and not is_run_config(config):
+        raise UserError(f"{workdir} holds a config.json that jaxgpt did not write (a Hugging Face checkpoint?): "
+                        "choose another --config.workdir; nothing was changed")
+    is_run = any(name in entries for name in ("checkpoints", CONFIG_FILE, "metrics.jsonl"))
+    foreign = [name for name in entries if name not in RUN_FILES]
+    if foreign and not is_run:
+        raise UserError(f"{workdir} already holds files a jaxgpt run did not write ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}): choose an empty or new --config.workdir")
+
+
+class WorkdirLock:
+    """An exclusive, non-blocking lock on a work directory for the lifetime of one trainer."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.path = workdir / LOCK_FILE
+        self.recorded = False
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot create the lock file {self.path} ({e.strerror}): choose another "
+                            "--config.workdir") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise UserError(f"{workdir} is in use by another training process (PID {holder}): wait for it to "
+                            "end, stop it, or choose another --config.workdir") from None
+
+    def record_holder(self) -> None:
+        """Write this PID for a refused second trainer to name (only once the run is sure to start)."""
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        self.recorded = True
+
+    def release(self) -> None:
+        if self.recorded:  # a refused start leaves the file as it found it
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
+        os.close(self.fd)  # closing drops the flock
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` all at once: a crash or a full disk leaves the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def record_start(workdir: Path, settings: dict[str, Any], start_step: int) -> None:
+    """config.json (the latest start) and starts/step-N-TIME.json: every start's resolved config is kept."""
+    text = json.dumps(settings, indent=2) + "\n"
+    starts = workdir / STARTS_DIR
+    starts.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    atomic_write_text(starts / f"step{start_step:08d}-{stamp}-{os.getpid()}.json", text)
+    atomic_write_text(workdir / CONFIG_FILE, text)
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (its cause chain) if it is a full disk, quota or file-size limit."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return e
+        text = str(e)  # tensorstore (orbax's writer) reports the OS error inside its own message
+        for code in DISK_FULL:
+            if os.strerror(code) in text:
+                return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the file system holding `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
