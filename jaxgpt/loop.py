@@ -115,6 +115,7 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
         tokens_per_step = cfg.batch_size * task.tokens_per_row
         t_start = t_log = time.perf_counter()
         n_timed, t_train = 0, 0.0
+        published_peak = peak_flops_for(jax.devices())  # None on CPUs, which have no published peak
 
         def flush(step: int) -> None:
             """Fetch the queued step metrics; stop on a non-finite loss before anything is saved."""
@@ -132,7 +133,7 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
             n_timed += len(pending)
             last = {k: float(v) for k, v in fetched[-1].items()}
             terms = {f"train_{k}": v for k, v in last.items() if k not in ("loss", "lr", "grad_norm")}
-            mfu = _mfu(task, tok_s)
+            mfu = None if published_peak is None else _model_flops(task, tok_s) / published_peak
             record = {"train_loss": last["loss"], **terms, "lr": last["lr"], "grad_norm": last["grad_norm"],
                       "tokens_per_sec": tok_s, **({"mfu": mfu} if mfu is not None else {})}
             log.write(step, record)
@@ -173,7 +174,7 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
                 flush(cfg.max_steps)
             finally:  # a save in flight must commit even when training stops early, or it is silently lost
                 _close(bar, ckpt, log)
-    summary = _throughput(task, cfg.batch_size, n_timed, t_train, compile_s)
+    summary = _throughput(task, cfg.batch_size, n_timed, t_train, compile_s, published_peak)
     if is_main:
         print(summary["report"], flush=True)
         if last_eval and task.final_line(last_eval):
@@ -266,20 +267,19 @@ def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog:
             "step": jax.device_put(jnp.zeros((), jnp.int32), prog.state_sh["step"])}, 0
 
 
-def _mfu(task: tasks.Task, tok_s: float) -> float | None:
-    """Model FLOP/s over the devices' published bf16 peak (`jaxgpt.chips`, the table `jaxgpt aot` bounds
-    with); None on CPUs, which have no such peak."""
-    peak = peak_flops_for(jax.devices())
-    return None if peak is None else tok_s * flops_per_token(task.model_cfg, task.tokens_per_row) / peak
+def _model_flops(task: tasks.Task, tok_s: float) -> float:
+    """Model FLOP/s at `tok_s` tokens/s (6N + attention per token, `jaxgpt.flops`)."""
+    return tok_s * flops_per_token(task.model_cfg, task.tokens_per_row)
 
 
-def _throughput(task: tasks.Task, batch_size: int, n_steps: int, seconds: float, compile_s: float) -> dict[str, Any]:
+def _throughput(task: tasks.Task, batch_size: int, n_steps: int, seconds: float, compile_s: float,
+                published_peak: float | None) -> dict[str, Any]:
     """Tokens/s and MFU of the run: against the chips' published bf16 peak on TPUs and GPUs (comparable with
     other trainers' MFU), against a matmul measured here on CPUs (fake CPU devices share the same cores)."""
     tokens = n_steps * batch_size * task.tokens_per_row
     tok_s = tokens / seconds if seconds else 0.0
-    model_flops = tok_s * flops_per_token(task.model_cfg, task.tokens_per_row)
-    peak = peak_flops_for(jax.devices())
+    model_flops = _model_flops(task, tok_s)
+    peak = published_peak
     against = "the chips' published bf16 peak"
     if peak is None:
         peak, against = measure_matmul_peak(), "the measured matmul peak"
