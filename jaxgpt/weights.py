@@ -152,6 +152,12 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
     raise UserError(f"weights source {source!r} is not understood: use {SOURCES}")
 
 
+def _differs(name: str, ours: Any, theirs: Any) -> bool:
+    """Whether a model field differs in what the weights mean: runtime settings never do, and a shorter context
+    does not (the position table is cropped)."""
+    return name not in RUNTIME_FIELDS and ours != theirs and not (name == "block_size" and ours < theirs)
+
+
 def _is_default(name: str, cfg: ModelConfig, defaults: Mapping[str, Any], vocab_from_data: bool) -> bool:
     """Whether the config leaves `name` at the base config's value (derived sizes: following their rule)."""
     if name == "vocab_size":
@@ -173,8 +179,7 @@ def fit_architecture(source: str, cfg: ModelConfig, defaults: Mapping[str, Any],
     have, tokenizer_meta = describe(source)
     conflicts = [f"model.{name}={getattr(cfg, name)!r} (weights: {theirs!r})"
                  for name, theirs in have.to_dict().items()
-                 if name not in RUNTIME_FIELDS and getattr(cfg, name) != theirs
-                 and not (name == "block_size" and cfg.block_size < theirs)
+                 if _differs(name, getattr(cfg, name), theirs)
                  and not _is_default(name, cfg, defaults, vocab_from_data)]
     if conflicts:
         raise UserError(f"init_from {source} fixes the model's architecture, but the config sets "
@@ -199,8 +204,7 @@ def load_for(source: str, cfg: ModelConfig) -> Weights:
     """
     weights = load(source, block_size=cfg.block_size if source.startswith("hf:") else None)
     want, have = cfg.to_dict(), weights.model.to_dict()
-    diff = sorted(k for k in want if k not in RUNTIME_FIELDS and want[k] != have[k]
-                  and not (k == "block_size" and want[k] < have[k]))
+    diff = sorted(k for k in want if _differs(k, want[k], have[k]))
     if diff:
         shown = ", ".join(f"{k}: run {want[k]!r} vs weights {have[k]!r}" for k in diff)
         raise UserError(f"init_from {source} has a different architecture ({shown}): set these model keys to "
