@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sample.py                 # both char models, cached and uncached
     python benchmarks/bench_sample.py --skip_uncached # the cached loop only (the uncached larger model takes ~1 min)
+    python benchmarks/bench_sample.py --routes_only   # only the batch-1 decoding routes and the transformers peer
 
 Two character-level models of the training issue (random weights: speed does not depend on them), float32,
 block 256, vocabulary 100: small 4 layers x 4 heads x 128 wide, larger 6 x 6 x 384. For each, 1 sample x 500
@@ -21,15 +22,25 @@ and ~250 is 16 steps of the compiled loop from cache positions 16 and 239 (uncac
 of that length). The machine may be shared: the load average is printed next to the numbers. Memory bandwidth
 bounds batch-1 decoding (every step reads every weight), so the script also prints that bound per model and
 the time XLA takes to multiply every weight matrix by one vector, the floor of any decode step.
+
+Then the batch-1 decoding routes (issue 16) on the larger model and on a GPT-2 124M-shaped one (12 x 12 x 768,
+vocabulary 50304, block 1024), each 1 x 500 sampled tokens, timed in rounds that run every route once, so the
+ratios to the default path are measured side by side: float32 (the default, `generate`), float32 with every
+one-row projection padded to two rows (YNNPACK products; attention, cache and sampling stay one row), float32
+compiled with XLA's oneDNN option, bfloat16 weights and activations (`generate(..., dtype="bfloat16")`), and
+bfloat16 with two-row products. The peer is Hugging Face transformers' greedy `generate` with its KV cache on
+a randomly initialized GPT2LMHeadModel of the same shape, float32, 2 torch threads (when installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,10 +49,18 @@ import torch_reference
 from jaxgpt import sampling, sampling_reference
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.config import ModelConfig
+from jaxgpt.layers import EinsumDense
 from jaxgpt.model import init_params
 
 Array = jax.Array
 
+ROUTE_MODELS = {
+    "larger 6x6x384": ModelConfig(vocab_size=100, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "GPT-2 124M shape": ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+# (model, first word of the route) -> tokens/s, or "peer": at least 2.5x transformers' cached generate.
+ROUTE_TARGETS = {("larger 6x6x384", "float32"): 650, ("larger 6x6x384", "bfloat16"): 900,
+                 ("GPT-2 124M shape", "float32"): "peer", ("GPT-2 124M shape", "bfloat16"): "peer"}
 MODELS = {
     "small 4x4x128": ModelConfig(vocab_size=100, block_size=256, n_layer=4, n_head=4, n_embd=128),
     "larger 6x6x384": ModelConfig(vocab_size=100, block_size=256, n_layer=6, n_head=6, n_embd=384),
@@ -129,6 +148,97 @@ def uncached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) 
     return best_seconds(one, repeats)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Batch-1 decoding routes, timed interleaved against the default path (issue 16)
+
+
+def _two_row_products(next_fun, args, kwargs, context):
+    """A flax interceptor: a projection of one row runs on that row twice and keeps the first result.
+
+    XLA:CPU hands one-row products to its single-threaded matrix-vector emitter, two-row ones to YNNPACK
+    (bf16 x bf16 -> f32 natively); attention, the cache and sampling stay one row.
+    """
+    module, x = context.module, args[0] if args else None
+    projection = (isinstance(module, EinsumDense | nn.Dense) and context.method_name == "__call__") or (
+        isinstance(module, nn.Embed) and context.method_name == "attend")
+    if projection and x.ndim == 3 and x.shape[0] * x.shape[1] == 1:
+        return next_fun(jnp.concatenate([x, x]), *args[1:], **kwargs)[:1]
+    return next_fun(*args, **kwargs)
+
+
+# name -> (dtype, flax interceptor of the traced decode step or None, XLA compile options)
+ROUTES = {
+    "float32 (default)": ("float32", None, {}),
+    "float32, two-row products": ("float32", _two_row_products, {}),
+    "float32, XLA oneDNN": ("float32", None, {"xla_cpu_use_onednn": True}),
+    "bfloat16": ("bfloat16", None, {}),
+    "bfloat16, two-row products": ("bfloat16", _two_row_products, {}),
+}
+
+
+def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Callable[[], np.ndarray]:
+    """1 x `new_tokens` sampled tokens from a newline through the route's compiled loop: `generate`'s steps.
+
+    The default route is `sampling.generate` itself. The others compile the same loop function
+    (`sampling._run`) afresh, traced under the interceptor and compiled with the options.
+    """
+    dtype, intercept, options = ROUTES[route]
+    params, cfg = sampling.in_dtype(params, cfg, dtype)
+    if intercept is None and not options:
+        return lambda: sampling.generate(params, cfg, [NEWLINE], max_new_tokens=new_tokens, key=1)
+    req = sampling.request(cfg, [NEWLINE], num_samples=None, max_new_tokens=new_tokens, temperature=1.0, top_k=None,
+                           top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)
+    prompt = jnp.asarray(req.prompt_BT)
+    scalars = (jnp.int32(new_tokens), jnp.float32(1.0), jnp.float32(1.0))
+    loop = jax.jit(lambda *a, **k: sampling._run.__wrapped__(*a, **k),  # a new function: no cached trace
+                   static_argnames=("cfg", "spec", "num_steps"), donate_argnames=("state",))
+    state = sampling._prefill(params, prompt, req.key, cfg=cfg)
+    with nn.intercept_methods(intercept) if intercept else contextlib.nullcontext():
+        compiled = loop.lower(params, state, *scalars, cfg=cfg, spec=req.spec, num_steps=new_tokens).compile(options)
+
+    def run() -> np.ndarray:
+        return np.asarray(compiled(params, sampling._prefill(params, prompt, req.key, cfg=cfg), *scalars)[1])
+    return run
+
+
+def bench_routes(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[dict]:
+    """Every route's tokens/s, best of --repeats rounds that run each route once in turn."""
+    params = init_params(cfg, jax.random.key(0))
+    programs = {route: route_program(params, cfg, route, NEW_TOKENS) for route in ROUTES}
+    for run in programs.values():
+        run()  # compiles the default route's loop
+    best = dict.fromkeys(programs, float("inf"))
+    for _ in range(args.repeats):
+        for route, run in programs.items():
+            best[route] = min(best[route], seconds(run))
+    rows = [dict(model=name, route=route, tok_s=NEW_TOKENS / t) for route, t in best.items()]
+    if torch_reference.available():
+        hf_s = torch_reference.hf_generate_seconds(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head,
+                                                   cfg.n_embd, NEW_TOKENS)
+        if hf_s is not None:
+            rows.append(dict(model=name, route="transformers generate, KV cache, f32", tok_s=NEW_TOKENS / hf_s))
+    return rows
+
+
+def print_routes(rows: list[dict]) -> None:
+    print(f"\nBatch-1 decoding routes, 1 x {NEW_TOKENS} sampled tokens each, best of --repeats rounds run in turn "
+          f"(ratios are within this run); load average now {os.getloadavg()[0]:.1f}\n")
+    header = f"| {'model':<17} | {'route':<37} | {'tokens/s':>9} | {'x default':>9} | {'target':>24} |"
+    print(header)
+    print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+    default = {r["model"]: r["tok_s"] for r in rows if r["route"] == "float32 (default)"}
+    peer = {r["model"]: r["tok_s"] for r in rows if r["route"].startswith("transformers")}
+    for r in rows:
+        target = ROUTE_TARGETS.get((r["model"], r["route"].split(",")[0].split(" ")[0]), "")
+        if isinstance(target, int):
+            target = f"{target:,} tok/s: {'meets' if r['tok_s'] >= target else 'misses'}"
+        elif target and r["model"] in peer:
+            ratio = r["tok_s"] / peer[r["model"]]
+            target = f"{ratio:.2f}x HF (2.5x): {'meets' if ratio >= 2.5 else 'misses'}"
+        print(f"| {r['model']:<17} | {r['route']:<37} | {r['tok_s']:>9,.0f} | "
+              f"{r['tok_s'] / default[r['model']]:>9.2f} | {target:>24} |", flush=True)
+
+
 def bench_model(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[dict]:
     params = init_params(cfg, jax.random.key(0))
     rows = []
@@ -168,7 +278,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip_uncached", action="store_true", help="only the cached loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (the best is reported)")
+    parser.add_argument("--routes_only", action="store_true", help="only the batch-1 decoding routes and peers")
     args = parser.parse_args()
+    def routes() -> None:
+        for name, cfg in ROUTE_MODELS.items():  # a table per model, printed as soon as it is measured
+            print_routes(bench_routes(name, cfg, args))
+
+    if args.routes_only:
+        print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}")
+        routes()
+        return
 
     bandwidth = memory_bandwidth_gb_s()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, {os.cpu_count()} CPU cores, "
@@ -217,6 +336,7 @@ def main() -> None:
               f"per-token time at 250 / at 16 = {r['ms250'] / r['ms16']:.2f} {flat} the <= 1.5 target; "
               f"decode steps take {r['ms16'] / 1e3 / floors[name]:.2f}x the chained weight products alone, "
               f"which allow at most {1 / floors[name]:,.0f} tokens/s")
+    routes()
 
 
 if __name__ == "__main__":

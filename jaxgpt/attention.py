@@ -107,7 +107,12 @@ def attend(q_BTHD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, *, i
         if dropout is not None:
             probs_BHTS = dropout(probs_BHTS)
         y_parts.append(jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(dtype), v_BHSD[:, :, :s1]))
-    return jnp.concatenate(y_parts, axis=2), "bhtd", jnp.concatenate(probs_parts, axis=2)
+    y_BHTD, probs_BHTS = jnp.concatenate(y_parts, axis=2), jnp.concatenate(probs_parts, axis=2)
+    if jnp.dtype(dtype) == jnp.bfloat16 and kernels.current_platform() == "cpu":
+        # heads and head_dim last: XLA:CPU then runs the output projection as a native bf16 product
+        # (`layers.projection_dot_general`); accelerators keep the layout their compilers were measured with
+        return y_BHTD.transpose(0, 2, 1, 3), "bthd", probs_BHTS
+    return y_BHTD, "bhtd", probs_BHTS
 
 
 def _ordering_zeros(x: Array) -> Array:

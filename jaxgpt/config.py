@@ -15,14 +15,22 @@ POSITIONS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
 NORM_PLACEMENTS = ("pre", "post")
 NORMS = ("layernorm", "unbiased_std")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-INITS = ("gpt2", "xavier")
+# gpt2: normal(0.02), residual projections / sqrt(2 L), zero biases. xavier: Xavier-uniform matrices, zero biases.
+# xavier_torch: seed 000 (the Annotated Transformer), Xavier-uniform matrices with PyTorch's default Linear biases
+# U(+-1/sqrt(fan_in)). gpt1_torch: seed 001, PyTorch's default Linear (weights and biases U(+-1/sqrt(fan_in))) in
+# attention, normal(0.02) token table and feed-forward weights, normal(1) positions (nn.Embedding's default).
+INITS = ("gpt2", "xavier", "xavier_torch", "gpt1_torch")
+# Where embd_dropout acts: on tokens + positions (GPT-2, seed 000), or on the token embedding alone, before the
+# positions are added (seed 001).
+EMBD_DROPOUT_SITES = ("sum", "tokens")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "splash", "auto")  # jaxgpt.attention.attend
 REMATS = ("none", "full", "save_dots")
 # Settings that change neither parameter shapes nor their meaning: weights trained under one value load
 # under any other (fine-tuning, sampling, export).
 RUNTIME_FIELDS = frozenset({"embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout", "dtype", "param_dtype",
-                            "attention_impl", "scan_layers", "remat", "init"})
+                            "attention_impl", "scan_layers", "remat", "init", "embd_dropout_site",
+                            "attn_resid_dropout"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +68,8 @@ class ModelConfig:
     attn_dropout: float = 0.0
     resid_dropout: float = 0.0
     ff_dropout: float = 0.0
+    embd_dropout_site: str = "sum"  # "sum": tokens + positions; "tokens": the token embedding only (seed 001)
+    attn_resid_dropout: bool = True  # resid_dropout on attention outputs too; False: only after the feed-forward
     # Initialization, numerics, performance.
     init: str = "gpt2"
     dtype: str = "float32"  # compute dtype of activations
@@ -96,6 +106,7 @@ class ModelConfig:
             "norm": NORMS,
             "activation": ACTIVATIONS,
             "init": INITS,
+            "embd_dropout_site": EMBD_DROPOUT_SITES,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
             "attention_impl": ATTENTION_IMPLS,
@@ -108,6 +119,8 @@ class ModelConfig:
             rate = getattr(self, name)
             if not 0.0 <= rate < 1.0:
                 raise UserError(f"model.{name}={rate} must be in [0, 1)")
+        if not isinstance(self.attn_resid_dropout, bool):
+            raise UserError(f"model.attn_resid_dropout={self.attn_resid_dropout!r} must be True or False")
         if self.norm_eps <= 0:
             raise UserError(f"model.norm_eps={self.norm_eps} must be positive")
         if self.position.startswith("sinusoidal") and self.n_embd % 2:

@@ -1,13 +1,11 @@
-"""Datasets as flat token files, and a batch loader that is a pure function of (seed, step).
+"""Datasets as flat token files, written once and read back by memory map.
 
 A prepared dataset is a directory with `train.bin` and `val.bin` (the token stream as little-endian
 uint16, read back with np.memmap so any size works) and `meta.json` (tokenizer, token counts, sha256 of
 each file, where the text came from). `meta.json` is written last, so a directory without it is never
 mistaken for a dataset.
 
-The loader keeps no state: the global batch of step i depends only on (seed, i), which makes resuming
-exact (restore the step, get the same batches) and lets every host of a multi-host job compute the
-same global batch while reading only its own rows.
+The batches drawn from them are `jaxgpt.batches`: a pure function of (seed, step).
 
 The built-in corpora are prepared by `jaxgpt.datasets`; the command line is `jaxgpt data`.
 """
@@ -20,7 +18,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -118,9 +116,11 @@ def _write_splits(tmp: Path, chunks: Iterable[np.ndarray], tokenizer: Tokenizer,
                   source: str) -> dict[str, Any]:
     """The whole dataset (token files, then meta.json) in the temporary directory `tmp`; returns its meta."""
     train_path, val_path = tmp / SPLIT_FILES["train"], tmp / SPLIT_FILES["val"]
+    n_unknown = 0  # tokens that stand for text outside the vocabulary (word tokenizers): reported, not hidden
     with open(train_path, "wb") as f:
         for chunk in chunks:
             f.write(np.asarray(chunk).astype(TOKEN_DTYPE).tobytes())
+            n_unknown += 0 if tokenizer.unk_token is None else int(np.count_nonzero(chunk == tokenizer.unk_token))
     n_total = train_path.stat().st_size // TOKEN_DTYPE.itemsize
     n_val = int(n_total * val_fraction)
     n_train = n_total - n_val
@@ -139,6 +139,8 @@ def _write_splits(tmp: Path, chunks: Iterable[np.ndarray], tokenizer: Tokenizer,
         "val_sha256": _sha256_file(val_path),
         "source": source,
     }
+    if tokenizer.unk_token is not None:
+        meta["unknown_tokens"] = n_unknown
     for path in (train_path, val_path):  # on disk before meta.json says they are there
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
@@ -213,6 +215,17 @@ def write_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def unknown_summary(meta: dict[str, Any]) -> str | None:
+    """How much of a dataset is its unknown token (words outside a word vocabulary), as one line; None for
+    tokenizers that represent every text exactly. Printed by whatever prepares a dataset."""
+    n_unknown = meta.get("unknown_tokens")
+    if n_unknown is None:
+        return None
+    total = meta["n_train"] + meta["n_val"]
+    return (f"{n_unknown:,} of {total:,} tokens ({100 * n_unknown / total:.2f}%) are the unknown token: words "
+            f"outside the {meta['vocab_size']:,}-token vocabulary (a larger vocabulary keeps more of them)")
+
+
 def _read_text_file(path: Path) -> str:
     """Bytes decoded as strict UTF-8 (no newline translation), so the dataset reflects the file exactly."""
     try:
@@ -237,7 +250,7 @@ def document_chunks(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[
 def prepare_text(
     texts_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
-    tokenizer: Tokenizer | None = None,
+    tokenizer: Tokenizer | Callable[[list[str]], Tokenizer] | None = None,
     val_fraction: float = 0.1,
     source: str | None = None,
     overwrite: bool = False,
@@ -245,8 +258,9 @@ def prepare_text(
     """Tokenize documents into a dataset in `out_dir` and return its meta.
 
     Items that are `str` are the text itself; `os.PathLike` items (e.g. `Path`) are UTF-8 files to read.
-    `tokenizer=None` builds a character vocabulary of exactly this corpus. Documents are concatenated in
-    order (with the end-of-text token between them for BPE), and the last `val_fraction` of the token
+    `tokenizer=None` builds a character vocabulary of exactly this corpus; a callable builds the tokenizer from
+    the documents (e.g. a word vocabulary, `WordTokenizer.from_texts`). Documents are concatenated in
+    order (with the end-of-text token between them for BPE and words), and the last `val_fraction` of the token
     stream becomes the validation split, so validation text is never also training text.
     """
     items = [texts_or_paths] if isinstance(texts_or_paths, (str, os.PathLike)) else list(texts_or_paths)
@@ -255,6 +269,8 @@ def prepare_text(
         raise UserError("no text to prepare (the texts or files are empty): give at least one non-empty text")
     if tokenizer is None:
         tokenizer = CharTokenizer("".join(sorted(set().union(*map(set, documents)))))
+    elif not isinstance(tokenizer, Tokenizer):
+        tokenizer = tokenizer(documents)
     if source is None:
         paths = [os.fspath(item) for item in items if not isinstance(item, str)]
         source = f"files: {', '.join(paths)}" if paths else f"{len(items)} text(s) given in Python"
@@ -350,96 +366,3 @@ def load_dataset(data_dir: str | os.PathLike[str], *, verify: bool | None = None
     meta = _read_meta(root)
     train, val = (_open_split(root, split, meta, verify) for split in SPLIT_FILES)
     return Dataset(train=train, val=val, meta=meta, bpe_file=bpe_file)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The loader
-
-# Appended to the (seed, index) entropy of evaluation batches. It must be non-zero: SeedSequence pads
-# short entropy with zeros, so (seed, step) and (seed, step, 0) would be the same stream.
-EVAL_STREAM = 1
-
-
-def check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) -> None:
-    """A UserError unless `split` (n_tokens long) can fill batches of `batch_size` windows of block_size + 1."""
-    if batch_size < 1 or block_size < 1:
-        raise UserError(f"batch_size {batch_size} and block_size {block_size} must be positive")
-    if block_size >= n_tokens:
-        raise UserError(f"block size {block_size} is larger than the {split} split ({n_tokens} tokens): "
-                        "use a smaller block_size or more data")
-
-
-def _local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
-    """This process's contiguous share of the global batch's rows."""
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
-    if batch_size % process_count:
-        raise UserError(f"batch_size {batch_size} is not divisible by the {process_count} processes: use a "
-                        f"multiple of {process_count}")
-    local = batch_size // process_count
-    return slice(process_index * local, (process_index + 1) * local)
-
-
-def _global_starts(entropy: list[int], n_starts: int, batch_size: int) -> np.ndarray:
-    """`batch_size` window offsets in [0, n_starts), a pure function of `entropy`.
-
-    Uses the raw output of the PCG64 bit generator, whose stream NumPy keeps stable across releases
-    (Generator methods like `integers` may change), so a checkpoint resumes on the same batches after a
-    NumPy upgrade. The modulo bias is below n_starts / 2**64: nil for any corpus.
-    """
-    if entropy[0] < 0:
-        raise UserError(f"seed {entropy[0]} is negative: use a seed >= 0")
-    raw = np.random.PCG64(entropy).random_raw(batch_size)
-    return (raw % np.uint64(n_starts)).astype(np.int64)
-
-
-def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) int32 rows: x = tokens[s : s + block_size], y = the same window one token later. Reads
-    only these windows, so a memmap of any size costs just the rows requested."""
-    window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
-    return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
-
-
-def batch_for_step(
-    tokens: np.ndarray,
-    *,
-    seed: int,
-    step: int,
-    batch_size: int,
-    block_size: int,
-    process_index: int = 0,
-    process_count: int = 1,
-    split: str = "train",
-) -> tuple[np.ndarray, np.ndarray]:
-    """This process's rows of the global training batch of `step`.
-
-    The global batch (`batch_size` random windows) depends only on (seed, step); process p of P gets rows
-    [p * batch_size / P, (p + 1) * batch_size / P), so concatenating all processes' results in order gives
-    exactly the single-process batch, and no host reads another host's rows. Returns (x, y), int32, of
-    shape (batch_size // process_count, block_size). `split` only names the data in error messages.
-    """
-    check_shapes(len(tokens), batch_size, block_size, split)
-    rows = _local_rows(batch_size, process_index, process_count)
-    starts = _global_starts([seed, step], len(tokens) - block_size, batch_size)[rows]
-    return _windows(tokens, starts, block_size)
-
-
-def eval_batches(
-    tokens: np.ndarray,
-    *,
-    batch_size: int,
-    block_size: int,
-    n_batches: int,
-    seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
-    split: str = "validation",
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """A fixed list of `n_batches` (x, y) batches: the same every call, so evaluation losses are
-    comparable across a run and across resumes. Drawn from a stream separate from training batches;
-    rows are split across processes exactly as in `batch_for_step`."""
-    check_shapes(len(tokens), batch_size, block_size, split)
-    rows = _local_rows(batch_size, process_index, process_count)
-    n_starts = len(tokens) - block_size
-    return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)
-            for i in range(n_batches)]

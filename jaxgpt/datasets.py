@@ -1,4 +1,5 @@
-"""The built-in datasets: the interpreter's standard library, tiny Shakespeare, and a Hub web-text corpus.
+"""The built-in datasets: the interpreter's standard library, tiny Shakespeare, a Hub web-text corpus, and
+seed 004's wine reviews (from a local copy of Kaggle's CSV, which needs a login to download).
 
 Each is turned into a prepared dataset (`jaxgpt.data`'s format) by `prepare_builtin`; the command line
 is `jaxgpt data --dataset NAME --out DIR`. stdlib_char needs no network: it reads the running
@@ -7,6 +8,8 @@ interpreter's own standard library, so every machine with Python has it.
 
 from __future__ import annotations
 
+import csv
+import functools
 import http.client
 import os
 import platform
@@ -18,9 +21,9 @@ from typing import Any
 
 from jaxgpt.data import META_FILE, document_chunks, prepare_text, write_dataset
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import Tokenizer, load_bpe
+from jaxgpt.tokenizer import Tokenizer, WordTokenizer, load_bpe
 
-BUILTIN_DATASETS = ("stdlib_char", "shakespeare_char", "shakespeare", "openwebtext")
+BUILTIN_DATASETS = ("stdlib_char", "shakespeare_char", "shakespeare", "openwebtext", "wine_reviews")
 # Directories of the standard library that are not "library code": test suites, third-party packages and
 # bytecode caches (lib2to3/tests, idlelib/idle_test, unittest/test, ... are all matched by name).
 STDLIB_EXCLUDED_DIRS = frozenset(
@@ -31,6 +34,12 @@ DOWNLOAD_TIMEOUT_S = 15.0
 # FineWeb's 10B-token sample: parquet shards that `datasets` streams without a loading script (the
 # original Skylion007/openwebtext needs one, which recent `datasets` releases no longer run).
 HUB_CORPUS = ("HuggingFaceFW/fineweb", "sample-10BT")
+# Seed 004: the columns each review line is built from, in line order, and the article's vocabulary size.
+WINE_FIELDS = ("country", "province", "variety", "description")
+WINE_VOCAB_SIZE = 10000
+WINE_CSV_HELP = ("download winemag-data-130k-v2.csv from https://www.kaggle.com/datasets/zynicide/wine-reviews "
+                 "(Kaggle needs a login, so jaxgpt cannot fetch it) and pass its path with --config.data.csv=PATH "
+                 "(training) or --csv PATH (jaxgpt data --dataset wine_reviews)")
 
 
 def stdlib_root() -> Path:
@@ -68,6 +77,33 @@ def stdlib_corpus(root: Path) -> tuple[str, str]:
     description = (f"Python {platform.python_version()} standard library at {root}: {len(parts)} .py files"
                    f" ({skipped} skipped as not UTF-8), tests and site-packages excluded")
     return "\n".join(parts), description
+
+
+def wine_reviews(csv_path: str | os.PathLike[str]) -> tuple[list[str], str]:
+    """(one document per review, description) from Kaggle's winemag-data-130k-v2.csv, as seed 004 builds them:
+    "wine review : {country} : {province} : {variety} : {description}". Rows lacking any of those four fields
+    are skipped, as the article's recipe does, and counted in the description."""
+    path = Path(csv_path)
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [field for field in WINE_FIELDS if field not in (reader.fieldnames or ())]
+            if missing:
+                raise UserError(f"{path} has no {', '.join(missing)} column(s), so it is not Kaggle's wine-reviews "
+                                f"CSV: {WINE_CSV_HELP}")
+            rows = [[(row.get(field) or "").strip() for field in WINE_FIELDS] for row in reader]
+    except FileNotFoundError:
+        raise UserError(f"wine-reviews CSV {path} not found: {WINE_CSV_HELP}") from None
+    except OSError as e:
+        raise UserError(f"cannot read wine-reviews CSV {path} ({e.strerror}): check the path") from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{path} is not a UTF-8 CSV file ({e}): {WINE_CSV_HELP}") from None
+    reviews = [f"wine review : {' : '.join(fields)}" for fields in rows if all(fields)]
+    if not reviews:
+        raise UserError(f"{path} has no row with all of {', '.join(WINE_FIELDS)}: {WINE_CSV_HELP}")
+    description = (f"wine reviews {path}: {len(reviews)} reviews, {len(rows) - len(reviews)} rows skipped for a "
+                   f"missing {', '.join(WINE_FIELDS[:-1])} or {WINE_FIELDS[-1]}")
+    return reviews, description
 
 
 def _download(url: str, dest: Path, fallback_hint: str) -> Path:
@@ -134,14 +170,27 @@ def prepare_builtin(
     val_fraction: float = 0.1,
     bpe_file: str | os.PathLike[str] | None = None,
     max_documents: int | None = None,
+    csv_path: str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """Prepare one of `BUILTIN_DATASETS` in `out_dir` and return its meta.
 
     stdlib_char needs no download (the interpreter's own library sources, character-level);
     shakespeare_char / shakespeare download tiny Shakespeare (char / GPT-2 BPE); openwebtext streams a
-    web-text corpus through the Hugging Face `datasets` package (GPT-2 BPE; `max_documents` caps it).
+    web-text corpus through the Hugging Face `datasets` package (GPT-2 BPE; `max_documents` caps it);
+    wine_reviews reads Kaggle's CSV at `csv_path` into words (`vocab_size`, default the article's 10000), one
+    review per document with the [PAD] token between them.
     """
     out = Path(out_dir)
+    if name != "wine_reviews" and (csv_path or vocab_size is not None):
+        raise UserError(f"a CSV path and a vocabulary size are settings of wine_reviews, not of {name}: drop them")
+    if name == "wine_reviews":
+        if not csv_path:
+            raise UserError(f"wine_reviews is built from Kaggle's CSV: {WINE_CSV_HELP}")
+        reviews, source = wine_reviews(csv_path)
+        words = WINE_VOCAB_SIZE if vocab_size is None else vocab_size
+        build = functools.partial(WordTokenizer.from_texts, vocab_size=words)
+        return prepare_text(reviews, out, build, val_fraction, source, overwrite)
     if name == "stdlib_char":
         text, source = stdlib_corpus(stdlib_root())
         return prepare_text([text], out, None, val_fraction, source, overwrite)

@@ -28,8 +28,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from jaxgpt.batches import eval_batches
 from jaxgpt.config import ModelConfig
-from jaxgpt.data import eval_batches
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPT
 from jaxgpt.tokenizer import Tokenizer

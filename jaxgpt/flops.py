@@ -7,7 +7,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, Seq2SeqConfig
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -20,15 +20,35 @@ def matmul_params(cfg: ModelConfig) -> int:
     return L * per_layer + C * V
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+def flops_per_token(cfg: ModelConfig | Seq2SeqConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token: 6 N for the weights (forward 2N, backward 4N) plus causal attention.
 
     Causal attention scores and the weighted sum each cost 2 * (T/2) * H * D per token and layer on
-    average in the forward pass, times 3 for forward plus backward.
+    average in the forward pass, times 3 for forward plus backward. An encoder-decoder's rows are its
+    block sizes (`seq2seq_flops_per_token`).
     """
+    if isinstance(cfg, Seq2SeqConfig):
+        return seq2seq_flops_per_token(cfg)
     T = seq_len or cfg.block_size
     attention = 3 * 2 * 2 * (T / 2) * cfg.n_head * cfg.head_dim * cfg.n_layer
     return 6 * matmul_params(cfg) + attention
+
+
+def seq2seq_flops_per_token(cfg: Seq2SeqConfig) -> float:
+    """Training FLOPs per token of an encoder-decoder row of S = src_block_size source and T = block_size
+    target tokens, counted like the GPT's (6 per weight use, 3 x 4 H D per attended key) and divided by S + T.
+
+    Per row: each encoder layer uses its attention (4 C HD) and MLP (2 C F) weights once per source token;
+    each decoder layer its self-attention, cross-attention query and output (6 C HD) and MLP weights per
+    target token, and the cross-attention keys and values (2 C HD) per source token; the head C V per target
+    token. Attention: the encoder's S x S, the decoder's causal T x T / 2 and its cross T x S keys.
+    """
+    mc = cfg.model
+    S, T, C, F, HD = cfg.src_block_size, mc.block_size, mc.n_embd, mc.d_ff, mc.n_head * mc.head_dim
+    weights = (cfg.n_encoder_layer * (4 * C * HD + 2 * C * F) * S
+               + mc.n_layer * ((6 * C * HD + 2 * C * F) * T + 2 * C * HD * S) + C * mc.vocab_size * T)
+    attention = 4 * HD * (cfg.n_encoder_layer * S * S + mc.n_layer * (T * T / 2 + T * S))
+    return (6 * weights + 3 * attention) / (S + T)
 
 
 def measure_matmul_peak(n: int = 1024, repeats: int = 20, dtype: str = "float32") -> float:

@@ -3,12 +3,14 @@
 Out (`save_hf_tokenizer`): a GPT-2 BPE run gets GPT-2's own files, `vocab.json` + `merges.txt` (rebuilt from
 the tiktoken ranks, see `gpt2_vocab_and_merges`) and the `tokenizer.json` the `tokenizers` library builds
 from them; a character run gets a `tokenizer.json` whose word-level vocabulary maps every character to the
-id jaxgpt gives it. Both come with `tokenizer_config.json`, written by `transformers` itself, so that
-`AutoTokenizer.from_pretrained(DIR)` and `pipeline("text-generation", model=DIR)` load them. Writing needs
-`transformers` (an export-only dependency); reading back (`read_tokenizer_meta`) needs only json.
+id jaxgpt gives it; a word run (seed 004) a word-level `tokenizer.json` that lower-cases and splits off
+punctuation as `jaxgpt.tokenizer.standardize` does. All come with `tokenizer_config.json`, written by
+`transformers` itself, so that `AutoTokenizer.from_pretrained(DIR)` and `pipeline("text-generation", model=DIR)`
+load them. Writing needs `transformers` (an export-only dependency); reading back (`read_tokenizer_meta`) needs
+only json.
 
 In (`read_tokenizer_meta`): a directory's tokenizer as jaxgpt's `Tokenizer.to_meta()`, when it is one jaxgpt
-has (GPT-2's BPE, or a character vocabulary such as a jaxgpt char export); None otherwise.
+has (GPT-2's BPE, or a character or word vocabulary such as a jaxgpt export's); None otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +22,20 @@ from pathlib import Path
 from typing import Any
 
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import EOT_TEXT, GPT2_EOT, GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, BPETokenizer, Tokenizer
+from jaxgpt.tokenizer import (
+    EOT_TEXT,
+    GPT2_EOT,
+    GPT2_TOKENIZER_META,
+    GPT2_VOCAB_SIZE,
+    WORD_PAD,
+    WORD_PUNCTUATION,
+    WORD_SPECIALS,
+    WORD_UNK,
+    BPETokenizer,
+    Tokenizer,
+    WordTokenizer,
+    standardize,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -117,6 +132,24 @@ def _char_backend(chars: str) -> Any:
     return backend
 
 
+def _word_backend(tokenizer: WordTokenizer) -> Any:
+    """Seed 004's words with jaxgpt's ids: lower-case, split at whitespace, then each punctuation character on its
+    own; [PAD] (the end of a text) is special, [UNK] is not, so that decoding writes it as jaxgpt does. With no
+    decoder, `tokenizers` joins the tokens with spaces, as `WordTokenizer.decode` does. (transformers 5's
+    text-generation pipeline appends the decoded new words to the prompt with no space between them.)"""
+    tokenizers, _ = _need_transformers()
+    vocab = {token: i for i, token in enumerate(tokenizer.tokens)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token=WORD_UNK))
+    backend.normalizer = tokenizers.normalizers.Lowercase()
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.WhitespaceSplit(),
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(WORD_PUNCTUATION), "isolated"),
+    ])
+    backend.add_special_tokens([tokenizers.AddedToken(WORD_PAD, special=True, normalized=False)])
+    backend.add_tokens([tokenizers.AddedToken(WORD_UNK, special=False, normalized=False)])
+    return backend
+
+
 def save_hf_tokenizer(tokenizer: Tokenizer, out: str | os.PathLike[str], max_length: int) -> None:
     """Write `tokenizer` into the export directory `out` (`max_length`: the model's positions).
 
@@ -132,6 +165,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out: str | os.PathLike[str], max_len
         backend.model.save(str(root))  # GPT-2's vocab.json + merges.txt, for tools that read those
     elif tokenizer.to_meta()["type"] == "char":
         backend, special = _char_backend(tokenizer.to_meta()["chars"]), {}
+    elif isinstance(tokenizer, WordTokenizer):
+        backend, special = _word_backend(tokenizer), dict(eos_token=WORD_PAD, pad_token=WORD_PAD)
     else:
         raise UserError(f"cannot export a {tokenizer.name!r} tokenizer for Hugging Face")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
@@ -174,6 +209,23 @@ def _char_meta(vocab: dict[str, int]) -> dict[str, Any] | None:
     return {"type": "char", "chars": chars, "vocab_size": len(chars)}
 
 
+def _word_meta(spec: dict[str, Any], vocab: dict[str, int]) -> dict[str, Any] | None:
+    """A word vocabulary jaxgpt's WordTokenizer reproduces: [PAD], [UNK], then standardized words, ids 0..n-1,
+    behind the lower-casing normalizer and the punctuation split that `_word_backend` writes."""
+    ordered = sorted(vocab, key=vocab.__getitem__)
+    if tuple(ordered[:2]) != WORD_SPECIALS or [vocab[t] for t in ordered] != list(range(len(ordered))):
+        return None
+    steps = (spec.get("pre_tokenizer") or {}).get("pretokenizers") or [{}, {}]
+    if ((spec.get("normalizer") or {}).get("type") != "Lowercase"
+            or [step.get("type") for step in steps] != ["WhitespaceSplit", "Split"]
+            or steps[1].get("pattern") != {"Regex": WORD_PUNCTUATION}):
+        return None
+    words = ordered[2:]
+    if not words or any(standardize(w) != [w] for w in words):
+        return None
+    return {"type": "word", "words": words, "vocab_size": len(ordered)}
+
+
 def has_hf_tokenizer(path: str | os.PathLike[str]) -> bool:
     """Whether the directory carries a tokenizer of its own (then only that one may describe its ids)."""
     root = Path(path)
@@ -191,7 +243,7 @@ def read_tokenizer_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         if model and model.get("type") == "BPE" and _is_gpt2_vocab(vocab):
             return dict(GPT2_TOKENIZER_META)
         if model and model.get("type") == "WordLevel":
-            return _char_meta(vocab)
+            return _word_meta(spec, vocab) or _char_meta(vocab)
         return None
     if (root / VOCAB_FILE).is_file() and (root / MERGES_FILE).is_file():  # the original OpenAI upload's layout
         vocab = _read_json(root / VOCAB_FILE)

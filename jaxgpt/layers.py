@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxgpt import kernels
 from jaxgpt.config import ModelConfig
 
 Array = jax.Array
@@ -25,21 +26,48 @@ ACTIVATIONS = {
 }
 
 
+def _uniform(bound: float) -> nn.initializers.Initializer:
+    def init(key: Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+    return init
+
+
 def param_init(cfg: ModelConfig, names: tuple[str | None, ...], *, residual: bool = False,
-               fans: tuple[int, int] | None = None) -> nn.initializers.Initializer:
-    """Weight init with logical names: GPT-2 normal(0.02) or seed 000's Xavier uniform.
+               fans: tuple[int, int] | None = None, role: str = "attn") -> nn.initializers.Initializer:
+    """Weight init with logical names, by `cfg.init` (the rules are listed at `config.INITS`).
 
     GPT-2 shrinks the residual projections by 1/sqrt(2 L) so the residual stream's variance
-    does not grow with depth. Xavier takes (fan_in, fan_out) per projection when given, so the
-    fused (C, 3, H, D) kernel gets the bounds of three separate (C, H*D) matrices.
+    does not grow with depth. Xavier and PyTorch's default bound 1/sqrt(fan_in) take (fan_in, fan_out)
+    per projection when given, so the fused (C, 3, H, D) kernel gets the bounds of three separate
+    (C, H*D) matrices. `role` ("attn", "mlp", "token", "position", "head", "classes") matters only to
+    gpt1_torch: seed 001 initializes some modules explicitly and leaves the others at PyTorch's defaults.
     """
-    if cfg.init == "xavier":
+    if cfg.init in ("xavier", "xavier_torch"):
         def init(key: Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
             fan_in, fan_out = fans or (shape[-2], shape[-1])
-            bound = math.sqrt(6.0 / (fan_in + fan_out))
-            return jax.random.uniform(key, shape, dtype, -bound, bound)
+            return _uniform(math.sqrt(6.0 / (fan_in + fan_out)))(key, shape, dtype)
+    elif cfg.init == "gpt1_torch" and role in ("attn", "head"):  # nn.Linear's kaiming_uniform(a=sqrt(5))
+        def init(key: Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
+            return _uniform(1.0 / math.sqrt((fans or shape[-2:])[0]))(key, shape, dtype)
+    elif cfg.init == "gpt1_torch":  # explicit normal(0.02) inits; the position table keeps nn.Embedding's N(0, 1)
+        init = nn.initializers.normal(1.0 if role == "position" else 0.02)
     else:
         init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02)
+    return nn.with_logical_partitioning(init, names)
+
+
+def bias_init(cfg: ModelConfig, names: tuple[str | None, ...], fan_in: int,
+              role: str = "attn") -> nn.initializers.Initializer:
+    """Projection biases: zero, except under the PyTorch inits, whose nn.Linear biases are U(+-1/sqrt(fan_in)).
+
+    Seed 001's classifier head calls `normal_(bias, 0)`, which sets the mean and keeps the default std 1.
+    """
+    if cfg.init == "gpt1_torch" and role == "classes":
+        init = nn.initializers.normal(1.0)
+    elif cfg.init in ("xavier_torch", "gpt1_torch"):
+        init = _uniform(1.0 / math.sqrt(fan_in))
+    else:
+        init = nn.initializers.zeros
     return nn.with_logical_partitioning(init, names)
 
 
@@ -71,6 +99,51 @@ class Norm(nn.Module):
         return y.astype(cfg.dtype)
 
 
+@jax.custom_vjp
+def _bf16_matmul(x_MK: Array, w_KN: Array) -> Array:
+    return jax.lax.dot_general(x_MK, w_KN, (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(x_MK.dtype)
+
+
+def _bf16_matmul_fwd(x_MK: Array, w_KN: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _bf16_matmul(x_MK, w_KN), (x_MK, w_KN)
+
+
+def _bf16_matmul_bwd(res: tuple[Array, Array], dy_MN: Array) -> tuple[Array, Array]:
+    x_MK, w_KN = res
+    dx_MK = jax.lax.dot_general(dy_MN, w_KN, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw_KN = jax.lax.dot_general(x_MK, dy_MN, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx_MK.astype(x_MK.dtype), dw_KN.astype(w_KN.dtype)
+
+
+_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
+
+
+def projection_dot_general(x: Array, kernel: Array, dimension_numbers: Any, precision: Any = None) -> Array:
+    """`jax.lax.dot_general` for projections, with bfloat16 products that XLA:CPU runs natively.
+
+    XLA:CPU multiplies bfloat16 natively (YNNPACK, bf16 x bf16 -> f32) only when a product asks for a
+    float32 result and reads its operands untransposed. A bf16 result, or the transposes autodiff puts
+    in front of the backward products, make it convert both operands to float32 and run a float32
+    product instead, slower than float32 training. So on CPUs the bf16 products of a projection whose
+    contracted axes are x's last and the kernel's first (every projection of the GPT) run as one
+    (M, K) x (K, N) product whose input-gradient product is written out transpose-free (a custom VJP);
+    the weight-gradient product X^T dY contracts x's leading axis and still runs in float32 (XLA turns an
+    explicit transpose of x back into a layout). Same values as the plain product: float32 accumulation,
+    rounded to bfloat16.
+    """
+    (x_dims, k_dims), batch = dimension_numbers
+    n = len(x_dims)
+    plain = (x.dtype != jnp.bfloat16 or kernel.dtype != jnp.bfloat16 or batch != ((), ())
+             or list(x_dims) != list(range(x.ndim - n, x.ndim)) or list(k_dims) != list(range(n))
+             or kernels.current_platform() != "cpu")
+    if plain:
+        return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision)
+    K = math.prod(kernel.shape[:n])
+    y_MN = _bf16_matmul(x.reshape(-1, K), kernel.reshape(K, -1))
+    return y_MN.reshape(*x.shape[:x.ndim - n], *kernel.shape[n:])
+
+
 def einsum_in_kernel_order(spec: str, x: Array, kernel: Array) -> Array:
     """`jnp.einsum(spec, x, kernel)` for projections (every axis x shares with the kernel is contracted).
 
@@ -83,7 +156,7 @@ def einsum_in_kernel_order(spec: str, x: Array, kernel: Array) -> Array:
     x_axes, k_axes = inputs.split(",")
     shared = [a for a in k_axes if a in x_axes]
     dims = ([x_axes.index(a) for a in shared], [k_axes.index(a) for a in shared])
-    y = jax.lax.dot_general(x, kernel, (dims, ((), ())))
+    y = projection_dot_general(x, kernel, (dims, ((), ())))
     y_axes = [a for a in x_axes + k_axes if a not in shared]
     return y.transpose([y_axes.index(a) for a in out])
 
@@ -111,7 +184,9 @@ class EinsumDense(nn.Module):
         y = einsum_in_kernel_order(self.spec, x.astype(cfg.dtype), kernel.astype(cfg.dtype))
         if cfg.use_bias:
             bias_shape = self.kernel_shape[-len(self.bias_names):]
-            y = y + self.param("bias", zeros_init(self.bias_names), bias_shape, cfg.param_dtype).astype(cfg.dtype)
+            fan_in = self.fans[0] if self.fans else math.prod(self.kernel_shape[:-len(self.bias_names)])
+            y = y + self.param("bias", bias_init(cfg, self.bias_names, fan_in), bias_shape,
+                               cfg.param_dtype).astype(cfg.dtype)
         return y
 
 
@@ -123,10 +198,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTC: Array, deterministic: bool) -> Array:
         cfg = self.cfg
-        dense = lambda n, names, name, residual=False: nn.Dense(
+        dense = lambda n, names, name, fan_in, residual=False: nn.Dense(
             n, use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
-            kernel_init=param_init(cfg, names, residual=residual), bias_init=zeros_init(names[1:]))
-        h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, ("embed", "mlp"), "fc")(x_BTC))
+            dot_general=projection_dot_general,
+            kernel_init=param_init(cfg, names, residual=residual, role="mlp"),
+            bias_init=bias_init(cfg, names[1:], fan_in))
+        h_BTF = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, ("embed", "mlp"), "fc", cfg.n_embd)(x_BTC))
         h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "act_mlp"))
         h_BTF = nn.Dropout(cfg.ff_dropout)(h_BTF, deterministic=deterministic)
-        return dense(cfg.n_embd, ("mlp", "embed"), "proj", residual=True)(h_BTF)
+        return dense(cfg.n_embd, ("mlp", "embed"), "proj", cfg.d_ff, residual=True)(h_BTF)

@@ -187,7 +187,7 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
         raise UserError("model.attention_impl='splash' is TPU flash attention (CPUs run it in Pallas interpret mode, "
                         "for tests): on GPUs use 'cudnn' or 'auto'")
     check_divisibility(cfg, mesh, batch_size, grad_accum)
-    tx = make_optimizer(optim)
+    tx = make_optimizer(optim, d_model=cfg.n_embd)
     rules = rules_for(cfg, mesh)
     boxed = jax.eval_shape(task.model.init, jax.random.key(0), task.example_input())["params"]  # nothing allocated
     param_sh = logical_to_sharding(nn.get_partition_spec(boxed), mesh, rules)

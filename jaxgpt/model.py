@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxgpt.attention import Cache, CausalSelfAttention
 from jaxgpt.config import ModelConfig
-from jaxgpt.layers import MLP, Norm, param_init, zeros_init
+from jaxgpt.layers import MLP, Norm, bias_init, param_init
 
 Array = jax.Array
 
@@ -54,13 +54,14 @@ class Block(nn.Module):
         attn, mlp = CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
         ln_1, ln_2 = Norm(cfg, name="ln_1"), Norm(cfg, name="ln_2")
         drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=deterministic)
+        drop_attn = drop if cfg.attn_resid_dropout else lambda y: y  # seed 002 drops only the feed-forward's
         if cfg.norm_placement == "pre":
             y, cache = attn(ln_1(x_BTC), visible_BTS, deterministic, cache, cache_index)
-            x_BTC = x_BTC + drop(y)
+            x_BTC = x_BTC + drop_attn(y)
             x_BTC = x_BTC + drop(mlp(ln_2(x_BTC), deterministic))
         else:
             y, cache = attn(x_BTC, visible_BTS, deterministic, cache, cache_index)
-            x_BTC = ln_1(x_BTC + drop(y))
+            x_BTC = ln_1(x_BTC + drop_attn(y))
             x_BTC = ln_2(x_BTC + drop(mlp(x_BTC, deterministic)))
         return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), cache
 
@@ -80,12 +81,12 @@ class GPT(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        embed_init = param_init(cfg, ("vocab", "embed"))
+        embed_init = param_init(cfg, ("vocab", "embed"), role="token")
         self.wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                             embedding_init=embed_init)
         if cfg.position == "learned":
             self.wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                                embedding_init=param_init(cfg, ("position", "embed")))
+                                embedding_init=param_init(cfg, ("position", "embed"), role="position"))
         self.drop = nn.Dropout(cfg.embd_dropout)
         block = _block_class(cfg)
         if cfg.scan_layers:
@@ -99,8 +100,9 @@ class GPT(nn.Module):
             self.ln_f = Norm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=cfg.use_bias, dtype=cfg.dtype,
-                                    param_dtype=cfg.param_dtype, kernel_init=param_init(cfg, ("embed", "vocab")),
-                                    bias_init=zeros_init(("vocab",)))
+                                    param_dtype=cfg.param_dtype,
+                                    kernel_init=param_init(cfg, ("embed", "vocab"), role="head"),
+                                    bias_init=bias_init(cfg, ("vocab",), cfg.n_embd))
 
     def _is_pad(self, idx_BT: Array, mask_BT: Array | None) -> Array | None:
         """Padding from the config's pad_id, from an explicit mask (True = real token), or both."""
@@ -110,16 +112,20 @@ class GPT(nn.Module):
         return pad
 
     def _embed(self, idx_BT: Array, pos_BT: Array, deterministic: bool) -> Array:
+        """Token embeddings plus positions; embd_dropout on the sum, or (seed 001) on the tokens alone."""
         cfg = self.cfg
+        tokens_only = cfg.embd_dropout_site == "tokens"
         x_BTC = self.wte(idx_BT)
         if cfg.scale_embeddings:
             x_BTC = x_BTC * math.sqrt(cfg.n_embd)
+        if tokens_only:
+            x_BTC = self.drop(x_BTC, deterministic=deterministic)
         if cfg.position == "learned":
             x_BTC = x_BTC + self.wpe(pos_BT)
         elif cfg.position != "none":
             table = jnp.asarray(sinusoidal_table(cfg.n_positions, cfg.n_embd, cfg.position), cfg.dtype)
             x_BTC = x_BTC + table[pos_BT]
-        return self.drop(x_BTC, deterministic=deterministic)
+        return x_BTC if tokens_only else self.drop(x_BTC, deterministic=deterministic)
 
     def _layers(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
                 cache_index: Array | None = None) -> tuple[Array, Any]:
@@ -189,8 +195,8 @@ class GPTClassifier(GPT):
     def setup(self) -> None:
         super().setup()
         self.cls_head = nn.Dense(self.n_class, dtype=self.cfg.dtype, param_dtype=self.cfg.param_dtype,
-                                 kernel_init=param_init(self.cfg, ("embed", "classes")),
-                                 bias_init=zeros_init(("classes",)))
+                                 kernel_init=param_init(self.cfg, ("embed", "classes"), role="classes"),
+                                 bias_init=bias_init(self.cfg, ("classes",), self.cfg.n_embd, role="classes"))
         self.cls_drop = nn.Dropout(self.cls_dropout)
 
     def __call__(self, idx_BT: Array, mask_BT: Array | None = None,

@@ -1,8 +1,8 @@
-"""Pictures of a run: training curves from metrics.jsonl, and attention heatmaps for a prompt.
+"""Pictures: training curves from metrics.jsonl, attention heatmaps for a prompt, sinusoidal position codes.
 
 Each figure has a data function (plain numpy, testable without looking at pixels) and a drawing
 function that only lays the numbers out. Drawing uses matplotlib's Agg backend, so no display is needed.
-The command line is `jaxgpt plots curves ...` / `jaxgpt plots attention ...`.
+The command line is `jaxgpt plots curves ...` / `jaxgpt plots attention ...` / `jaxgpt plots positions ...`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -123,11 +123,7 @@ def plot_training_curves(records: Sequence[dict[str, Any]], out: str | os.PathLi
     axes[-1].set_xlabel("step")
     for ax in axes[1:]:
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,13 +141,7 @@ def attention_maps(params: Any, cfg: ModelConfig, ids: Sequence[int] | np.ndarra
 
     from jaxgpt.model import GPT
 
-    ids = np.asarray(ids, dtype=np.int32).reshape(-1)
-    if ids.size == 0:
-        raise UserError("the prompt is empty: give at least one token")
-    if ids.size > cfg.block_size:
-        raise UserError(f"the prompt has {ids.size} tokens but the model sees at most {cfg.block_size}: shorten it")
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise UserError(f"token ids must be in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
+    ids = checked_ids(ids, cfg.vocab_size, cfg.block_size, "the prompt")
     run_cfg = cfg.replace(attention_impl="einsum", remat="none")
     model = GPT(run_cfg)
 
@@ -168,6 +158,46 @@ def attention_maps(params: Any, cfg: ModelConfig, ids: Sequence[int] | np.ndarra
     return stacked[:, 0].astype(np.float64)
 
 
+def checked_ids(ids: Sequence[int] | np.ndarray, vocab_size: int, max_len: int, what: str) -> np.ndarray:
+    """`ids` as int32, or a UserError saying why the model cannot read them."""
+    ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+    if ids.size == 0:
+        raise UserError(f"{what} is empty: give at least one token")
+    if ids.size > max_len:
+        raise UserError(f"{what} has {ids.size} tokens but the model sees at most {max_len}: shorten it")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise UserError(f"token ids must be in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
+    return ids
+
+
+def seq2seq_attention_maps(params: Any, cfg: Seq2SeqConfig, src_ids: Sequence[int] | np.ndarray,
+                           tgt_ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+    """An encoder-decoder's attention for one (source, target) pair, from the weights its modules sow.
+
+    {"encoder": (L_enc, H, S, S) source self-attention, "decoder": (L, H, T, T) causal target self-attention,
+    "cross": (L, H, T, S) each target position over the source}; as for the GPT, on the einsum path.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgpt.seq2seq import EncoderDecoder
+
+    src = checked_ids(src_ids, cfg.src_vocab_size, cfg.src_block_size, "the source")
+    tgt = checked_ids(tgt_ids, cfg.model.vocab_size, cfg.model.block_size, "the target")
+    model = EncoderDecoder(cfg.replace(attention_impl="einsum"))
+
+    @jax.jit
+    def sown(p: Any, src_BS: jax.Array, tgt_BT: jax.Array) -> Any:
+        _, state = model.apply({"params": p}, src_BS, tgt_BT, mutable=["intermediates"])
+        return state["intermediates"]
+
+    inter = sown(params, jnp.asarray(src)[None], jnp.asarray(tgt)[None])
+    stack = lambda prefix, n, module: np.stack(
+        [np.asarray(inter[f"{prefix}_{i}"][module]["attn_weights"][0])[0] for i in range(n)]).astype(np.float64)
+    return {"encoder": stack("enc", cfg.n_encoder_layer, "attn"), "decoder": stack("dec", cfg.model.n_layer, "attn"),
+            "cross": stack("dec", cfg.model.n_layer, "cross")}
+
+
 def visible_token(text: str) -> str:
     """A token's text as an axis label: whitespace made visible, so ' the' and 'the' differ on the plot."""
     shown = text.replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍").replace(" ", "·")
@@ -179,38 +209,122 @@ def token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return [visible_token(tokenizer.decode([int(i)])) for i in ids]
 
 
+Panel = tuple[str, np.ndarray, Sequence[str], Sequence[str]]  # (title, (T, S) weights, query labels, key labels)
+
+
 def plot_attention(maps_HTT: np.ndarray, labels: Sequence[str], out: str | os.PathLike[str], title: str = "") -> Path:
-    """A grid of heatmaps, one per head, sharing a 0..1 color scale; queries down, keys across."""
+    """A near-square grid of heatmaps, one per head (4 heads 2x2, 12 heads 4x3)."""
+    H = maps_HTT.shape[0]
+    panels = [(f"head {h}", maps_HTT[h], labels, labels) for h in range(H)]
+    return plot_attention_panels(panels, math.ceil(math.sqrt(H)), out, title)
+
+
+def seq2seq_panels(maps: dict[str, np.ndarray], layer: int, src_labels: Sequence[str],
+                   tgt_labels: Sequence[str]) -> list[Panel]:
+    """One row per attention of an encoder-decoder layer (encoder self, decoder self, cross), one column per head."""
+    rows = [("encoder", src_labels, src_labels), ("decoder", tgt_labels, tgt_labels), ("cross", tgt_labels, src_labels)]
+    return [(f"{kind} head {h}", maps[kind][layer, h], queries, keys)
+            for kind, queries, keys in rows for h in range(maps[kind].shape[1])]
+
+
+def plot_attention_panels(panels: Sequence[Panel], ncols: int, out: str | os.PathLike[str], title: str = "") -> Path:
+    """Heatmaps in rows of `ncols`, sharing a 0..1 color scale; queries down, keys across."""
     plt = _pyplot()
-    H, T, _ = maps_HTT.shape
-    if len(labels) != T:
-        raise ValueError(f"{len(labels)} labels for {T} tokens")
-    ncols = math.ceil(math.sqrt(H))  # near-square grid: 4 heads 2x2, 12 heads 4x3
-    nrows = math.ceil(H / ncols)
-    longest = max(len(s) for s in labels)
+    for name, map_TS, queries, keys in panels:
+        if map_TS.shape != (len(queries), len(keys)):
+            raise ValueError(f"{name}: {len(queries)} x {len(keys)} labels for a {map_TS.shape} map")
+    nrows = math.ceil(len(panels) / ncols)
+    longest = max(len(label) for _, _, queries, keys in panels for label in (*queries, *keys))
+    T = max(max(map_TS.shape) for _, map_TS, _, _ in panels)
     fontsize = 9 if T <= 32 else 7 if T <= 64 else 5
     panel = max(2.8, fontsize / 72 * 1.6 * T + fontsize / 72 * 0.65 * longest)  # rows of text, plus labels
     fig, axes = plt.subplots(nrows, ncols, figsize=(panel * ncols + 1.2, panel * nrows + 0.8),
                              squeeze=False, constrained_layout=True)
     image = None
-    for h in range(nrows * ncols):
-        ax = axes[h // ncols, h % ncols]
-        if h >= H:
+    for i in range(nrows * ncols):
+        ax = axes[i // ncols, i % ncols]
+        if i >= len(panels):
             ax.axis("off")
             continue
-        image = ax.imshow(maps_HTT[h], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-        ax.set_title(f"head {h}", fontsize=10)
-        ax.set_xticks(range(T))
-        ax.set_yticks(range(T))
-        ax.set_xticklabels(labels, rotation=90, fontsize=fontsize)
-        ax.set_yticklabels(labels, fontsize=fontsize)
+        name, map_TS, queries, keys = panels[i]
+        image = ax.imshow(map_TS, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+        ax.set_title(name, fontsize=10)
+        ax.set_xticks(range(len(keys)))
+        ax.set_yticks(range(len(queries)))
+        ax.set_xticklabels(keys, rotation=90, fontsize=fontsize)
+        ax.set_yticklabels(queries, fontsize=fontsize)
         ax.tick_params(length=0)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     fig.suptitle(title or "attention", fontsize=12)
     fig.supxlabel("key (attended to)", fontsize=10)
     fig.supylabel("query (attending)", fontsize=10)
+    return _save(plt, fig, out)
+
+
+def _save(plt: Any, fig: Any, out: str | os.PathLike[str]) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sinusoidal position codes
+
+LAYOUTS = ("sinusoidal", "sinusoidal_concat")  # seed 000's interleaved sin/cos, seed 002's [sin..., cos...]
+
+
+def sinusoid_columns(width: int, layout: str, frequencies: Sequence[int]) -> list[tuple[str, int]]:
+    """(label, column) of the sine and the cosine of each frequency index i (angle = pos / 10000^(2i / width)):
+    columns 2i and 2i + 1 when interleaved, i and width/2 + i when concatenated."""
+    half = width // 2
+    bad = [f for f in frequencies if not 0 <= f < half]
+    if bad:
+        raise UserError(f"frequency indices {bad} do not exist for width {width}: choose from 0..{half - 1}")
+    columns = []
+    for f in frequencies:
+        sin, cos = (2 * f, 2 * f + 1) if layout == "sinusoidal" else (f, half + f)
+        columns += [(f"sin, i={f} (dim {sin})", sin), (f"cos, i={f} (dim {cos})", cos)]
+    return columns
+
+
+def position_panels(length: int, width: int, layouts: Sequence[str] = LAYOUTS, frequencies: Sequence[int] = ()
+                    ) -> list[tuple[str, np.ndarray, list[tuple[str, int]]]]:
+    """Per layout: (layout, the (length, width) table the model adds, the sinusoids to draw over position).
+
+    No frequencies: i = width/32 and width/8, wavelengths of about 11 and 63 positions whatever the width.
+    """
+    from jaxgpt.model import sinusoidal_table
+
+    if length < 1 or width < 2 or width % 2:
+        raise UserError(f"position codes need length >= 1 and an even width >= 2, got length {length}, width {width}")
+    frequencies = frequencies or sorted({width // 32, width // 8})
+    unknown = [k for k in layouts if k not in LAYOUTS]
+    if unknown or not layouts:
+        raise UserError(f"unknown position layouts {unknown}: choose from {LAYOUTS}")
+    return [(k, sinusoidal_table(length, width, k), sinusoid_columns(width, k, frequencies)) for k in layouts]
+
+
+def plot_positions(panels: Sequence[tuple[str, np.ndarray, list[tuple[str, int]]]], out: str | os.PathLike[str],
+                   title: str = "") -> Path:
+    """One row per layout: the code matrix as an image (positions down, dimensions across), then its sinusoids."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.2 * len(panels) + 0.6), squeeze=False,
+                             constrained_layout=True, gridspec_kw={"width_ratios": [1.1, 1]})
+    names = {"sinusoidal": "interleaved sin/cos (seed 000)", "sinusoidal_concat": "concatenated [sin, cos] (seed 002)"}
+    for (layout, table, columns), (matrix_ax, curve_ax) in zip(panels, axes, strict=True):
+        image = matrix_ax.imshow(table, cmap="RdBu", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
+        matrix_ax.set_title(names[layout], fontsize=11)
+        matrix_ax.set_xlabel("dimension")
+        matrix_ax.set_ylabel("position")
+        fig.colorbar(image, ax=matrix_ax, shrink=0.8)
+        for label, column in columns:
+            curve_ax.plot(np.arange(len(table)), table[:, column], label=label, lw=1.4)
+        curve_ax.set_xlabel("position")
+        curve_ax.set_ylabel("value")
+        curve_ax.grid(True, alpha=0.3)
+        curve_ax.legend(loc="upper right", fontsize=8)
+    length, width = panels[0][1].shape
+    fig.suptitle(title or f"sinusoidal position codes ({length} positions x {width} dimensions)", fontsize=12)
+    return _save(plt, fig, out)

@@ -14,25 +14,31 @@ _GPT2 = dict(vocab_size=50257, block_size=1024, activation="gelu_tanh", norm_pla
 
 PRESETS: dict[str, ModelConfig] = {
     # Seed 000: the Annotated Transformer's decoder stack as a GPT (`make_model`), with tiktoken's r50k vocabulary.
+    # Dropout on the embedding + position sum, inside attention and the feed-forward, and on each sub-layer's
+    # output; Xavier-uniform matrices with PyTorch's default nn.Linear biases.
     "seed000": ModelConfig(
         vocab_size=50257, block_size=1024, n_layer=6, n_embd=512, n_head=8, d_ff=2048,
         position="sinusoidal", scale_embeddings=True, norm_placement="pre", final_norm=True,
         norm="unbiased_std", norm_eps=1e-6, activation="relu", use_bias=True, tie_embeddings=False,
-        embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, ff_dropout=0.1, init="xavier"),
+        embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, ff_dropout=0.1, init="xavier_torch"),
     # Seed 001: GPT-1-style post-norm decoder, learned positions 1..T with 0 for padding, tied head.
-    # GPT-1's published vocabulary (40,478 BPE tokens); the padding id is 0 as in the seed.
+    # GPT-1's published vocabulary (40,478 BPE tokens); the padding id is 0 as in the seed. Its embedding dropout
+    # acts on the token embedding before the positions are added; its modules keep PyTorch's default init except
+    # the explicit normal(0.02) token table and feed-forward weights (init="gpt1_torch").
     "seed001": ModelConfig(
         vocab_size=40478, block_size=512, n_layer=12, n_embd=768, n_head=12, d_ff=3072,
         position="learned", pad_positions=True, pad_id=0, norm_placement="post", final_norm=False,
         norm="layernorm", norm_eps=1e-5, activation="gelu", use_bias=True, tie_embeddings=True,
-        embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, init="gpt2"),
+        embd_dropout=0.1, embd_dropout_site="tokens", attn_dropout=0.1, resid_dropout=0.1, init="gpt1_torch"),
     # Seed 002: its Keras decoder stack without cross-attention: concatenated sin/cos positions, scaled
     # embeddings, post-norm "Add & Norm" with Keras' eps 1e-3, per-head key_dim = d_model, 2048-token vocab.
+    # Keras' `mask_zero=True` embedding: token 0 is padding, hidden as a key. Dropout inside attention and after
+    # the feed-forward only (its attention layers add their output to the residual undropped).
     "seed002": ModelConfig(
         vocab_size=2048, block_size=2048, n_layer=6, n_embd=512, n_head=8, head_dim=512, d_ff=2048,
         position="sinusoidal_concat", scale_embeddings=True, norm_placement="post", final_norm=False,
         norm="layernorm", norm_eps=1e-3, activation="relu", use_bias=True, tie_embeddings=False,
-        attn_dropout=0.1, resid_dropout=0.1, init="xavier"),
+        pad_id=0, attn_dropout=0.1, resid_dropout=0.1, attn_resid_dropout=False, init="xavier"),
     # Seed 004: the one-block Keras GPT of "Generative Deep Learning" (10k vocab, 80 tokens, 256 wide,
     # 2 heads with key_dim 256, feed-forward 256), post-norm with eps 1e-6, softmax head untied.
     "seed004": ModelConfig(
@@ -58,16 +64,17 @@ SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = {
     #   encoder: 1,048,576 + 6 x (8,401,408 + 2,099,712 + 2 x 1,024)          =  64,067,584
     #   decoder: 1,048,576 + 6 x (2 x 8,401,408 + 2,099,712 + 3 x 1,024)      = 114,482,176
     #   output Dense 512 x 2048 + 2048 = 1,050,624;  total 179,600,384.
-    # Keras applies dropout inside attention and after the feed-forward; resid_dropout also drops the
-    # attention output, as the decoder-only seed002 preset does. (The article sizes the decoder's embedding
-    # by src_size too; with both vocabularies 2048 that changes nothing, here it is the target's.)
+    # Keras applies dropout inside attention and after the feed-forward only (attn_resid_dropout=False), and
+    # masks token 0 (pad_id) in every attention. (The article sizes the decoder's embedding by src_size too; with
+    # both vocabularies 2048 that changes nothing, here it is the target's.)
     "seed002-encdec": Seq2SeqConfig(
-        model=PRESETS["seed002"].replace(pad_id=0), n_encoder_layer=6, src_vocab_size=2048, src_block_size=2048),
+        model=PRESETS["seed002"], n_encoder_layer=6, src_vocab_size=2048, src_block_size=2048),
     # Seed 000's source, the Annotated Transformer, `make_model(src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048,
     # h=8, dropout=0.1)`: pre-norm sub-layers with its unbiased-std LayerNorm (eps 1e-6) and a final norm after
-    # each stack, sin/cos positions interleaved (a 5000-row table), Xavier init, dropout 0.1 everywhere. Its
-    # code keeps the source and target embeddings and the Generator's biased Linear separate (the paper's
-    # sharing is share_embeddings / tie_embeddings); both vocabularies are seed 000's r50k (50,257 tokens).
+    # each stack, sin/cos positions interleaved (a 5000-row table), Xavier matrices with PyTorch's default biases,
+    # dropout 0.1 everywhere. Its code keeps the source and target embeddings and the Generator's biased Linear
+    # separate (the paper's sharing is share_embeddings / tie_embeddings); both vocabularies are seed 000's r50k
+    # (50,257 tokens).
     "seed000-encdec": Seq2SeqConfig(
         model=PRESETS["seed000"].replace(block_size=5000), n_encoder_layer=6, src_vocab_size=50257),
 }

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from jaxgpt.checkpoint import Checkpointer, CheckpointReadError
+from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.train_config import TrainConfig
 
@@ -40,13 +41,18 @@ def trajectory(cfg: TrainConfig, model: dict[str, Any], task_meta: dict[str, Any
     values = {"task": cfg.task, "seed": cfg.seed, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
               "model": model, "optim": dataclasses.asdict(cfg.optim),
               "data": {k: dataset[k] for k in DATA_KEYS if k in dataset}}
-    if cfg.task == "classify":
-        values["classify"] = dataclasses.asdict(cfg.classify)
+    if cfg.label_smoothing:  # absent at 0, so runs saved before the setting existed resume unchanged
+        values["label_smoothing"] = cfg.label_smoothing
+    if cfg.task in ("classify", "seq2seq"):
+        values[cfg.task] = dataclasses.asdict(getattr(cfg, cfg.task))
     return flatten(json.loads(json.dumps(values)))  # as a checkpoint's JSON gives it back (tuples as lists)
 
 
 def changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    """Keys whose values differ. A model key that a saved run predates counts as its ModelConfig default:
+    a model setting added later, at its default, trains the same run as before it existed."""
+    defaults = flatten(json.loads(json.dumps({"model": ModelConfig().to_dict()})))
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k, defaults.get(k)) != now.get(k))
 
 
 def check_same_run(saved_meta: dict[str, Any], now: dict[str, Any], cfg: TrainConfig) -> None:

@@ -189,6 +189,26 @@ def request(cfg: ModelConfig, prompt: PromptLike, *, num_samples: int | None, ma
                     1.0 if top_p is None else float(top_p), spec)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _cast_floats(params: Any, dtype: str) -> Any:
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+
+def in_dtype(params: Any, cfg: ModelConfig, dtype: str | None) -> tuple[Any, ModelConfig]:
+    """The weights cast to `dtype` and a config computing in it (None: unchanged), for decoding only.
+
+    Activations, the KV cache and the weight products then run in `dtype`; norms, softmax and the logits
+    stay float32 (`GPT.logits`), and so does sampling. Batch-1 decoding reads every weight once per token,
+    so bfloat16 halves the bytes per token, but measure before choosing it on a CPU: XLA:CPU runs a
+    one-row product as a float32 matrix-vector product and converts a bfloat16 matrix to float32 first, on
+    every token (benchmarks/bench_sample.py prints both paths).
+    """
+    if dtype is None or (cfg.dtype, cfg.param_dtype) == (dtype, dtype):
+        return params, cfg
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)  # UserError for an unknown dtype
+    return _cast_floats(params, dtype), cfg
+
+
 # ----------------------------------------------------------------------------------------------------
 # The cached decode loop
 
@@ -334,15 +354,18 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
 def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens: int, key: KeyLike = 0,
              num_samples: int | None = None, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eot_token: int | None = None, window_shift: int | None = None,
-             return_logits: bool = False, vocab_limit: int | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+             return_logits: bool = False, vocab_limit: int | None = None,
+             dtype: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Sample `max_new_tokens` continuations of a prompt with the KV-cache loop; returns only new tokens.
 
     prompt: token ids, (T,) (repeated `num_samples` times) or (B, T) (every row the same length).
     Returns int32 (B, max_new_tokens); rows that emitted `eot_token` are padded with it. With
     `return_logits`, also the float32 logits (B, max_new_tokens, V) each token was drawn from (zeros
     for steps never run because every row had finished). Compiled programs are cached per shapes and
-    static options (`SamplerSpec`); new temperature/top_p values reuse them.
+    static options (`SamplerSpec`); new temperature/top_p values reuse them. `dtype` ("bfloat16") decodes
+    with weights and activations in that dtype (`in_dtype`); the logits are float32 either way.
     """
+    params, cfg = in_dtype(params, cfg, dtype)
     req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
                    return_logits=return_logits, vocab_limit=vocab_limit)
@@ -357,16 +380,17 @@ def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_token
 def stream(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens: int, key: KeyLike = 0,
            num_samples: int | None = None, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, eot_token: int | None = None, window_shift: int | None = None,
-           chunk_size: int = 16, vocab_limit: int | None = None) -> Iterator[np.ndarray]:
+           chunk_size: int = 16, vocab_limit: int | None = None, dtype: str | None = None) -> Iterator[np.ndarray]:
     """Like `generate`, but yields the new tokens (B, k) chunk by chunk as the device produces them.
 
     Each chunk is one call of the compiled loop (the cache stays on the device, donated between calls).
     The next chunk is dispatched before the current one is read, so the device keeps decoding while
     Python hands tokens to the caller. The tokens equal `generate`'s. Iteration ends after
-    `max_new_tokens` tokens or once every row has emitted `eot_token`.
+    `max_new_tokens` tokens or once every row has emitted `eot_token`. `dtype` as in `generate`.
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise UserError(f"chunk_size={chunk_size} must be a positive integer")
+    params, cfg = in_dtype(params, cfg, dtype)
     req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
                    return_logits=False, vocab_limit=vocab_limit)

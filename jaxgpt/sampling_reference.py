@@ -3,6 +3,7 @@
 The whole model runs on the current window at every step, as nanoGPT generates (but compiled): the
 reference the cached loop is tested against, and the baseline of benchmarks/bench_sample.py. It follows
 the same windowed rule, sampling strategies and noise (`fold_in(key, step)`), so equal seeds give equal tokens.
+`seq2seq_uncached` is the same for the encoder-decoder's decoding (`jaxgpt.seq2seq_decoding`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.config import ModelConfig
+from jaxgpt import seq2seq_decoding
+from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model import GPT
 from jaxgpt.sampling import KeyLike, PromptLike, SamplerSpec, finish_rows, request
+from jaxgpt.seq2seq import EncoderDecoder
 from jaxgpt.strategies import gumbel_noise
 
 Array = jax.Array
@@ -87,3 +90,45 @@ def generate_uncached(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_
     if return_logits:
         return tokens_BN, logits_BNV
     return tokens_BN
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _seq2seq_logits(params: Any, src_BS: Array, tgt_BN: Array, index: Array, *, cfg: Seq2SeqConfig) -> Array:
+    """The whole encoder-decoder on the source and a right-padded target; the logits at position `index`.
+
+    The decoder is causal, so what follows `index` cannot change them.
+    """
+    logits_BNV = EncoderDecoder(cfg).apply({"params": params}, src_BS, tgt_BN)
+    return jax.lax.dynamic_index_in_dim(logits_BNV, index, axis=1, keepdims=False)
+
+
+def seq2seq_uncached(params: Any, cfg: Seq2SeqConfig, src_BS: Array | np.ndarray, *, bos_id: int, eos_id: int,
+                     max_new_tokens: int, key: Array | None = None, temperature: float = 0.0,
+                     top_k: int | None = None, top_p: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`seq2seq_decoding.generate` computed naively: encoder and decoder rerun on the whole prefix, every step.
+
+    Returns the tokens (B, N) and the logits (B, N, V) each was chosen from (zeros once every row has finished).
+    """
+    seq2seq_decoding.check_length(cfg, max_new_tokens)
+    spec = seq2seq_decoding.sampler_spec(cfg, temperature, top_k, top_p)
+    src_BS = jnp.asarray(src_BS)
+    B, N, V = src_BS.shape[0], max_new_tokens, cfg.model.vocab_size
+    fill = seq2seq_decoding.fill_id(cfg, eos_id)
+    tgt_BN = np.full((B, N), fill, np.int32)
+    tgt_BN[:, 0] = bos_id
+    tokens_BN = np.full((B, N), fill, np.int32)
+    logits_BNV = np.zeros((B, N, V), np.float32)
+    done_B = jnp.zeros((B,), bool)
+    temperature_, top_p_ = jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p)
+    for step in range(N):
+        logits_BV = _seq2seq_logits(params, src_BS, jnp.asarray(tgt_BN), jnp.int32(step), cfg=cfg)
+        tok_B, _ = _sample_step(logits_BV, key, jnp.int32(step), done_B, temperature_, top_p_, spec=spec,
+                                banned=cfg.model.pad_id)
+        tok_B, done_B = seq2seq_decoding.finish(tok_B, done_B, eos_id, fill)
+        tokens_BN[:, step] = np.asarray(tok_B)
+        logits_BNV[:, step] = np.asarray(logits_BV)
+        if bool(jnp.all(done_B)):
+            break
+        if step + 1 < N:
+            tgt_BN[:, step + 1] = tokens_BN[:, step]
+    return tokens_BN, logits_BNV

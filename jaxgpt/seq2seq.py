@@ -25,10 +25,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.attention import CausalSelfAttention, attend, resolve_impl
+from jaxgpt.attention import Cache, CausalSelfAttention, attend, resolve_impl
 from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.errors import UserError
-from jaxgpt.layers import MLP, EinsumDense, Norm, param_init, zeros_init
+from jaxgpt.layers import MLP, EinsumDense, Norm, bias_init, param_init
 from jaxgpt.model import sinusoidal_table
 
 Array = jax.Array
@@ -70,9 +70,14 @@ class Attention(nn.Module):
                            residual=True, fans=(H * D, C), name="out")(y)
 
 
-def sublayer(cfg: ModelConfig, x_BTC: Array, f: Callable[[Array], Array], norm: Norm, deterministic: bool) -> Array:
-    """One residual sub-layer: x + drop(f(norm(x))) pre-norm (seed 000), norm(x + drop(f(x))) post-norm (seed 002)."""
-    drop = nn.Dropout(cfg.resid_dropout)
+def sublayer(cfg: ModelConfig, x_BTC: Array, f: Callable[[Array], Array], norm: Norm, deterministic: bool,
+             is_attention: bool = False) -> Array:
+    """One residual sub-layer: x + drop(f(norm(x))) pre-norm (seed 000), norm(x + drop(f(x))) post-norm (seed 002).
+
+    An attention sub-layer's output skips the dropout unless attn_resid_dropout (seed 002's Keras layers drop
+    only the feed-forward's).
+    """
+    drop = nn.Dropout(cfg.resid_dropout if cfg.attn_resid_dropout or not is_attention else 0.0)
     if cfg.norm_placement == "pre":
         return x_BTC + drop(f(norm(x_BTC)), deterministic=deterministic)
     return norm(x_BTC + drop(f(x_BTC), deterministic=deterministic))
@@ -88,7 +93,7 @@ class EncoderBlock(nn.Module):
         cfg = self.cfg
         attn, mlp = Attention(cfg, name="attn"), MLP(cfg, name="mlp")
         x_BSC = sublayer(cfg, x_BSC, lambda h: attn(h, None, visible_BSS, deterministic), Norm(cfg, name="ln_1"),
-                         deterministic)
+                         deterministic, is_attention=True)
         x_BSC = sublayer(cfg, x_BSC, lambda h: mlp(h, deterministic), Norm(cfg, name="ln_2"), deterministic)
         return nn.with_logical_constraint(x_BSC, ("batch", "length", "act_embed"))
 
@@ -104,11 +109,71 @@ class DecoderBlock(nn.Module):
         cfg = self.cfg
         attn, cross, mlp = CausalSelfAttention(cfg, name="attn"), Attention(cfg, name="cross"), MLP(cfg, name="mlp")
         x_BTC = sublayer(cfg, x_BTC, lambda h: attn(h, visible_BTT, deterministic)[0], Norm(cfg, name="ln_1"),
-                         deterministic)
+                         deterministic, is_attention=True)
         x_BTC = sublayer(cfg, x_BTC, lambda h: cross(h, memory_BSC, visible_BTS, deterministic),
-                         Norm(cfg, name="ln_2"), deterministic)
+                         Norm(cfg, name="ln_2"), deterministic, is_attention=True)
         x_BTC = sublayer(cfg, x_BTC, lambda h: mlp(h, deterministic), Norm(cfg, name="ln_3"), deterministic)
         return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed"))
+
+
+class CrossAttentionStep(nn.Module):
+    """`Attention`'s cross-attention parameters (q, kv, out), split for decoding into two calls.
+
+    `memory_kv` projects the memory into keys and values once per source; `__call__` attends new
+    queries to them. Applied to a decoder layer's `cross` parameters it computes what `Attention` does.
+    """
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
+        self.q = EinsumDense(cfg, "btc,chd->bthd", (C, H, D), ("embed", "heads", "head_dim"), ("heads", "head_dim"),
+                             fans=(C, H * D))
+        self.kv = EinsumDense(cfg, "bsc,ckhd->bskhd", (C, 2, H, D), ("embed", None, "heads", "head_dim"),
+                              (None, "heads", "head_dim"), fans=(C, H * D))
+        self.out = EinsumDense(cfg, "bthd,hdc->btc", (H, D, C), ("heads", "head_dim", "embed"), ("embed",),
+                               residual=True, fans=(H * D, C))
+
+    def memory_kv(self, memory_BSC: Array) -> tuple[Array, Array]:
+        """Head-major keys and values (B, H, S, D) of the memory."""
+        kv = self.kv(memory_BSC)
+        return kv[:, :, 0].transpose(0, 2, 1, 3), kv[:, :, 1].transpose(0, 2, 1, 3)
+
+    def __call__(self, x_BTC: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array) -> Array:
+        cfg = self.cfg
+        impl = resolve_impl(cfg.attention_impl, cfg.dtype)
+        y, axes, _ = attend(self.q(x_BTC), k_BHSD, v_BHSD, visible_BTS, impl=impl, dtype=cfg.dtype, causal=False)
+        return self.out(y if axes == "bthd" else y.transpose(0, 2, 1, 3))
+
+
+class DecoderBlockStep(nn.Module):
+    """`DecoderBlock` for generation: new tokens against a self-attention KV cache and precomputed cross K/V.
+
+    DecoderBlock's single compact `__call__` projects the memory again on every call; a decoder emitting
+    one token at a time needs that once per source (`CrossAttentionStep.memory_kv`). This module gives its
+    parts DecoderBlock's names, so it runs on a `dec_i` parameter subtree unchanged (`EncoderDecoder.decode_step`
+    binds it).
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTC: Array, cache: Cache, cache_index: Array, kv: tuple[Array, Array], visible_BTS: Array,
+                 cross_visible_BTS: Array) -> tuple[Array, Cache]:
+        cfg = self.cfg
+        attn, cross = CausalSelfAttention(cfg, name="attn"), CrossAttentionStep(cfg, name="cross")
+        mlp = MLP(cfg, name="mlp")
+        written = {}
+
+        def self_attention(h_BTC: Array) -> Array:
+            y_BTC, written["cache"] = attn(h_BTC, visible_BTS, True, cache, cache_index)
+            return y_BTC
+
+        x_BTC = sublayer(cfg, x_BTC, self_attention, Norm(cfg, name="ln_1"), True)
+        x_BTC = sublayer(cfg, x_BTC, lambda h: cross(h, *kv, cross_visible_BTS), Norm(cfg, name="ln_2"), True)
+        x_BTC = sublayer(cfg, x_BTC, lambda h: mlp(h, True), Norm(cfg, name="ln_3"), True)
+        return x_BTC, written["cache"]
 
 
 class EncoderDecoder(nn.Module):
@@ -123,13 +188,13 @@ class EncoderDecoder(nn.Module):
 
     def setup(self) -> None:
         cfg, mc = self.cfg, self.cfg.model
-        embed = lambda rows, names: nn.Embed(rows, mc.n_embd, dtype=mc.dtype, param_dtype=mc.param_dtype,
-                                             embedding_init=param_init(mc, names))
-        self.wte = embed(mc.vocab_size, ("vocab", "embed"))
-        self.src_wte = self.wte if cfg.share_embeddings else embed(cfg.src_vocab_size, ("vocab", "embed"))
+        embed = lambda rows, names, role: nn.Embed(rows, mc.n_embd, dtype=mc.dtype, param_dtype=mc.param_dtype,
+                                                   embedding_init=param_init(mc, names, role=role))
+        self.wte = embed(mc.vocab_size, ("vocab", "embed"), "token")
+        self.src_wte = self.wte if cfg.share_embeddings else embed(cfg.src_vocab_size, ("vocab", "embed"), "token")
         if mc.position == "learned":
-            self.wpe = embed(mc.block_size, ("position", "embed"))
-            self.src_wpe = embed(cfg.src_block_size, ("position", "embed"))
+            self.wpe = embed(mc.block_size, ("position", "embed"), "position")
+            self.src_wpe = embed(cfg.src_block_size, ("position", "embed"), "position")
         self.drop = nn.Dropout(mc.embd_dropout)
         self.encoder = [EncoderBlock(mc, name=f"enc_{i}") for i in range(cfg.n_encoder_layer)]
         self.decoder = [DecoderBlock(mc, name=f"dec_{i}") for i in range(mc.n_layer)]
@@ -137,25 +202,30 @@ class EncoderDecoder(nn.Module):
             self.enc_ln_f, self.ln_f = Norm(mc), Norm(mc)
         if not mc.tie_embeddings:
             self.lm_head = nn.Dense(mc.vocab_size, use_bias=mc.use_bias, dtype=mc.dtype, param_dtype=mc.param_dtype,
-                                    kernel_init=param_init(mc, ("embed", "vocab")), bias_init=zeros_init(("vocab",)))
+                                    kernel_init=param_init(mc, ("embed", "vocab"), role="head"),
+                                    bias_init=bias_init(mc, ("vocab",), mc.n_embd))
 
     def _embed(self, table: nn.Embed, positions: nn.Embed | None, idx_BT: Array, limit: int,
                deterministic: bool) -> Array:
-        """Token embeddings (times sqrt(C) with scale_embeddings) plus positions 0..T-1, then dropout."""
+        """Token embeddings (times sqrt(C) with scale_embeddings) plus positions 0..T-1; dropout on the sum, or
+        on the tokens alone (embd_dropout_site="tokens")."""
         mc = self.cfg.model
         T = idx_BT.shape[1]
         if limit < T:
             raise UserError(f"a sequence of {T} tokens is longer than the model's {limit}: raise block_size "
                             "(targets) or src_block_size (sources)")
+        tokens_only = mc.embd_dropout_site == "tokens"
         x_BTC = table(idx_BT)
         if mc.scale_embeddings:
             x_BTC = x_BTC * math.sqrt(mc.n_embd)
+        if tokens_only:
+            x_BTC = self.drop(x_BTC, deterministic=deterministic)
         if positions is not None:
             x_BTC = x_BTC + positions(jnp.arange(T))[None]
         elif mc.position != "none":
             x_BTC = x_BTC + jnp.asarray(sinusoidal_table(T, mc.n_embd, mc.position), mc.dtype)[None]
         x_BTC = nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed"))
-        return self.drop(x_BTC, deterministic=deterministic)
+        return x_BTC if tokens_only else self.drop(x_BTC, deterministic=deterministic)
 
     def _real(self, idx_BT: Array, mask_BT: Array | None) -> Array:
         """True at real tokens: not the pad id, and not masked out by `mask_BT` (True = real)."""
@@ -199,6 +269,46 @@ class EncoderDecoder(nn.Module):
                  tgt_mask_BT: Array | None = None, deterministic: bool = True) -> Array:
         memory_BSC = self.encode(src_BS, src_mask_BS, deterministic)
         return self.decode(tgt_BT, memory_BSC, self.source_mask(src_BS, src_mask_BS), tgt_mask_BT, deterministic)
+
+
+    def memory_kv(self, memory_BSC: Array) -> list[tuple[Array, Array]]:
+        """Every decoder layer's cross-attention keys and values (B, H, S, D): all decoding needs of the memory."""
+        params = self.variables["params"]
+        return [CrossAttentionStep(self.cfg.model, parent=None).bind({"params": params[f"dec_{i}"]["cross"]})
+                .memory_kv(memory_BSC) for i in range(self.cfg.model.n_layer)]
+
+    def decode_step(self, tgt_BT: Array, cache: list[Cache], cache_index: Array, memory_kv: list[tuple[Array, Array]],
+                    src_mask_BS: Array) -> tuple[Array, list[Cache]]:
+        """Logits (B, T, V) of T new target tokens at positions cache_index.., and the updated cache.
+
+        `decode` for generation, as `GPT.decode` is for the GPT: earlier tokens' self-attention keys and
+        values come from `cache` (`attention.init_cache(cfg.model, B, length)`; slots past the new tokens
+        are never visible), the cross-attention's from `memory_kv`. Targets are never padding here.
+        """
+        mc = self.cfg.model
+        B, T = tgt_BT.shape
+        q_pos_T = cache_index + jnp.arange(T)
+        visible_1TS = (jnp.arange(cache[0]["k"].shape[-2])[None, :] <= q_pos_T[:, None])[None]
+        cross_visible_BTS = jnp.broadcast_to(src_mask_BS.astype(bool)[:, None, :], (B, T, src_mask_BS.shape[1]))
+        x_BTC = self.wte(tgt_BT)
+        if mc.scale_embeddings:
+            x_BTC = x_BTC * math.sqrt(mc.n_embd)
+        if mc.position == "learned":
+            x_BTC = x_BTC + self.wpe(q_pos_T)[None]
+        elif mc.position != "none":
+            table_LC = jnp.asarray(sinusoidal_table(mc.block_size, mc.n_embd, mc.position), mc.dtype)
+            x_BTC = x_BTC + table_LC[q_pos_T][None]
+        new_cache = []
+        for i, kv in enumerate(memory_kv):
+            x_BTC, layer_cache = self._step_block(i)(x_BTC, cache[i], cache_index, kv, visible_1TS, cross_visible_BTS)
+            new_cache.append(layer_cache)
+        h_BTC = self.ln_f(x_BTC) if mc.final_norm else x_BTC
+        logits_BTV = self.wte.attend(h_BTC) if mc.tie_embeddings else self.lm_head(h_BTC)
+        return logits_BTV.astype(jnp.float32), new_cache
+
+    def _step_block(self, i: int) -> DecoderBlockStep:
+        """Decoder layer i's parameters in their decoding form (a module created outside `setup`, bound to them)."""
+        return DecoderBlockStep(self.cfg.model, parent=None).bind({"params": self.variables["params"][f"dec_{i}"]})
 
 
 def dummy_batch(cfg: Seq2SeqConfig) -> tuple[Array, Array]:

@@ -7,15 +7,18 @@ from collections.abc import Mapping
 
 from flax import traverse_util
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model import abstract_variables
 
 
-def param_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Flat {path: shape} of a model's parameters, without allocating them."""
+def param_shapes(cfg: ModelConfig | Seq2SeqConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Flat {path: shape} of a GPT's or an encoder-decoder's parameters, without allocating them."""
     from flax import linen as nn
 
-    abstract = nn.unbox(abstract_variables(cfg)["params"])
+    from jaxgpt import seq2seq
+
+    variables = seq2seq.abstract_variables(cfg) if isinstance(cfg, Seq2SeqConfig) else abstract_variables(cfg)
+    abstract = nn.unbox(variables["params"])
     return {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(abstract).items()}
 
 
@@ -23,7 +26,7 @@ def count_params(shapes: Mapping[tuple[str, ...], tuple[int, ...]]) -> int:
     return sum(math.prod(s) for s in shapes.values())
 
 
-def summary(cfg: ModelConfig, depth: int = 2) -> str:
+def summary(cfg: ModelConfig | Seq2SeqConfig, depth: int = 2) -> str:
     """A table of modules (grouped to `depth` path components) with parameter shapes and counts."""
     shapes = param_shapes(cfg)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}

@@ -1,4 +1,4 @@
-"""Tokenizers behind one small interface: a character vocabulary and the GPT-2 byte-level BPE.
+"""Tokenizers behind one small interface: a character vocabulary, the GPT-2 byte-level BPE, and words.
 
 A tokenizer is fully described by `to_meta()`, a JSON-able dict stored next to datasets and
 checkpoints, so that sampling from a checkpoint always uses the ids the model was trained on.
@@ -13,8 +13,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ class Tokenizer(ABC):
     name: str
     vocab_size: int
     eot_token: int | None
+    unk_token: int | None = None  # the id of text outside the vocabulary (None: every text it accepts is exact)
 
     @abstractmethod
     def encode_array(self, text: str) -> np.ndarray:
@@ -59,11 +62,16 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids`; `decode(encode(text)) == text` for every text `encode` accepts."""
+        """The text of `ids`; `decode(encode(text)) == text` for every text `encode` accepts, except that word
+        tokens give back the standardized text (see `WordTokenizer`)."""
 
     @abstractmethod
     def to_meta(self) -> dict[str, Any]:
         """A JSON-able description from which `tokenizer_from_meta` rebuilds an identical tokenizer."""
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The distinct pieces of `text` that `encode` turns into `unk_token` (a prompt must have none)."""
+        return []
 
 
 class CharTokenizer(Tokenizer):
@@ -153,6 +161,100 @@ class BPETokenizer(Tokenizer):
         return [self._encoding.decode_single_token_bytes(rank) for rank in range(self.eot_token)]
 
 
+# Word tokens (seed 004). Two special tokens come first; their literal text in a string is that token, the
+# way BPE reads "<|endoftext|>", so decoded text encodes back to the same ids.
+WORD_PAD, WORD_PAD_ID = "[PAD]", 0  # padding, and the end-of-text token between documents
+WORD_UNK, WORD_UNK_ID = "[UNK]", 1  # every word outside the vocabulary
+WORD_SPECIALS = (WORD_PAD, WORD_UNK)
+# Python's string.punctuation (the ASCII punctuation characters, written as ranges both Python's and the exported
+# tokenizer's regex engines read alike): each is a token of its own, as seed 004 pads them.
+WORD_PUNCTUATION = r"[!-/:-@\[-`{-~]"
+# Unicode's White_Space set (what Rust's char::is_whitespace and so the exported tokenizer split on); Python's
+# `\s` would also split on U+001C..U+001F, which the exported tokenizer keeps inside words.
+_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_WORD_PIECE = re.compile(f"{WORD_PUNCTUATION}|[^{_WHITESPACE}{WORD_PUNCTUATION[1:-1]}]+")
+_SPECIAL_SPLIT = re.compile("(" + "|".join(map(re.escape, WORD_SPECIALS)) + ")")
+
+
+def standardize(text: str) -> list[str]:
+    """Seed 004's words: lower-cased text split at whitespace, each punctuation character a word of its own.
+
+    Nothing but whitespace is dropped. Capital sigma is lowered on its own first: `str.lower` writes a final
+    sigma at the end of a word, while the exported tokenizer lowers character by character.
+    """
+    return _WORD_PIECE.findall(text.replace("\u03a3", "\u03c3").lower())
+
+
+def _word_tokens(text: str) -> list[str]:
+    """The token strings of `text`: standardized words, and the special tokens where their literal text is."""
+    tokens: list[str] = []
+    for i, piece in enumerate(_SPECIAL_SPLIT.split(text)):
+        tokens += [piece] if i % 2 else standardize(piece)
+    return tokens
+
+
+class WordTokenizer(Tokenizer):
+    """Seed 004's word-level tokens: id 0 is [PAD] (also the end-of-text token), 1 is [UNK], 2.. are words.
+
+    Encoding is `standardize` (lower case, punctuation split off) followed by a vocabulary lookup, and words
+    outside the vocabulary become [UNK]. Decoding joins the tokens with single spaces, so it gives back the
+    standardized text, not the original: case, and the spacing around punctuation and between words, are
+    lost, exactly as in the article. What does hold: `encode(decode(ids)) == ids` for every `ids` that
+    `encode` returns, and `decode(encode(text))` is `" ".join(standardize(text))` when every word is known
+    (and the text does not spell out a special token).
+    """
+
+    def __init__(self, words: Sequence[str]) -> None:
+        """`words`: the vocabulary after the two special tokens (token id = position + 2), each a standardized
+        word."""
+        words = list(words)
+        bad = [w for w in words if not isinstance(w, str) or w in WORD_SPECIALS or standardize(w) != [w]]
+        if not words or bad or len(set(words)) != len(words):
+            raise UserError(
+                f"word vocabulary is empty, has duplicates or entries that are not single standardized words "
+                f"({bad[:3]}; corrupt meta.json?): re-run data preparation"
+            )
+        self.name = "word"
+        self.words = words
+        self.tokens = [*WORD_SPECIALS, *words]
+        self.vocab_size = len(self.tokens)
+        self.eot_token = WORD_PAD_ID
+        self.unk_token = WORD_UNK_ID
+        self._ids = {token: i for i, token in enumerate(self.tokens)}
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], vocab_size: int) -> WordTokenizer:
+        """The `vocab_size - 2` most frequent words of `texts` (ties: in code-point order, so the same texts
+        always give the same ids) after the two special tokens; fewer when the texts have fewer words."""
+        if vocab_size < len(WORD_SPECIALS) + 1:
+            raise UserError(f"word vocabulary size {vocab_size} leaves no room for words after {WORD_PAD} and "
+                            f"{WORD_UNK}: use at least 3 (seed 004 uses 10000)")
+        counts: Counter[str] = Counter()
+        for text in texts:
+            counts.update(t for t in _word_tokens(text) if t not in WORD_SPECIALS)
+        if not counts:
+            raise UserError("the text has no words to build a word vocabulary from: give non-empty text")
+        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        return cls([word for word, _ in ranked[: vocab_size - len(WORD_SPECIALS)]])
+
+    def encode_array(self, text: str) -> np.ndarray:
+        ids = self._ids
+        return np.array([ids.get(t, WORD_UNK_ID) for t in _word_tokens(text)], dtype=np.int64)
+
+    def unknown_words(self, text: str) -> list[str]:
+        return list(dict.fromkeys(t for t in _word_tokens(text) if t not in self._ids))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Out-of-range ids are a bug (e.g. a model with the wrong vocab size), so they raise."""
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {self.vocab_size})")
+        return " ".join(self.tokens[i] for i in ids)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"type": "word", "words": list(self.words), "vocab_size": self.vocab_size}
+
+
 def read_bpe_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
     """Read and sha256-check a `.tiktoken` ranks file (lines of `base64(token) rank`).
 
@@ -226,6 +328,8 @@ def tokenizer_from_meta(meta: dict[str, Any], bpe_file: str | os.PathLike[str] |
     kind = meta.get("type")
     if kind == "char" and isinstance(meta.get("chars"), str):
         return CharTokenizer(meta["chars"])
+    if kind == "word" and isinstance(meta.get("words"), list):
+        return WordTokenizer(meta["words"])
     if kind == "bpe":
         return load_bpe(meta.get("encoding", ""), bpe_file)
     raise UserError(

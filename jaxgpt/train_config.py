@@ -20,7 +20,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.optim import OptimConfig
 from jaxgpt.presets import get_preset
 
-TASKS = ("lm", "classify")
+TASKS = ("lm", "classify", "seq2seq")
 # Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
 _UNSET_TYPES = {"head_dim": int, "d_ff": int, "pad_id": int, "vocab_size": int}
 
@@ -39,7 +39,8 @@ def model_fields(cfg: ModelConfig, **changes: object) -> ConfigDict:
 
 def base_config() -> ConfigDict:
     c = ConfigDict()
-    c.task = "lm"  # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify)
+    c.task = "lm"  # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify);
+    # "seq2seq": the encoder-decoder on source/target pairs (c.seq2seq; model.n_layer is the decoder's layers)
     c.workdir = ""  # where checkpoints, logs and the resolved config go (required)
     c.seed = 0  # data order, init and dropout all derive from it
     c.model = model_fields(get_preset("gpt2"), vocab_size=None)  # vocab_size None: the dataset's
@@ -49,6 +50,7 @@ def base_config() -> ConfigDict:
     c.data.name = "stdlib_char"  # a built-in dataset, prepared into data.dir on first use ("" = custom)
     c.data.dir = "data/stdlib_char"  # a prepared dataset (jaxgpt data ...)
     c.data.bpe_file = ""  # GPT-2 ranks file for BPE tokenizers when offline (or env JAXGPT_BPE_FILE)
+    c.data.csv = ""  # wine_reviews: Kaggle's winemag-data-130k-v2.csv (a login is needed to download it)
 
     c.classify = ConfigDict()  # task "classify": the model, tokenizer and body weights come from init_from
     c.classify.data = "stdlib_packages"  # a built-in task name, or a .csv / .jsonl file of (text, label)
@@ -58,6 +60,18 @@ def base_config() -> ConfigDict:
     c.classify.lm_weight = 0.5  # weight of the auxiliary language-model loss (GPT-1: 0.5)
     c.classify.cls_dropout = 0.1  # dropout on the hidden state before the classification head
 
+    c.seq2seq = ConfigDict()  # task "seq2seq": jaxgpt/tasks/seq2seq.py
+    c.seq2seq.data = "copy"  # built-in "copy", "reverse", "stdlib_identifiers", or a .tsv/.txt/.jsonl file of pairs
+    c.seq2seq.val_fraction = 0.05  # pairs held out (by a hash of the source) for loss, accuracy and exact match
+    c.seq2seq.tokenizer = "char"  # one text tokenizer for sources and targets: "char" or "word"
+    c.seq2seq.word_vocab = 10000  # tokenizer "word": vocabulary size incl. [PAD] and [UNK]
+    c.seq2seq.examples = 20000  # "copy" / "reverse": random strings generated (train + held-out)
+    c.seq2seq.symbols = 10  # "copy" / "reverse": alphabet size
+    c.seq2seq.length = 10  # "copy" / "reverse": longest string (lengths are uniform in [1, length])
+    c.seq2seq.n_encoder_layer = 2
+    c.seq2seq.share_embeddings = True  # one token table for sources and targets (they share the tokenizer)
+
+    c.label_smoothing = 0.0  # lm and seq2seq: targets smoothed toward uniform (optax.smooth_labels; 0.1 in the paper)
     c.loss_chunk = 0  # language modelling: positions per chunk of the cross-entropy (0: all logits at once)
     c.batch_size = 32  # global sequences per optimizer step, summed over micro-batches and hosts
     c.grad_accum = 1  # micro-batches per step (batch_size / grad_accum sequences each)
@@ -129,6 +143,7 @@ class DataConfig:
     name: str  # a built-in dataset prepared into `dir` on first use, or "" for a dataset prepared by hand
     dir: str
     bpe_file: str
+    csv: str = ""  # wine_reviews: the path of Kaggle's CSV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +154,19 @@ class ClassifyConfig:
     cls_token: str
     lm_weight: float
     cls_dropout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqTaskConfig:
+    data: str
+    val_fraction: float
+    tokenizer: str
+    word_vocab: int
+    examples: int
+    symbols: int
+    length: int
+    n_encoder_layer: int
+    share_embeddings: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +211,7 @@ class TrainConfig:
     optim: OptimConfig
     data: DataConfig
     classify: ClassifyConfig
+    seq2seq: Seq2SeqTaskConfig
     runtime: RuntimeConfig
     sample: SampleConfig
     batch_size: int
@@ -200,6 +229,7 @@ class TrainConfig:
     wandb_project: str = ""  # non-empty: also log to Weights & Biases
     wandb_name: str = ""
     loss_chunk: int = 0  # language modelling: positions per cross-entropy chunk (0: dense)
+    label_smoothing: float = 0.0  # weight of the uniform distribution in the targets (lm, seq2seq)
 
     def with_model(self, model: ModelConfig) -> TrainConfig:
         return dataclasses.replace(self, model=model, vocab_from_data=False)
@@ -270,6 +300,18 @@ def from_config_dict(c: ConfigDict) -> TrainConfig:
         raise UserError(f"config.classify.cls_dropout={k.cls_dropout} must be in [0, 1)")
     if k.max_len is not None and k.max_len < 2:
         raise UserError(f"config.classify.max_len={k.max_len} must be >= 2 (a text token and the class token)")
+    if not 0.0 <= c.label_smoothing < 1.0:
+        raise UserError(f"config.label_smoothing={c.label_smoothing} must be in [0, 1) (the paper's is 0.1)")
+    if c.label_smoothing and c.task == "classify":
+        raise UserError("config.label_smoothing applies to tasks lm and seq2seq: set it to 0 for classify")
+    if c.label_smoothing and c.loss_chunk:
+        raise UserError("config.label_smoothing needs the dense loss: set config.loss_chunk=0")
+    s = c.seq2seq
+    if not 0.0 < s.val_fraction < 1.0:
+        raise UserError(f"config.seq2seq.val_fraction={s.val_fraction} must be between 0 and 1 (exclusive), e.g. 0.05")
+    for key in ("word_vocab", "examples", "symbols", "length", "n_encoder_layer"):
+        if s[key] < 1:
+            raise UserError(f"config.seq2seq.{key}={s[key]} must be >= 1")
     model = dict(c.model.to_dict())
     vocab_from_data = model["vocab_size"] is None
     if vocab_from_data:
@@ -281,6 +323,7 @@ def from_config_dict(c: ConfigDict) -> TrainConfig:
         task=c.task, workdir=c.workdir, seed=c.seed, model=model_config_from_dict(model),
         vocab_from_data=vocab_from_data, init_from=c.init_from, optim=_typed(OptimConfig, optim, "optimizer"),
         data=DataConfig(**c.data.to_dict()), classify=ClassifyConfig(**k.to_dict()),
+        seq2seq=Seq2SeqTaskConfig(**s.to_dict()), label_smoothing=c.label_smoothing,
         runtime=RuntimeConfig(mesh=(c.mesh.data, c.mesh.fsdp, c.mesh.tensor), cpu_devices=c.cpu_devices,
                               compilation_cache_dir=c.compilation_cache_dir,
                               distributed=DistributedConfig(**c.distributed.to_dict())),

@@ -2,7 +2,9 @@
 
 Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`, plots, export):
 
-* `workdir:PATH`: a jaxgpt run's latest (or best) checkpoint; its meta names the model and tokenizer.
+* `workdir:PATH`: a jaxgpt run's latest (or best) checkpoint; its meta names the model and tokenizer. An
+  encoder-decoder run (task seq2seq) gives a `Seq2SeqConfig`: it samples (`jaxgpt.seq2seq_decoding`) but
+  never initializes a GPT.
 * `hf:PATH`: a Hugging Face GPT-2 directory (`save_pretrained` layout, `jaxgpt.hf`), or `hf:OWNER/NAME`, a
   Hub repository (e.g. hf:openai-community/gpt2) fetched into huggingface_hub's cache when online.
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.presets`): the pipeline without training.
@@ -27,7 +29,7 @@ from typing import Any
 import jax
 
 from jaxgpt.checkpoint import open_checkpoint
-from jaxgpt.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
+from jaxgpt.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.errors import UserError
 from jaxgpt.model import init_params, stack_layers, unstack_layers
 from jaxgpt.presets import get_preset
@@ -46,7 +48,7 @@ class Weights:
     """Loaded weights: plain (unboxed) parameters on the default device, and what they mean."""
 
     params: Any
-    model: ModelConfig
+    model: ModelConfig | Seq2SeqConfig  # an encoder-decoder for a seq2seq run's checkpoint
     tokenizer_meta: dict[str, Any] | None  # `Tokenizer.to_meta()`, or None when no tokenizer is known
     meta: dict[str, Any]  # the checkpoint's meta for workdir: sources; {} otherwise
     description: str
@@ -56,6 +58,23 @@ class Weights:
             raise UserError(f"{self.description} has a {self.model.vocab_size}-token vocabulary and no tokenizer: "
                             f"jaxgpt knows GPT-2's ({GPT2_VOCAB_SIZE} tokens) and those saved with jaxgpt runs")
         return tokenizer_from_meta(self.tokenizer_meta, bpe_file)
+
+
+def _model_from_meta(meta: dict[str, Any]) -> ModelConfig | Seq2SeqConfig:
+    """A checkpoint's model: an encoder-decoder when its meta has the seq2seq task's specials ("seq2seq"),
+    whose flat model dict is `Seq2SeqConfig.to_dict()`; a GPT otherwise."""
+    values = dict(meta["model"])
+    if "seq2seq" not in meta:
+        return model_config_from_dict(values)
+    own = {name: values.pop(name) for name in SEQ2SEQ_FIELDS}
+    return Seq2SeqConfig(model_config_from_dict(values), **own)
+
+
+def _refuse_encoder_decoder(source: str, cfg: ModelConfig | Seq2SeqConfig) -> ModelConfig:
+    if isinstance(cfg, Seq2SeqConfig):
+        raise UserError(f"{source} holds an encoder-decoder (a task seq2seq run), not a GPT: it cannot initialize "
+                        "a GPT; pass a language model run or GPT-2 weights")
+    return cfg
 
 
 def _vocabulary_tokenizer(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -100,13 +119,13 @@ def _hf_tokenizer(root: Path, cfg: ModelConfig) -> dict[str, Any] | None:
     return read_tokenizer_meta(root) if has_hf_tokenizer(root) else _vocabulary_tokenizer(cfg)
 
 
-def describe(source: str, which: str = "latest") -> tuple[ModelConfig, dict[str, Any] | None]:
+def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqConfig, dict[str, Any] | None]:
     """The model config and tokenizer meta of `source`, without reading its tensors (cheap, also on resume)."""
     kind, _, arg = source.partition(":")
     if kind == "workdir" and arg and Path(arg).is_dir():
         ckpt, _, meta = open_checkpoint(arg, which, f"train a model in {arg} first or pass the right work directory")
         ckpt.close()
-        return model_config_from_dict(meta["model"]), meta.get("tokenizer")
+        return _model_from_meta(meta), meta.get("tokenizer")
     if kind == "hf" and arg:
         from jaxgpt.hf import CONFIG_FILE, hf_config_to_model_config, read_hf_config
 
@@ -135,7 +154,7 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
             params = ckpt.restore_params(step)
         finally:
             ckpt.close()
-        return Weights(params, model_config_from_dict(meta["model"]), meta.get("tokenizer"), meta,
+        return Weights(params, _model_from_meta(meta), meta.get("tokenizer"), meta,
                        f"{Path(arg).name} ({which}, step {step})")
     if kind == "hf" and arg:
         from jaxgpt.hf import load_hf_gpt2, read_hf_config
@@ -177,6 +196,7 @@ def fit_architecture(source: str, cfg: ModelConfig, defaults: Mapping[str, Any],
     the weights' context (the position table is cropped: fine-tuning on short contexts is much cheaper).
     """
     have, tokenizer_meta = describe(source)
+    have = _refuse_encoder_decoder(source, have)
     conflicts = [f"model.{name}={getattr(cfg, name)!r} (weights: {theirs!r})"
                  for name, theirs in have.to_dict().items()
                  if _differs(name, getattr(cfg, name), theirs)
@@ -203,6 +223,7 @@ def load_for(source: str, cfg: ModelConfig) -> Weights:
     scanned and listed layers are converted. A classifier's head is dropped.
     """
     weights = load(source, block_size=cfg.block_size if source.startswith("hf:") else None)
+    _refuse_encoder_decoder(source, weights.model)
     want, have = cfg.to_dict(), weights.model.to_dict()
     diff = sorted(k for k in want if _differs(k, want[k], have[k]))
     if diff:

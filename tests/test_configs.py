@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxgpt.config import Seq2SeqConfig
 from jaxgpt.model import GPT
+from jaxgpt.seq2seq import EncoderDecoder
 from jaxgpt.train_config import from_config_dict
 
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.py")
@@ -28,5 +30,10 @@ def test_config_resolves_and_builds(path: Path) -> None:
                                                else 100))
     assert cfg.workdir and cfg.optim.decay_steps >= cfg.optim.warmup_steps
     idx = jnp.zeros((1, 4), jnp.int32)
-    shapes = jax.eval_shape(GPT(cfg.model).init, jax.random.key(0), idx)
+    if cfg.task == "seq2seq":  # the encoder-decoder's sizes besides the model's come from config.seq2seq
+        model = EncoderDecoder(Seq2SeqConfig(cfg.model.replace(pad_id=0), n_encoder_layer=cfg.seq2seq.n_encoder_layer,
+                                             share_embeddings=cfg.seq2seq.share_embeddings))
+        shapes = jax.eval_shape(model.init, jax.random.key(0), idx, idx)
+    else:
+        shapes = jax.eval_shape(GPT(cfg.model).init, jax.random.key(0), idx)
     assert shapes["params"]

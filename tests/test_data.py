@@ -11,8 +11,9 @@ import tiktoken
 
 from jaxgpt import data, datasets
 from jaxgpt import tokenizer as tok
+from jaxgpt.batches import batch_for_step, eval_batches
 from jaxgpt.commands import data as data_command
-from jaxgpt.data import batch_for_step, eval_batches, load_dataset, prepare_text
+from jaxgpt.data import load_dataset, prepare_text
 from jaxgpt.datasets import prepare_builtin
 from jaxgpt.errors import UserError
 from jaxgpt.tokenizer import CharTokenizer, Tokenizer, load_bpe

@@ -168,7 +168,7 @@ def test_xavier_init_bounds_are_per_projection() -> None:
     qkv = params["h_0"]["attn"]["qkv"]["kernel"]  # three (C, H*D) projections
     bound = np.sqrt(6.0 / (cfg.n_embd + cfg.n_head * cfg.head_dim))
     assert np.abs(qkv).max() <= bound and np.abs(qkv).max() > 0.9 * bound
-    assert np.all(params["h_0"]["attn"]["qkv"]["bias"] == 0)
+    assert np.all(init_params(cfg.replace(init="xavier"), jax.random.key(0))["h_0"]["attn"]["qkv"]["bias"] == 0)
 
 
 def test_gpt2_init_scales_residual_projections() -> None:

@@ -1,4 +1,4 @@
-"""Training curves, attention heatmaps and the parameter-summary command."""
+"""Training curves, attention heatmaps, position codes and the parameter-summary command."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
-from jaxgpt import plots, weights
+from jaxgpt import plots, seq2seq, weights
 from jaxgpt.commands import plots as plots_command
 from jaxgpt.commands import summary as summary_command
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.model import init_params, stack_layers
+from jaxgpt.model import init_params, sinusoidal_table, stack_layers
+from jaxgpt.presets import PRESETS, SEQ2SEQ_PRESETS
 from jaxgpt.tokenizer import CharTokenizer
 
 CHARS = "".join(sorted(set(" .,?HTabcdefghiklmnorstuwy\n")))
@@ -113,6 +114,99 @@ def test_attention_cli(params, tmp_path, monkeypatch, capsys):
     assert "layers 0..1" in capsys.readouterr().err
 
 
+SMALL = dict(n_layer=2, n_embd=32, n_head=2, head_dim=16, d_ff=64, block_size=16)
+ENCDEC = SEQ2SEQ_PRESETS["seed002-encdec"].replace(**SMALL, vocab_size=40, n_encoder_layer=3, src_vocab_size=None,
+                                                   src_block_size=None)
+
+
+def test_seq2seq_attention_maps_are_the_sown_weights():
+    """Encoder rows over the real source, causal decoder rows, cross rows over the real source: exactly the weights
+    each module sows, whatever attention path the config names."""
+    params = seq2seq.init_params(ENCDEC, jax.random.key(0))
+    params = jax.tree.map(lambda a: a * 4 if a.ndim > 1 else a, params)  # peaked, so the maps differ visibly
+    src, tgt = [5, 6, 0, 7, 8], [1, 5, 6, 9]  # source token 0 is padding (seed 002's mask_zero)
+    maps = plots.seq2seq_attention_maps(params, ENCDEC.replace(attention_impl="xla", attn_dropout=0.0), src, tgt)
+    L, H = ENCDEC.model.n_layer, ENCDEC.model.n_head
+    assert maps["encoder"].shape == (3, H, 5, 5) and maps["decoder"].shape == (L, H, 4, 4)
+    assert maps["cross"].shape == (L, H, 4, 5)
+    sown = jax.jit(lambda p, s, t: seq2seq.EncoderDecoder(ENCDEC).apply({"params": p}, s, t,
+                                                                        mutable=["intermediates"])[1])
+    inter = sown(params, np.array([src]), np.array([tgt]))["intermediates"]
+    for i in range(L):
+        np.testing.assert_allclose(maps["decoder"][i], inter[f"dec_{i}"]["attn"]["attn_weights"][0][0], atol=1e-5)
+        np.testing.assert_allclose(maps["cross"][i], inter[f"dec_{i}"]["cross"]["attn_weights"][0][0], atol=1e-5)
+    np.testing.assert_allclose(maps["encoder"][2], inter["enc_2"]["attn"]["attn_weights"][0][0], atol=1e-5)
+    for kind in ("encoder", "decoder", "cross"):
+        np.testing.assert_allclose(maps[kind].sum(-1), 1.0, atol=1e-5)
+    assert np.all(maps["cross"][..., 2] == 0) and np.all(maps["encoder"][..., [0, 1, 3, 4], 2] == 0)
+    assert np.all(maps["decoder"][..., np.triu_indices(4, k=1)[0], np.triu_indices(4, k=1)[1]] == 0)
+    assert maps["cross"].std() > 0.01
+    with pytest.raises(UserError, match="the target has 17 tokens"):
+        plots.seq2seq_attention_maps(params, ENCDEC, src, [1] * 17)
+
+
+def test_attention_cli_on_untrained_presets(tmp_path, monkeypatch, capsys):
+    """--preset: a GPT preset through weights.load("preset:..."), an encoder-decoder preset with its three kinds
+    of attention (shrunk here: the full sizes take a while to initialize on a CPU)."""
+    monkeypatch.setitem(PRESETS, "seed002", PRESETS["seed002"].replace(**SMALL, vocab_size=64))
+    monkeypatch.setitem(SEQ2SEQ_PRESETS, "seed002-encdec", ENCDEC)
+    out = tmp_path / "gpt.png"
+    argv = ["jaxgpt plots", "attention", "--preset", "seed002", "--ids", "3,4,0,5,6", "--layer", "1", "--out"]
+    assert plots_command.main([*argv, str(out)]) == 0
+    assert "2 heads of layer 1, 5 tokens" in capsys.readouterr().out
+    assert_png(out)
+    out = tmp_path / "encdec.png"
+    argv = ["jaxgpt plots", "attention", "--preset", "seed002-encdec", "--ids", "5,6,0,7", "--layer", "-1"]
+    assert plots_command.main([*argv, "--target_ids", "1,5,6", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "encoder, decoder and cross-attention of layer 1, 2 heads each; 4 source, 3 target" in said
+    assert_png(out)
+    assert plots_command.main([*argv[:3], "seed9", "--ids", "1", "--layer", "0", "--out", str(out)]) == 2
+    assert "unknown preset 'seed9'" in capsys.readouterr().err
+    assert plots_command.main(["jaxgpt plots", "attention", "--preset", "seed002", "--ids", "1", "--target_ids", "2",
+                               "--layer", "0", "--out", str(out)]) == 2
+    assert "this model is a GPT" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sinusoidal position codes
+
+
+@pytest.mark.parametrize("layout", plots.LAYOUTS)
+def test_position_panels_are_the_models_tables(layout):
+    (kind, table, columns), = plots.position_panels(50, 16, [layout], frequencies=[0, 3])
+    assert kind == layout
+    np.testing.assert_array_equal(table, sinusoidal_table(50, 16, layout))
+    pos = np.arange(50)
+    for (sin_label, sin), (cos_label, cos), f in zip(columns[::2], columns[1::2], [0, 3], strict=True):
+        angle = pos / 10000 ** (2 * f / 16)
+        np.testing.assert_allclose(table[:, sin], np.sin(angle), atol=1e-12)
+        np.testing.assert_allclose(table[:, cos], np.cos(angle), atol=1e-12)
+        assert sin_label.startswith("sin") and cos_label.startswith("cos")
+    default = plots.position_panels(10, 128, [layout])[0][2]  # i = width/32 and width/8
+    assert [label.split(" (")[0] for label, _ in default] == ["sin, i=4", "cos, i=4", "sin, i=16", "cos, i=16"]
+
+
+def test_position_panel_errors():
+    with pytest.raises(UserError, match="even width"):
+        plots.position_panels(10, 7)
+    with pytest.raises(UserError, match=r"frequency indices \[8\] do not exist for width 16"):
+        plots.position_panels(10, 16, frequencies=[8])
+    with pytest.raises(UserError, match="unknown position layouts"):
+        plots.position_panels(10, 16, ["learned"])
+
+
+def test_positions_png_and_cli(tmp_path, capsys):
+    out = tmp_path / "positions.png"
+    assert plots_command.main(["jaxgpt plots", "positions", "--length", "64", "--width", "32", "--out", str(out)]) == 0
+    assert "sinusoidal, sinusoidal_concat: 64 positions x 32 dimensions" in capsys.readouterr().out
+    assert_png(out)
+    argv = ["jaxgpt plots", "positions", "--width", "32", "--frequencies", "1,16", "--out", str(out)]
+    assert plots_command.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "choose from 0..15" in err and err.count("\n") == 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Training curves
 
@@ -200,3 +294,10 @@ def test_summary_module_entry_point():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip().endswith("354,823,168")
+
+
+def test_summary_command_knows_encoder_decoder_presets(capsys):
+    assert summary_command.main(["jaxgpt summary", "--preset", "seed002-encdec"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("179,600,384")  # seed 002's Keras summary: 64,067,584 + 114,482,176 + 1,050,624
+    assert "enc_5/attn" in out and "dec_5/cross" in out

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_reference as ref
+import optax
 import pytest
 
 from jaxgpt import sampling, strategies, weights
@@ -314,6 +315,17 @@ def test_cli_streams_one_sample_equal_to_the_library(char_workdir: Path, capsys)
     assert out == "hello" + tok.decode(want[0].tolist()) + "\n"
 
 
+def test_cli_dtype_bfloat16_decodes_with_the_library_in_bfloat16(char_workdir: Path, capsys) -> None:
+    code, out, err = run_cli(["--workdir", str(char_workdir), "--prompt", "hello", "--temperature", "0",
+                              "--max_new_tokens", "12", "--dtype", "bfloat16"], capsys)
+    assert code == 0, err
+    loaded = weights.load(f"workdir:{char_workdir}")
+    tok = CharTokenizer(CHARS)
+    want = generate(loaded.params, loaded.model, tok.encode("hello"), max_new_tokens=12, temperature=0,
+                    dtype="bfloat16")
+    assert out == "hello" + tok.decode(want[0].tolist()) + "\n"
+
+
 def test_cli_prints_several_samples_separated(char_workdir: Path, capsys) -> None:
     options = [f"--{k}={v}" for k, v in SAMPLED.items()]
     code, out, _ = run_cli(["--workdir", str(char_workdir), "--which", "best", "--prompt", "abcde", "--num_samples",
@@ -463,3 +475,55 @@ def test_max_new_tokens_out_of_range_is_one_line(value: str, char_workdir: Path,
     code = cli.main(["sample.py", "--workdir", str(char_workdir), "--prompt", "a", "--max_new_tokens", value])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "max_new_tokens" in err
+
+
+@functools.cache
+def trained_counter() -> tuple[dict, ModelConfig]:
+    """A tiny model trained (200 AdamW steps) on a deterministic sequence, so its argmax margins are wide.
+
+    Each token is the previous one plus the one before it, mod 13: the next token depends on two positions, so
+    attention has to work, and every prediction is certain once learned.
+    """
+    cfg = ModelConfig(vocab_size=13, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    seq = [1, 2]
+    while len(seq) < 400:
+        seq.append((seq[-1] + seq[-2]) % 13)
+    windows_NT = np.lib.stride_tricks.sliding_window_view(np.array(seq), 17)
+    params = sampling.GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    opt = optax.adamw(1e-2)
+
+    @jax.jit
+    def step(params, opt_state, batch_BT):
+        def loss(p):
+            logits = sampling.GPT(cfg).apply({"params": p}, batch_BT[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch_BT[:, 1:]).mean()
+        grads = jax.grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = opt.init(params)
+    for i in range(200):
+        params, opt_state = step(params, opt_state, jnp.asarray(windows_NT[(np.arange(16) * 23 + i * 7) % 384]))
+    return params, cfg
+
+
+def test_bfloat16_decoding_follows_float32() -> None:
+    """bf16 weights and activations: float32 logits within bf16 rounding of float32's, and the same greedy tokens."""
+    params, cfg = trained_counter()
+    prompt = np.array([[3, 5, 8], [7, 1, 8]])  # two starting pairs of the rule, one not in the training sequence
+    want, want_logits = generate(params, cfg, prompt, max_new_tokens=40, temperature=0, return_logits=True)
+    got, got_logits = generate(params, cfg, prompt, max_new_tokens=40, temperature=0, return_logits=True,
+                               dtype="bfloat16")
+    assert got_logits.dtype == np.float32
+    top2 = np.sort(want_logits, axis=-1)[..., -2:]
+    tolerance = 0.02 * np.abs(want_logits).max()  # bf16 keeps 8 bits (0.4% per rounding); its errors partly cancel
+    assert (top2[..., 1] - top2[..., 0]).min() > 2 * tolerance, "the trained model should be sure of each token"
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=tolerance)
+    assert not np.array_equal(got_logits, want_logits)  # it did compute in bf16
+    np.testing.assert_array_equal(got, want)
+    expected = list(prompt[0])
+    for _ in range(40):
+        expected.append((expected[-1] + expected[-2]) % 13)
+    np.testing.assert_array_equal(want[0], expected[3:])  # and the model learned the rule
+    chunks = list(stream(params, cfg, prompt, max_new_tokens=40, temperature=0, chunk_size=40, dtype="bfloat16"))
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1), got)

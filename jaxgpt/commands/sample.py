@@ -9,6 +9,13 @@ pipeline without training (seed 000's demo; the text is nonsense):
     jaxgpt sample --preset seed000 --prompt "A long time ago" --max_new_tokens 10 --temperature 0 --num_samples 2
     python sample.py --workdir runs/stdlib_char --prompt "def " --temperature 0.8 --top_k 20   (from a checkout)
 
+An encoder-decoder run (task seq2seq) decodes `--source TEXT`, or `--source_file PATH` (one source per line,
+one output line each), instead of continuing a prompt: greedily by default, by sampling when --temperature,
+--top_k or --top_p is given, or by beam search with `--beam_size N --length_penalty A`; at most block_size
+tokens (--max_new_tokens, default block_size), and a source may be at most src_block_size tokens long:
+
+    python sample.py --workdir runs/seq2seq_copy --source "abcabc" --beam_size 4
+
 One sample is printed as it is generated; several are printed one after another, separated by a line of
 dashes. A sample ends after --max_new_tokens tokens, at the tokenizer's end-of-text token if it has one, or
 just before the first occurrence of a --stop string (repeatable: the earliest of any of them), which is
@@ -17,7 +24,9 @@ not printed; generation stops as soon as every sample has reached one.
 Prompts: the text is encoded with the model's tokenizer. An empty prompt (the default) starts from the
 end-of-text token when the tokenizer has one (GPT-2 BPE: "a new document"); a character vocabulary has no
 such token, so it needs a prompt of at least one character, and characters outside the vocabulary are an
-error. Mistakes print one line, `error: ...`, and exit with status 2.
+error, as are words outside a word vocabulary (seed 004's tokens; its prompt is "wine review : germany").
+The sample is printed after the prompt as the tokenizer decodes it after the prompt's tokens (word tokens: with
+a space before each word). Mistakes print one line, `error: ...`, and exit with status 2.
 """
 
 from __future__ import annotations
@@ -30,9 +39,11 @@ import jax
 import numpy as np
 from absl import flags
 
-from jaxgpt import sampling, weights
+from jaxgpt import sampling, seq2seq_decoding, weights
 from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.config import Seq2SeqConfig
 from jaxgpt.errors import UserError
+from jaxgpt.tasks import pairs
 from jaxgpt.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40
@@ -62,9 +73,19 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
                          flag_values=flags_)
     flags.DEFINE_integer("stream_chunk", 16, "a single sample is printed, and --stop checked, every this many "
                          "tokens (each chunk is one call of the loop)", flag_values=flags_)
+    flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16"), "GPT decoding: weights and activations in this "
+                      "dtype (logits and sampling stay float32)", flag_values=flags_)
     flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE models", flag_values=flags_)
     flags.DEFINE_multi_string("stop", [], "end a sample just before the first occurrence of this string "
                               "(repeatable; the prompt is not searched)", flag_values=flags_)
+    flags.DEFINE_string("source", None, "encoder-decoder runs: the text to decode from", flag_values=flags_)
+    flags.DEFINE_string("source_file", None, "encoder-decoder runs: a UTF-8 file of sources, one per line",
+                        flag_values=flags_)
+    flags.mark_flags_as_mutual_exclusive(["source", "source_file"], flag_values=flags_)
+    flags.DEFINE_integer("beam_size", None, "encoder-decoder runs: beam search with this many beams",
+                         flag_values=flags_)
+    flags.DEFINE_float("length_penalty", 0.6, "beam search ranks hypotheses by log-probability / ((5 + length) / 6) "
+                       "** this (GNMT's; 0 = by log-probability)", flag_values=flags_)
 
 
 def read_prompt(flags_: flags.FlagValues) -> str:
@@ -79,6 +100,9 @@ def read_prompt(flags_: flags.FlagValues) -> str:
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     """The prompt's token ids, with the empty-prompt rule: start from end-of-text, or refuse."""
     ids = tokenizer.encode(text)  # a char tokenizer raises UserError naming unknown characters
+    if unknown := tokenizer.unknown_words(text):
+        raise UserError(f"the prompt has words outside the model's {tokenizer.vocab_size}-token vocabulary: "
+                        f"{', '.join(map(repr, unknown[:5]))}; use words of its training text")
     if ids:
         return ids
     if tokenizer.eot_token is None:
@@ -114,8 +138,10 @@ class StreamDecoder:
     arrives, so trailing replacement characters are held back until the next chunk (or the end).
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = ()) -> None:
+        """`prompt`: ids whose text is already printed; new ids are decoded after them (see `continuation`)."""
+        self.tokenizer, self.ids = tokenizer, list(prompt)
+        self.shown = len(tokenizer.decode(self.ids))
 
     def push(self, ids: Iterable[int], final: bool = False) -> str:
         self.ids.extend(int(i) for i in ids)
@@ -123,6 +149,12 @@ class StreamDecoder:
         stable = text if final else text.rstrip("\ufffd")
         new, self.shown = stable[self.shown:], max(self.shown, len(stable))
         return new
+
+
+def continuation(tokenizer: Tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The text `ids` add after `prompt`: for BPE and characters their own decoding, for words also the space
+    that joins them to the prompt's last word."""
+    return tokenizer.decode([*prompt, *ids])[len(tokenizer.decode(prompt)):]
 
 
 def until_eot(ids: Iterable[int], eot: int | None) -> list[int]:
@@ -158,9 +190,10 @@ class StopFilter:
         return out
 
 
-def print_stream(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, text: str, stops: Sequence[str]) -> None:
+def print_stream(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, text: str, stops: Sequence[str],
+                 prompt: Sequence[int] = ()) -> None:
     """One sample, printed as its chunks of tokens arrive; stops generating at a stop string."""
-    out, cut = StreamDecoder(tokenizer), StopFilter(stops)
+    out, cut = StreamDecoder(tokenizer, prompt), StopFilter(stops)
     print(text, end="", flush=True)
     for chunk_BN in tokens:
         print(cut.push(out.push(until_eot(chunk_BN[0], tokenizer.eot_token))), end="", flush=True)
@@ -169,12 +202,13 @@ def print_stream(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, text: str, 
     print(cut.push(out.push([], final=True), final=True))
 
 
-def collect(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, stops: Sequence[str]) -> list[str]:
+def collect(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, stops: Sequence[str],
+            prompt: Sequence[int] = ()) -> list[str]:
     """Every sample's text, generated chunk by chunk until each has reached a stop string (or the end)."""
     rows: list[list[int]] = []
 
     def texts() -> list[str]:
-        return [tokenizer.decode(until_eot(row, tokenizer.eot_token)) for row in rows]
+        return [continuation(tokenizer, prompt, until_eot(row, tokenizer.eot_token)) for row in rows]
 
     for chunk_BN in tokens:
         rows = rows or [[] for _ in chunk_BN]
@@ -183,6 +217,75 @@ def collect(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, stops: Sequence[
         if stops and all(first_stop(t, stops) is not None for t in texts()):
             break
     return [t[: first_stop(t, stops)] for t in texts()]
+
+
+SEQ2SEQ_ONLY = ("source", "source_file", "beam_size", "length_penalty")
+GPT_ONLY = ("prompt", "prompt_file", "num_samples", "stop", "window_shift", "stream_chunk")
+SEQ2SEQ_BATCH = 32  # sources decoded per call (one compilation per file: the batch shape stays fixed)
+
+
+def read_sources(flags_: flags.FlagValues) -> list[str]:
+    if flags_.source is not None:
+        return [flags_.source]
+    if flags_.source_file is None:
+        raise UserError("this run is an encoder-decoder: give the text to decode with --source TEXT or "
+                        "--source_file PATH")
+    try:
+        return Path(flags_.source_file).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --source_file {flags_.source_file}: {e}") from e
+
+
+def encode_sources(cfg: Seq2SeqConfig, tokenizer: Tokenizer, specials: dict, texts: Sequence[str]) -> np.ndarray:
+    """Model ids (n, S) right-padded with pad, S the longest source; each source must fit src_block_size."""
+    rows = []
+    for n, text in enumerate(texts, 1):
+        where = "the source" if len(texts) == 1 else f"source line {n}"
+        if unknown := tokenizer.unknown_words(text):
+            raise UserError(f"{where} has words outside the model's vocabulary: {', '.join(map(repr, unknown[:5]))}")
+        ids = pairs.encode_text(tokenizer, specials, text)
+        if not ids:
+            raise UserError(f"{where} is empty: the encoder needs at least one token")
+        if len(ids) > cfg.src_block_size:
+            raise UserError(f"{where} is {len(ids)} tokens, longer than the model's src_block_size="
+                            f"{cfg.src_block_size}: shorten it")
+        rows.append(ids)
+    src_nS = np.full((len(rows), max(map(len, rows))), specials["pad_id"], np.int32)
+    for i, ids in enumerate(rows):
+        src_nS[i, :len(ids)] = ids
+    return src_nS
+
+
+def run_seq2seq(flags_: flags.FlagValues, loaded: weights.Weights, tokenizer: Tokenizer) -> None:
+    """Decode every source and print one line per source."""
+    misplaced = [f"--{name}" for name in GPT_ONLY if flags_[name].present]
+    if misplaced:
+        raise UserError(f"{' '.join(misplaced)}: for a GPT's prompt; this run is an encoder-decoder: give the "
+                        "text to decode with --source TEXT or --source_file PATH")
+    cfg, specials = loaded.model, loaded.meta["seq2seq"]
+    src_nS = encode_sources(cfg, tokenizer, specials, read_sources(flags_))
+    max_new = flags_.max_new_tokens if flags_["max_new_tokens"].present else cfg.model.block_size
+    ids = dict(bos_id=specials["bos_id"], eos_id=specials["eos_id"], max_new_tokens=max_new)
+    sampled = [f"--{name}" for name in ("temperature", "top_k", "top_p") if flags_[name].present]
+    if flags_.beam_size is not None and sampled:
+        raise UserError(f"--beam_size searches for the most likely output: drop {' '.join(sampled)} (or --beam_size "
+                        "to sample)")
+    if flags_.beam_size is not None:
+        decode = lambda src, i: seq2seq_decoding.beam_search(loaded.params, cfg, src, flags_.length_penalty,
+                                                             beam_size=flags_.beam_size, **ids)[0]
+    elif sampled:
+        key = jax.random.key(flags_.seed)
+        decode = lambda src, i: seq2seq_decoding.sample(loaded.params, cfg, src, key=jax.random.fold_in(key, i),
+                                                        temperature=flags_.temperature, top_k=flags_.top_k,
+                                                        top_p=flags_.top_p, **ids)
+    else:
+        decode = lambda src, i: seq2seq_decoding.greedy(loaded.params, cfg, src, **ids)
+    batch = min(SEQ2SEQ_BATCH, len(src_nS))
+    for start in range(0, len(src_nS), batch):
+        chunk_BS = src_nS[start:start + batch]
+        full_BS = np.concatenate([chunk_BS, np.repeat(chunk_BS[:1], batch - len(chunk_BS), axis=0)])
+        for row in np.asarray(decode(full_BS, start))[:len(chunk_BS)]:
+            print(pairs.decode_ids(tokenizer, specials, row), flush=True)
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
@@ -196,6 +299,14 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         raise UserError("--stop='' would end every sample before it starts: give a non-empty string")
     text = read_prompt(flags_)
     loaded, tokenizer = load_model(flags_)
+    if isinstance(loaded.model, Seq2SeqConfig):
+        if flags_["dtype"].present:
+            raise UserError("--dtype applies to GPT models; this run is an encoder-decoder (task seq2seq)")
+        run_seq2seq(flags_, loaded, tokenizer)
+        return
+    if misplaced := [f"--{name}" for name in SEQ2SEQ_ONLY if flags_[name].present]:
+        raise UserError(f"{' '.join(misplaced)} need an encoder-decoder run (task seq2seq); this model is a GPT: "
+                        "give the text to continue with --prompt")
     params, cfg = loaded.params, loaded.model
     prompt = encode_prompt(tokenizer, text)
     # Several samples without --stop are printed at the end: one call of the loop generates them all.
@@ -203,11 +314,11 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     tokens = sampling.stream(params, cfg, prompt, max_new_tokens=flags_.max_new_tokens, key=flags_.seed,
                              num_samples=flags_.num_samples, temperature=flags_.temperature, top_k=flags_.top_k,
                              top_p=flags_.top_p, eot_token=tokenizer.eot_token, window_shift=flags_.window_shift,
-                             chunk_size=chunk, vocab_limit=tokenizer.vocab_size)
+                             chunk_size=chunk, vocab_limit=tokenizer.vocab_size, dtype=flags_.dtype)
     if flags_.num_samples == 1:
-        print_stream(tokens, tokenizer, text, flags_.stop)
+        print_stream(tokens, tokenizer, text, flags_.stop, prompt)
         return
-    for i, sample in enumerate(collect(tokens, tokenizer, flags_.stop)):
+    for i, sample in enumerate(collect(tokens, tokenizer, flags_.stop, prompt)):
         if i:
             print(SEPARATOR)
         print(text + sample, flush=True)

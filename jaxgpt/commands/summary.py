@@ -1,6 +1,7 @@
 """Parameter table of a model: shapes and counts per module.
 
     jaxgpt summary --preset gpt2
+    jaxgpt summary --preset seed002-encdec  # an encoder-decoder preset (jaxgpt.presets.SEQ2SEQ_PRESETS)
     jaxgpt summary --config configs/stdlib_char.py --vocab_size 100 [--depth 3]
     jaxgpt summary --hf path/to/gpt2        # only its config.json is read
 
@@ -21,15 +22,15 @@ from typing import Any
 from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
-from jaxgpt.config import ModelConfig, model_config_from_dict
+from jaxgpt.config import ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.errors import UserError
 from jaxgpt.hf import hf_config_to_model_config, read_hf_config
-from jaxgpt.presets import PRESETS, get_preset
+from jaxgpt.presets import PRESETS, SEQ2SEQ_PRESETS, get_preset
 from jaxgpt.summary import summary
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
-    flags.DEFINE_string("preset", None, f"one of {', '.join(PRESETS)}", flag_values=flags_)
+    flags.DEFINE_string("preset", None, f"one of {', '.join([*PRESETS, *SEQ2SEQ_PRESETS])}", flag_values=flags_)
     flags.DEFINE_string("config", None, "a training config file (configs/*.py with get_config()) or a JSON file "
                         "of model fields", flag_values=flags_)
     flags.DEFINE_string("hf", None, "a Hugging Face GPT-2 directory (only its config.json is read)",
@@ -65,7 +66,10 @@ def model_fields(path: Path) -> dict[str, Any]:
     return dict(values)
 
 
-def model_config(flags_: flags.FlagValues) -> ModelConfig:
+def model_config(flags_: flags.FlagValues) -> ModelConfig | Seq2SeqConfig:
+    if flags_.preset in SEQ2SEQ_PRESETS:
+        cfg = SEQ2SEQ_PRESETS[flags_.preset]
+        return cfg if flags_.vocab_size is None else cfg.replace(vocab_size=flags_.vocab_size)
     if flags_.preset:
         cfg = get_preset(flags_.preset)
     elif flags_.hf:

@@ -22,6 +22,7 @@ def print_sample(cfg: Any, result: dict) -> None:
     """A taste of the trained language model: config.sample's prompt continued with the KV-cache sampler."""
     import jax
 
+    from jaxgpt.commands.sample import print_stream
     from jaxgpt.sampling import stream
     from jaxgpt.tokenizer import tokenizer_from_meta
 
@@ -33,12 +34,12 @@ def print_sample(cfg: Any, result: dict) -> None:
     if all(p.is_fully_addressable and p.sharding.is_fully_replicated for p in jax.tree.leaves(params)):
         params = jax.device_put(params, jax.local_devices()[0])  # data-parallel copies: decode on one device
     prompt = tokenizer.encode(s.prompt) or [tokenizer.eot_token or 0]
-    print(f"--- sample (temperature {s.temperature}) ---\n{s.prompt}", end="", flush=True)
-    for chunk in stream(params, result["model_cfg"], prompt, max_new_tokens=s.max_new_tokens, key=cfg.seed,
-                        temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p,
-                        eot_token=tokenizer.eot_token, vocab_limit=tokenizer.vocab_size):
-        print(tokenizer.decode(chunk[0].tolist()), end="", flush=True)
-    print("\n---")
+    print(f"--- sample (temperature {s.temperature}) ---")
+    chunks = stream(params, result["model_cfg"], prompt, max_new_tokens=s.max_new_tokens, key=cfg.seed,
+                    temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p, eot_token=tokenizer.eot_token,
+                    vocab_limit=tokenizer.vocab_size)
+    print_stream(chunks, tokenizer, s.prompt, stops=(), prompt=prompt)  # the sample command's printing
+    print("---")
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:

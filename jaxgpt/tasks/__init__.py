@@ -1,8 +1,9 @@
 """Tasks: what the one training loop (`jaxgpt.loop`) trains.
 
 A task is the model, its data and its objective; the loop owns everything else (state, sharding,
-resume, evaluation cadence, checkpoints, logs). Language modelling (`lm`) and seed 001's classification
-fine-tuning (`classify`) are tasks; a new one implements `Task` and is added to `build`.
+resume, evaluation cadence, checkpoints, logs). Language modelling (`lm`), seed 001's classification
+fine-tuning (`classify`) and the encoder-decoder on text pairs (`seq2seq`) are tasks; a new one implements
+`Task` and is added to `build`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.train_config import TrainConfig
 
 Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf has the rows first
@@ -21,15 +22,16 @@ Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf h
 
 class Task(Protocol):
     model: nn.Module
-    model_cfg: ModelConfig
+    model_cfg: ModelConfig | Seq2SeqConfig  # an encoder-decoder's also answers layout's questions (tasks.seq2seq)
     tokenizer_meta: dict[str, Any]
     meta: dict[str, Any]  # saved with every checkpoint beside the model config and tokenizer
     batch_ndims: dict[str, int]  # every batch leaf and its number of axes (rows first)
     tokens_per_row: int  # for tokens/s and model FLOP/s
     eval_rows_per_batch: int
 
-    def example_input(self) -> jax.Array:
-        """The smallest input `model.init` needs: parameter shapes do not depend on it."""
+    def example_input(self) -> Any:
+        """The smallest input `model.init` needs (an array; a (source, target) pair for seq2seq): parameter
+        shapes do not depend on it."""
 
     def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         """(mean loss, {term: value}) of one micro-batch in training mode (dropout from `key`)."""
@@ -70,6 +72,10 @@ def build(cfg: TrainConfig) -> Task:
         from jaxgpt.tasks.classify import Classification
 
         return Classification(cfg)
+    if cfg.task == "seq2seq":
+        from jaxgpt.tasks.seq2seq import Seq2Seq
+
+        return Seq2Seq(cfg)
     from jaxgpt.tasks.lm import LanguageModelling, open_dataset
 
     return LanguageModelling(cfg, open_dataset(cfg.data))

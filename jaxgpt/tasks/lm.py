@@ -15,8 +15,9 @@ import optax
 from jax.experimental import multihost_utils
 
 from jaxgpt import kernels, weights
+from jaxgpt.batches import batch_for_step, check_shapes, eval_batches
 from jaxgpt.config import ModelConfig
-from jaxgpt.data import META_FILE, Dataset, batch_for_step, check_shapes, eval_batches, load_dataset
+from jaxgpt.data import META_FILE, Dataset, load_dataset, unknown_summary
 from jaxgpt.datasets import prepare_builtin
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPT, dummy_tokens
@@ -51,7 +52,9 @@ def open_dataset(data: DataConfig) -> Dataset:
         if not (data_dir / META_FILE).exists() and data.name:
             if jax.process_index() == 0:
                 print(f"preparing dataset {data.name} in {data_dir} ...", flush=True)
-            prepare_builtin(data.name, data_dir, bpe_file=bpe_file)
+            meta = prepare_builtin(data.name, data_dir, bpe_file=bpe_file, csv_path=data.csv or None)
+            if jax.process_index() == 0 and (unknown := unknown_summary(meta)):
+                print(unknown, flush=True)
 
     if jax.process_count() == 1:
         prepare_if_missing()
@@ -98,15 +101,29 @@ def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two tokenizer metas give the same ids ("gpt2" and "r50k_base" are one BPE under two names)."""
     if a.get("type") == b.get("type") == "bpe":
         return True
+    if a.get("type") == b.get("type") == "word":
+        return a.get("words") == b.get("words")
     return a.get("type") == b.get("type") == "char" and a.get("chars") == b.get("chars")
 
 
 def describe_tokenizer(meta: dict[str, Any]) -> str:
+    if meta.get("type") == "word":
+        return f"a {meta.get('vocab_size')}-word vocabulary"
     return "GPT-2 BPE" if meta.get("type") == "bpe" else f"a {meta.get('vocab_size')}-character vocabulary"
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+def token_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
+    """Per-token cross-entropy (B, T) against the targets smoothed toward uniform: optax.smooth_labels'
+    (1 - a) one_hot + a / V, computed without materializing that (B, T, V) distribution."""
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    if not label_smoothing:
+        return nll_BT
+    uniform_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - logits_BTV.mean(axis=-1)  # mean over v of -log p_v
+    return (1.0 - label_smoothing) * nll_BT + label_smoothing * uniform_BT
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
+    return token_cross_entropy(logits_BTV, targets_BT, label_smoothing).mean()
 
 
 class LanguageModelling:
@@ -131,11 +148,14 @@ class LanguageModelling:
         return dummy_tokens(self.model_cfg)
 
     def _loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        """Mean cross-entropy: from all logits at once, or `loss_chunk` positions at a time (same value)."""
+        """Mean cross-entropy: from all logits at once, or `loss_chunk` positions at a time (same value).
+
+        Training smooths the targets (`label_smoothing`); evaluation (`key` None) reports the plain loss."""
         dropout = self._dropout and key is not None
         kwargs = {"deterministic": not dropout, "rngs": {"dropout": key} if dropout else None}
         if not self.cfg.loss_chunk:
-            return cross_entropy(self.model.apply({"params": params}, batch["x"], **kwargs), batch["y"])
+            smoothing = self.cfg.label_smoothing if key is not None else 0.0
+            return cross_entropy(self.model.apply({"params": params}, batch["x"], **kwargs), batch["y"], smoothing)
         h_BTC = self.model.apply({"params": params}, batch["x"], method=GPT.hidden, **kwargs)
         head = lambda h: self.model.apply({"params": params}, h, method=GPT.logits)
         return kernels.chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk)

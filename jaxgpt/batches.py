@@ -1,0 +1,101 @@
+"""The batches of a token stream: a pure function of (seed, step), so resuming needs no iterator state.
+
+The global batch of step i depends only on (seed, i): restoring the step restores the batches, and every
+host of a multi-host job computes the same global batch while reading only its own rows (`batch_for_step`).
+Evaluation batches are fixed per split (`eval_batches`), so losses compare across a run and its resumes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxgpt.errors import UserError
+
+# Appended to the (seed, index) entropy of evaluation batches. It must be non-zero: SeedSequence pads
+# short entropy with zeros, so (seed, step) and (seed, step, 0) would be the same stream.
+EVAL_STREAM = 1
+
+
+def check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) -> None:
+    """A UserError unless `split` (n_tokens long) can fill batches of `batch_size` windows of block_size + 1."""
+    if batch_size < 1 or block_size < 1:
+        raise UserError(f"batch_size {batch_size} and block_size {block_size} must be positive")
+    if block_size >= n_tokens:
+        raise UserError(f"block size {block_size} is larger than the {split} split ({n_tokens} tokens): "
+                        "use a smaller block_size or more data")
+
+
+def _local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+    """This process's contiguous share of the global batch's rows."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+    if batch_size % process_count:
+        raise UserError(f"batch_size {batch_size} is not divisible by the {process_count} processes: use a "
+                        f"multiple of {process_count}")
+    local = batch_size // process_count
+    return slice(process_index * local, (process_index + 1) * local)
+
+
+def _global_starts(entropy: list[int], n_starts: int, batch_size: int) -> np.ndarray:
+    """`batch_size` window offsets in [0, n_starts), a pure function of `entropy`.
+
+    Uses the raw output of the PCG64 bit generator, whose stream NumPy keeps stable across releases
+    (Generator methods like `integers` may change), so a checkpoint resumes on the same batches after a
+    NumPy upgrade. The modulo bias is below n_starts / 2**64: nil for any corpus.
+    """
+    if entropy[0] < 0:
+        raise UserError(f"seed {entropy[0]} is negative: use a seed >= 0")
+    raw = np.random.PCG64(entropy).random_raw(batch_size)
+    return (raw % np.uint64(n_starts)).astype(np.int64)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) int32 rows: x = tokens[s : s + block_size], y = the same window one token later. Reads
+    only these windows, so a memmap of any size costs just the rows requested."""
+    window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
+    return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
+
+
+def batch_for_step(
+    tokens: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    batch_size: int,
+    block_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = "train",
+) -> tuple[np.ndarray, np.ndarray]:
+    """This process's rows of the global training batch of `step`.
+
+    The global batch (`batch_size` random windows) depends only on (seed, step); process p of P gets rows
+    [p * batch_size / P, (p + 1) * batch_size / P), so concatenating all processes' results in order gives
+    exactly the single-process batch, and no host reads another host's rows. Returns (x, y), int32, of
+    shape (batch_size // process_count, block_size). `split` only names the data in error messages.
+    """
+    check_shapes(len(tokens), batch_size, block_size, split)
+    rows = _local_rows(batch_size, process_index, process_count)
+    starts = _global_starts([seed, step], len(tokens) - block_size, batch_size)[rows]
+    return _windows(tokens, starts, block_size)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    batch_size: int,
+    block_size: int,
+    n_batches: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = "validation",
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A fixed list of `n_batches` (x, y) batches: the same every call, so evaluation losses are
+    comparable across a run and across resumes. Drawn from a stream separate from training batches;
+    rows are split across processes exactly as in `batch_for_step`."""
+    check_shapes(len(tokens), batch_size, block_size, split)
+    rows = _local_rows(batch_size, process_index, process_count)
+    n_starts = len(tokens) - block_size
+    return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)
+            for i in range(n_batches)]

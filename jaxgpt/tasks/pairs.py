@@ -1,0 +1,246 @@
+"""Source/target text pairs for the encoder-decoder task: files, built-in tasks, model ids, batches.
+
+- Files: TSV (`source<TAB>target`, further columns ignored, so Tatoeba/Anki's `source<TAB>target<TAB>
+  attribution` lines work as they are) or JSONL (`{"source": ..., "target": ...}` per line); blank lines
+  are skipped, and any other malformed line is a one-line error naming file:line.
+- Built-in tasks, no download: `copy` / `reverse` (the Annotated Transformer's synthetic task: random
+  symbol strings, the target is the string or its reverse) and `stdlib_identifiers` (the running
+  interpreter's snake_case identifiers, the target their words in reverse order; see `stdlib_pairs`).
+- Model ids: one text tokenizer for sources and targets, with three specials placed before the text ids
+  (`SPECIALS`: pad 0, bos 1, eos 2; text id t is model id t + 3). Sources are model ids right-padded with
+  pad, without bos or eos (`encode_text`); the decoder reads [bos] + target and predicts target + [eos].
+- Batches: the training batch of step i is a pure function of (seed, i) (`classify_data.batch_indices`),
+  so a resumed run needs no iterator state; evaluation batches are fixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt.datasets import stdlib_files, stdlib_root
+from jaxgpt.errors import UserError
+from jaxgpt.tasks.classify_data import spread_indices
+from jaxgpt.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
+
+Pair = tuple[str, str]
+
+SPECIALS: dict[str, int] = {"pad_id": 0, "bos_id": 1, "eos_id": 2, "offset": 3}
+SYNTHETIC = ("copy", "reverse")
+BUILTIN = (*SYNTHETIC, "stdlib_identifiers")
+FILE_SUFFIXES = (".tsv", ".txt", ".jsonl")
+TOKENIZERS = ("char", "word")
+SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+# A fixed stream (not the run seed): a built-in task is the same data for every run, like a file.
+SYNTHETIC_STREAM = 5
+IDENTIFIER = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model ids
+
+
+def encode_text(tokenizer: Tokenizer, specials: dict[str, int], text: str) -> list[int]:
+    """Model ids of `text`: the tokenizer's ids shifted past the specials, no bos or eos."""
+    return [t + specials["offset"] for t in tokenizer.encode(text)]
+
+
+def decode_ids(tokenizer: Tokenizer, specials: dict[str, int], ids: Sequence[int]) -> str:
+    """The text of model ids up to the first eos; pad and bos are skipped wherever they are."""
+    text_ids = []
+    for i in (int(i) for i in ids):
+        if i == specials["eos_id"]:
+            break
+        if i >= specials["offset"]:
+            text_ids.append(i - specials["offset"])
+    return tokenizer.decode(text_ids)
+
+
+def build_tokenizer(kind: str, texts: Sequence[str], word_vocab: int) -> Tokenizer:
+    """The text tokenizer of a pair set, from all its sources and targets: every character they hold ("char"),
+    or their `word_vocab` - 2 most frequent words plus [PAD] and [UNK] ("word", seed 004's tokenizer)."""
+    if kind not in TOKENIZERS:
+        raise UserError(f"config.seq2seq.tokenizer={kind!r} is unknown: choose one of {TOKENIZERS}")
+    return CharTokenizer.from_text("".join(texts)) if kind == "char" else WordTokenizer.from_texts(texts, word_vocab)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}): convert it to UTF-8") from None
+
+
+def _tsv_pair(line: str, where: str) -> Pair:
+    fields = line.split("\t")
+    if len(fields) < 2:
+        raise UserError(f"{where}: expected source<TAB>target, found no tab")
+    return fields[0], fields[1]
+
+
+def _jsonl_pair(line: str, where: str) -> Pair:
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise UserError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("source"), str) or not isinstance(row.get("target"), str):
+        raise UserError(f'{where}: expected an object with string keys "source" and "target"')
+    return row["source"], row["target"]
+
+
+def read_pairs(path: str | Path) -> list[Pair]:
+    """(source, target) pairs of a TSV (.tsv, .txt) or JSONL (.jsonl) file; empty sources or targets are errors."""
+    path = Path(path)
+    if path.suffix.lower() not in FILE_SUFFIXES:
+        raise UserError(f"config.seq2seq.data={str(path)!r} is neither a built-in task ({', '.join(BUILTIN)}) nor a "
+                        f"{'/'.join(FILE_SUFFIXES)} file of source/target pairs")
+    if not path.is_file():
+        raise UserError(f"pair file {path} not found: check --config.seq2seq.data")
+    parse = _jsonl_pair if path.suffix.lower() == ".jsonl" else _tsv_pair
+    pairs = []
+    for number, line in enumerate(_read_lines(path), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        source, target = parse(line, where)
+        if not source.strip() or not target.strip():
+            raise UserError(f"{where}: the {'source' if not source.strip() else 'target'} is empty")
+        pairs.append((source, target))
+    if not pairs:
+        raise UserError(f"{path} holds no pairs: one source<TAB>target line (or JSON object) per example")
+    return pairs
+
+
+# ----------------------------------------------------------------------------------------------------
+# Built-in tasks
+
+
+def synthetic_pairs(kind: str, n: int, symbols: int, length: int) -> list[Pair]:
+    """`n` random strings over the first `symbols` characters of SYMBOLS, lengths uniform in [1, length], each
+    paired with itself (copy) or its reverse: the Annotated Transformer's first exercise, with varying lengths
+    so that padding is part of it."""
+    if not 2 <= symbols <= len(SYMBOLS) or length < 1:
+        raise UserError(f"config.seq2seq.symbols={symbols} must be in [2, {len(SYMBOLS)}] and "
+                        f"config.seq2seq.length={length} >= 1")
+    rng = np.random.Generator(np.random.PCG64([SYNTHETIC_STREAM, symbols, length]))
+    lengths = rng.integers(1, length + 1, size=n)
+    codes = rng.integers(0, symbols, size=(n, length))
+    texts = ["".join(SYMBOLS[c] for c in row[:k]) for row, k in zip(codes, lengths, strict=True)]
+    return [(t, t if kind == "copy" else t[::-1]) for t in texts]
+
+
+def reverse_words(identifier: str) -> str:
+    """get_default_value -> value_default_get."""
+    return "_".join(reversed(identifier.split("_")))
+
+
+def stdlib_pairs(root: Path | None = None, max_chars: int = 32) -> list[Pair]:
+    """Every distinct snake_case identifier (two words or more, at most `max_chars` characters) in the
+    interpreter's standard library sources, paired with its words in reverse order.
+
+    Why this task: real text that needs no download, a mapping a small model learns in minutes (find the
+    word boundaries, copy the words out in reverse order), and held-out identifiers (`split`) contain word
+    combinations never seen in training, so exact match measures the rule, not memory.
+    """
+    root = root or stdlib_root()
+    names: set[str] = set()
+    for rel in stdlib_files(root):
+        try:
+            names.update(IDENTIFIER.findall((root / rel).read_bytes().decode("utf-8")))
+        except UnicodeDecodeError:
+            continue
+    pairs = [(name, reverse_words(name)) for name in sorted(names) if len(name) <= max_chars]
+    if not pairs:
+        raise UserError(f"the standard library at {root} has no Python sources: use a TSV or JSONL file of pairs")
+    return pairs
+
+
+def split(pairs: list[Pair], val_fraction: float) -> tuple[list[Pair], list[Pair]]:
+    """(train, val): a pair is held out by a hash of its source, so the split is the same for every run and
+    seed, and a source repeated in the data (several translations of one sentence) is on one side only."""
+    bound = int(val_fraction * 2**32)
+    held = [int.from_bytes(hashlib.sha256(s.encode()).digest()[:4], "little") < bound for s, _ in pairs]
+    train = [p for p, h in zip(pairs, held, strict=True) if not h]
+    val = [p for p, h in zip(pairs, held, strict=True) if h]
+    if not train or not val:
+        raise UserError(f"{len(pairs)} pairs are too few to hold out {val_fraction:.0%} for validation and keep "
+                        "some for training: add pairs or change config.seq2seq.val_fraction")
+    return train, val
+
+
+def load_pairs(data: str, val_fraction: float, examples: int, symbols: int,
+               length: int) -> tuple[list[Pair], list[Pair], str]:
+    """(train, val, description) for config.seq2seq.data: a built-in task or a file."""
+    if not data:
+        raise UserError("config.seq2seq.data is empty: pass --config.seq2seq.data=PATH, a file of source<TAB>target "
+                        "lines (.tsv/.txt, e.g. Tatoeba/Anki's fra.txt) or of JSON objects (.jsonl)")
+    if data in SYNTHETIC:
+        pairs = synthetic_pairs(data, examples, symbols, length)
+        description = (f"{data}: {examples} random strings of 1-{length} of {symbols} symbols, target = the "
+                       f"{'same string' if data == 'copy' else 'string reversed'}")
+    elif data == "stdlib_identifiers":
+        pairs = stdlib_pairs()
+        description = (f"stdlib_identifiers: {len(pairs)} snake_case identifiers of Python "
+                       f"{sys.version.split()[0]}'s standard library, target = their words in reverse order")
+    else:
+        pairs = read_pairs(data)
+        description = f"{data}: {len(pairs)} pairs"
+    train, val = split(pairs, val_fraction)
+    return train, val, f"{description}; {len(train)} train / {len(val)} held-out"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Encoding and batches
+
+
+def to_ids(pairs: Sequence[Pair], tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(source, target) model ids of every pair (`encode_text`), tokenized once for measuring and encoding."""
+    return [(encode_text(tokenizer, SPECIALS, s), encode_text(tokenizer, SPECIALS, t)) for s, t in pairs]
+
+
+def fitting(ids: Sequence[tuple[list[int], list[int]]], max_src: int, max_tgt: int) -> tuple[list[int], int, int]:
+    """(indices of the pairs whose source has at most `max_src` tokens and target at most `max_tgt` - 1 (room
+    for bos / eos), the longest such source, the longest such target + 1): rows no wider than the data needs."""
+    kept = [i for i, (s, t) in enumerate(ids) if len(s) <= max_src and len(t) + 1 <= max_tgt]
+    return kept, max((len(ids[i][0]) for i in kept), default=1), max((len(ids[i][1]) + 1 for i in kept), default=1)
+
+
+def encode_pairs(ids: Sequence[tuple[list[int], list[int]]], src_len: int, tgt_len: int) -> dict[str, np.ndarray]:
+    """Rows for the model: src (N, src_len), tgt_in = [bos] + target and tgt_out = target + [eos] (N, tgt_len),
+    all right-padded with pad; weight (N,) = 1 (0 marks filler rows of a short evaluation batch)."""
+    n, pad = len(ids), SPECIALS["pad_id"]
+    src = np.full((n, src_len), pad, np.int32)
+    tgt_in = np.full((n, tgt_len), pad, np.int32)
+    tgt_out = np.full((n, tgt_len), pad, np.int32)
+    for i, (s, t) in enumerate(ids):
+        src[i, :len(s)] = s
+        tgt_in[i, :len(t) + 1] = [SPECIALS["bos_id"], *t]
+        tgt_out[i, :len(t) + 1] = [*t, SPECIALS["eos_id"]]
+    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out, "weight": np.ones(n, np.float32)}
+
+
+def rows(data: dict[str, np.ndarray], idx: np.ndarray, n_real: int | None = None) -> dict[str, Any]:
+    """Rows `idx` of encoded pairs; rows past `n_real` are filler (weight 0)."""
+    out = {k: v[idx] for k, v in data.items()}
+    if n_real is not None:
+        out["weight"] = np.where(np.arange(len(idx)) < n_real, out["weight"], 0.0).astype(np.float32)
+    return out
+
+
+def eval_rows(data: dict[str, np.ndarray], batch_size: int, n_batches: int) -> list[dict[str, np.ndarray]]:
+    """At most `n_batches * batch_size` rows spread evenly over the data (all of it if fewer), in fixed-shape
+    batches; the last one is completed with zero-weight filler rows."""
+    idx = spread_indices(len(data["src"]), n_batches * batch_size)
+    return [rows(data, np.resize(idx[i:i + batch_size], batch_size), len(idx[i:i + batch_size]))
+            for i in range(0, len(idx), batch_size)]

@@ -1,0 +1,97 @@
+"""bfloat16 training on CPUs: the projections' native bf16 products, and loss curves that track float32."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tests_helpers import load_tiny
+
+from jaxgpt.data import load_dataset
+from jaxgpt.layers import projection_dot_general
+from jaxgpt.model import init_params
+from jaxgpt.optim import make_optimizer
+from jaxgpt.tasks.lm import LanguageModelling
+from jaxgpt.train_config import from_config_dict
+from jaxgpt.train_step import make_train_step
+
+# (spec of a projection, x shape, kernel shape): the GPT's fused QKV, MLP and output projections
+PROJECTIONS = [((((2,), (0,)), ((), ())), (2, 16, 32), (32, 3, 4, 8)),
+               ((((2,), (0,)), ((), ())), (2, 16, 32), (32, 128)),
+               ((((2, 3), (0, 1)), ((), ())), (2, 16, 4, 8), (4, 8, 32))]
+
+
+def _value_and_grads(dot_general, dims, x, kernel, cotangent):
+    y, vjp = jax.vjp(lambda a, b: dot_general(a, b, dims), x, kernel)
+    return (y, *vjp(cotangent))
+
+
+@pytest.mark.parametrize("dims,x_shape,kernel_shape", PROJECTIONS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_projection_matches_dot_general(dims, x_shape, kernel_shape, dtype):
+    """Value and both gradients equal lax.dot_general's: exactly in float32 (the same program), and
+    in bfloat16 to bf16 rounding (both accumulate in float32 and round the result once)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], x_shape).astype(dtype)
+    kernel = jax.random.normal(keys[1], kernel_shape).astype(dtype)
+    n = len(dims[0][0])
+    cotangent = jax.random.normal(keys[2], x_shape[:-n] + kernel_shape[n:]).astype(dtype)
+    ours = jax.jit(lambda *a: _value_and_grads(projection_dot_general, dims, *a))(x, kernel, cotangent)
+    plain = jax.jit(lambda *a: _value_and_grads(jax.lax.dot_general, dims, *a))(x, kernel, cotangent)
+    for a, b in zip(ours, plain, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if dtype == "float32":
+            np.testing.assert_array_equal(a, b)
+        else:  # one bf16 rounding of values of this size: 2^-8 relative, plus float32 summation order
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+
+
+def test_bf16_products_run_as_bf16_on_cpu():
+    """The forward and input-gradient products of a bf16 projection read bf16 operands in the compiled
+    program; plain lax.dot_general's are converted to float32 first (what made bf16 training slow)."""
+    x, kernel, weights = (jnp.ones(shape, jnp.bfloat16) for shape in ((256, 64), (64, 128), (256, 128)))
+    dims = (((1,), (0,)), ((), ()))
+
+    def bf16_operand_dots(dot_general):
+        loss = lambda a, b, w: (dot_general(a, b, dims) * w).astype(jnp.float32).sum()
+        hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, kernel, weights).compile().as_text()
+        types = {m[0]: m[1] for m in re.findall(r"%([\w.\-]+) = (\w+)\[", hlo)}
+        operands = [re.search(r"dot\(%([\w.\-]+), %([\w.\-]+)\)", line).groups()
+                    for line in hlo.splitlines() if " dot(" in line]
+        return sum(all(types[o] == "bf16" for o in pair) for pair in operands)
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("a CPU-only rewrite")
+    assert bf16_operand_dots(projection_dot_general) >= 2
+    assert bf16_operand_dots(jax.lax.dot_general) == 0
+
+
+def _loss_curve(data_dir, dtype: str, steps: int) -> np.ndarray:
+    """Training losses of the tiny config at `dtype`: the real train step, task batches and optimizer."""
+    c = load_tiny(data_dir=str(data_dir), workdir="unused", max_steps=steps)
+    c.model.dtype = dtype
+    cfg = from_config_dict(c)
+    task = LanguageModelling(cfg, load_dataset(data_dir))
+    tx = make_optimizer(cfg.optim)
+    params = init_params(task.model_cfg, jax.random.key(cfg.seed))
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    step_fn = jax.jit(make_train_step(task.loss, tx))
+    losses = []
+    for i in range(steps):
+        batch = jax.tree.map(lambda rows: rows[None], task.train_rows(i, 0, 1))  # one micro-batch
+        state, metrics = step_fn(state, batch, jax.random.key(0))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+def test_bf16_loss_curve_tracks_float32(data_dir):
+    """30 steps of the tiny config: bf16 compute (float32 parameters and Adam state) stays within the
+    tolerance benchmarks/bench_bf16_curves.py applies to the quick start (0.05 nats per step, 2% at the end)."""
+    f32, bf16 = _loss_curve(data_dir, "float32", 30), _loss_curve(data_dir, "bfloat16", 30)
+    assert f32[-5:].mean() < f32[0] - 0.5  # it learns, so agreement is not two flat lines
+    assert np.abs(bf16 - f32).max() <= 0.05
+    assert abs(bf16[-5:].mean() - f32[-5:].mean()) <= 0.02 * f32[-5:].mean()

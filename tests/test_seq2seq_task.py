@@ -1,0 +1,221 @@
+"""The seq2seq task: pair files, model ids, batches, the masked and smoothed loss, Noam, the loop, the weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxgpt import weights
+from jaxgpt.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.errors import UserError
+from jaxgpt.flops import seq2seq_flops_per_token
+from jaxgpt.optim import OptimConfig, noam, schedule
+from jaxgpt.presets import get_preset
+from jaxgpt.seq2seq import abstract_variables
+from jaxgpt.seq2seq_decoding import greedy
+from jaxgpt.tasks import pairs
+from jaxgpt.tasks.lm import token_cross_entropy
+from jaxgpt.tasks.seq2seq import Seq2Seq, seq2seq_loss
+from jaxgpt.tokenizer import CharTokenizer
+from jaxgpt.train_config import base_config, from_config_dict, model_fields
+
+# ----------------------------------------------------------------------------------------------------
+# Pair files
+
+
+def test_tsv_reads_two_and_tatoeba_three_columns_and_skips_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "fra.txt"
+    path.write_text("Go.\tVa !\tCC-BY 2.0 (France) Attribution: tatoeba.org #2877272 (CM)\n\n"
+                    "Hi.\tSalut !\n", encoding="utf-8")
+    assert pairs.read_pairs(path) == [("Go.", "Va !"), ("Hi.", "Salut !")]
+
+
+def test_jsonl_reads_source_and_target(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"source": "a b", "target": "b a", "id": 3}) + "\n\n"
+                    + json.dumps({"source": "é", "target": "É"}) + "\n", encoding="utf-8")
+    assert pairs.read_pairs(path) == [("a b", "b a"), ("é", "É")]
+
+
+@pytest.mark.parametrize("name, text, problem", [
+    ("p.tsv", "a\tb\nno tab here\n", "found no tab"),
+    ("p.tsv", "a\tb\nc\t \n", "the target is empty"),
+    ("p.jsonl", '{"source": "a", "target": "b"}\n{"source": "a"\n', "not valid JSON"),
+    ("p.jsonl", '{"source": "a", "target": "b"}\n{"source": "a", "target": 3}\n', '"source" and "target"'),
+])
+def test_malformed_line_is_one_line_error_naming_file_and_line(tmp_path: Path, name: str, text: str,
+                                                              problem: str) -> None:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UserError, match=problem) as e:
+        pairs.read_pairs(path)
+    assert f"{path}:2:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_file_and_missing_path_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not found"):
+        pairs.read_pairs(tmp_path / "nope.tsv")
+    with pytest.raises(UserError, match="data is empty"):
+        pairs.load_pairs("", 0.1, 10, 10, 10)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model ids, built-in data, batches
+
+
+def test_text_ids_sit_after_the_specials_and_decoding_stops_at_eos() -> None:
+    tok = CharTokenizer("abc")
+    ids = pairs.encode_text(tok, pairs.SPECIALS, "cab")
+    assert ids == [5, 3, 4]
+    bos, eos, pad = (pairs.SPECIALS[k] for k in ("bos_id", "eos_id", "pad_id"))
+    assert pairs.decode_ids(tok, pairs.SPECIALS, [bos, *ids, eos, 3, pad]) == "cab"
+    assert pairs.decode_ids(tok, pairs.SPECIALS, [*ids, pad, pad]) == "cab"
+
+
+def test_synthetic_and_stdlib_targets_follow_their_rule() -> None:
+    for source, target in pairs.synthetic_pairs("reverse", 50, 7, 9):
+        assert target == source[::-1] and 1 <= len(source) <= 9 and set(source) <= set(pairs.SYMBOLS[:7])
+    assert all(s == t for s, t in pairs.synthetic_pairs("copy", 20, 5, 4))
+    assert pairs.reverse_words("get_default_value") == "value_default_get"
+
+
+def test_split_is_by_source_and_the_same_every_time() -> None:
+    data = [(f"s{i % 40}", f"t{i}") for i in range(400)]
+    train, val = pairs.split(data, 0.2)
+    assert pairs.split(data, 0.2) == (train, val)
+    assert not {s for s, _ in train} & {s for s, _ in val} and len(train) + len(val) == 400
+
+
+def _tiny(tmp_path: Path, **overrides: object) -> object:
+    c = base_config()
+    c.task, c.workdir, c.compilation_cache_dir = "seq2seq", str(tmp_path / "run"), str(tmp_path / "xla")
+    c.seq2seq.data, c.seq2seq.examples, c.seq2seq.symbols, c.seq2seq.length = "reverse", 2000, 6, 6
+    c.seq2seq.val_fraction, c.seq2seq.n_encoder_layer = 0.1, 1
+    c.model = model_fields(get_preset("gpt2"), vocab_size=None, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    c.batch_size, c.max_steps, c.log_interval, c.eval_interval, c.ckpt_interval = 16, 40, 10, 20, 20
+    c.eval_batches = 2
+    c.optim.lr, c.optim.warmup_steps = 1e-2, 5
+    for key, value in overrides.items():
+        c[key] = value
+    return c
+
+
+def test_batches_are_a_pure_function_of_seed_and_step_with_shifted_targets(tmp_path: Path) -> None:
+    cfg = from_config_dict(_tiny(tmp_path))
+    a, b = Seq2Seq(cfg), Seq2Seq(cfg)
+    for step in (0, 7, 500):
+        x, y = a.train_rows(step, 0, 1), b.train_rows(step, 0, 1)
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+        halves = [a.train_rows(step, p, 2) for p in (0, 1)]  # two processes read the two halves
+        assert all(np.array_equal(np.concatenate([h[k] for h in halves]), x[k]) for k in x)
+    assert not np.array_equal(a.train_rows(0, 0, 1)["src"], a.train_rows(1, 0, 1)["src"])
+    r, pad = a.train_rows(3, 0, 1), pairs.SPECIALS["pad_id"]
+    assert (r["tgt_in"][:, 0] == pairs.SPECIALS["bos_id"]).all()
+    text = r["tgt_out"][:, :-1] >= pairs.SPECIALS["offset"]
+    assert np.array_equal(r["tgt_in"][:, 1:][text], r["tgt_out"][:, :-1][text])  # shifted by one
+    assert ((r["tgt_in"] != pad).sum(1) == (r["tgt_out"] != pad).sum(1)).all()
+    assert ((r["tgt_out"] == pairs.SPECIALS["eos_id"]).sum(1) == 1).all()
+    for (s, t), src in zip(a.val_pairs[:5], a.data["val"]["src"][:5], strict=True):  # sources: ids, no bos/eos
+        assert pairs.decode_ids(a.tokenizer, pairs.SPECIALS, src) == s and t == s[::-1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loss and schedule
+
+
+def test_padding_and_filler_rows_do_not_change_the_loss() -> None:
+    rng = np.random.default_rng(0)
+    tgt_out = np.array([[5, 6, 2, 0, 0], [7, 2, 0, 0, 0], [4, 4, 4, 4, 2]], np.int32)
+    batch = {"tgt_out": jnp.asarray(tgt_out), "weight": jnp.array([1.0, 1.0, 0.0])}
+    logits = rng.normal(size=(3, 5, 9)).astype(np.float32)
+    base = seq2seq_loss(jnp.asarray(logits), batch, 0.1)
+    changed = logits.copy()
+    changed[tgt_out == 0] = rng.normal(size=((tgt_out == 0).sum(), 9)) * 10  # pad positions
+    changed[2] = rng.normal(size=(5, 9))  # the filler row
+    assert float(seq2seq_loss(jnp.asarray(changed), batch, 0.1)) == pytest.approx(float(base), rel=1e-6)
+    real = (tgt_out != 0) & (np.array([1, 1, 0])[:, None] == 1)
+    expect = np.asarray(token_cross_entropy(jnp.asarray(logits), jnp.asarray(tgt_out), 0.1))[real].mean()
+    assert float(base) == pytest.approx(float(expect), rel=1e-6)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_label_smoothing_is_optax_smoothed_cross_entropy(smoothing: float) -> None:
+    logits = jax.random.normal(jax.random.key(1), (2, 4, 11)) * 3
+    labels = jax.random.randint(jax.random.key(2), (2, 4), 0, 11)
+    want = optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(labels, 11), smoothing))
+    np.testing.assert_allclose(token_cross_entropy(logits, labels, smoothing), want, rtol=1e-5)
+    if not smoothing:
+        np.testing.assert_allclose(token_cross_entropy(logits, labels, 0.0),
+                                   optax.softmax_cross_entropy_with_integer_labels(logits, labels), rtol=1e-6)
+
+
+def test_noam_peaks_at_warmup_and_scales_by_inverse_sqrt_width() -> None:
+    rate = noam(2.0, 512, 400)
+    values = np.array([float(rate(i)) for i in range(2000)])
+    assert values.argmax() == 399  # update n = count + 1 = warmup
+    assert values[399] == pytest.approx(2.0 * (512 * 400) ** -0.5, rel=1e-5)
+    assert values[0] == pytest.approx(2.0 * 512**-0.5 * 400**-1.5, rel=1e-5)  # step 0 is a real update
+    assert values[1599] == pytest.approx(values[399] / 2, rel=1e-5)  # 1 / sqrt(n) after the warmup
+    wide, narrow = schedule(OptimConfig(schedule="noam", warmup_steps=400), 2048), schedule(
+        OptimConfig(schedule="noam", warmup_steps=400), 512)
+    assert float(narrow(50)) == pytest.approx(2 * float(wide(50)), rel=1e-6)
+    with pytest.raises(UserError, match="schedule"):
+        OptimConfig(schedule="linear")
+
+
+def test_flops_count_every_weight_use_of_a_row() -> None:
+    """6 x (each kernel's size x the tokens it multiplies) plus attention, per source + target token."""
+    cfg = Seq2SeqConfig(ModelConfig(vocab_size=23, block_size=9, n_layer=2, n_head=2, n_embd=16, pad_id=0),
+                        n_encoder_layer=2, src_block_size=12)
+    params = nn.unbox(abstract_variables(cfg)["params"])  # shapes only: nothing is computed
+    S, T = cfg.src_block_size, cfg.model.block_size
+    uses = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [p.key for p in path]
+        if names[-1] != "kernel" and names[0] != "wte":
+            continue
+        per_source = names[0].startswith("enc_") or (names[1:3] == ["cross", "kv"])
+        uses += math.prod(leaf.shape) * (S if per_source else T)
+    HD = cfg.model.n_head * cfg.model.head_dim
+    attention = 3 * 4 * HD * (2 * S * S + cfg.model.n_layer * (T * T / 2 + T * S))
+    assert seq2seq_flops_per_token(cfg) == pytest.approx((6 * uses + attention) / (S + T))
+
+
+# ----------------------------------------------------------------------------------------------------
+# On the loop
+
+
+def test_trains_checkpoints_resumes_exactly_and_loads_as_encoder_decoder(tmp_path: Path) -> None:
+    from jaxgpt.loop import train
+
+    whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
+    whole = train(from_config_dict(_tiny(tmp_path, workdir=str(whole_dir))))
+    evals = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
+    val_losses = [row["val_loss"] for row in evals if "val_loss" in row]
+    assert len(val_losses) == 2 and val_losses[1] < val_losses[0] < np.log(9)  # chance: 6 symbols + 3 specials
+    assert 0 <= whole["val_exact_match"] <= 1 and whole["val_pairs"] == 32
+    shutil.copytree(whole_dir, split_dir)  # the run as it was when it stopped after step 20
+    shutil.rmtree(split_dir / "checkpoints" / "40")
+    resumed = train(from_config_dict(_tiny(tmp_path, workdir=str(split_dir))))
+    assert resumed["steps"] == 20 and resumed["val_loss"] == whole["val_loss"]
+    for a, b in zip(jax.tree.leaves(whole["state"]["params"]), jax.tree.leaves(resumed["state"]["params"]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    loaded = weights.load(f"workdir:{whole_dir}")
+    assert isinstance(loaded.model, Seq2SeqConfig) and loaded.meta["seq2seq"] == pairs.SPECIALS
+    assert weights.describe(f"workdir:{whole_dir}")[0] == loaded.model
+    S, T = loaded.model.src_block_size, loaded.model.model.block_size
+    src = jnp.asarray([pairs.encode_text(loaded.tokenizer(), pairs.SPECIALS, "abc") + [0] * (S - 3)])
+    assert greedy(loaded.params, loaded.model, src, bos_id=1, eos_id=2, max_new_tokens=T).shape == (1, T)
+    with pytest.raises(UserError, match="encoder-decoder"):
+        weights.fit_architecture(f"workdir:{whole_dir}", loaded.model.model, {}, True)
