@@ -70,10 +70,11 @@ def _model_from_meta(meta: dict[str, Any]) -> ModelConfig | Seq2SeqConfig:
     return Seq2SeqConfig(model_config_from_dict(values), **own)
 
 
-def _refuse_encoder_decoder(source: str, cfg: ModelConfig | Seq2SeqConfig) -> ModelConfig:
+def require_gpt(source: str, cfg: ModelConfig | Seq2SeqConfig, use: str = "initialize a GPT") -> ModelConfig:
+    """`cfg` if it is a GPT's; a one-line error for an encoder-decoder, which only `sample.py --source` reads."""
     if isinstance(cfg, Seq2SeqConfig):
-        raise UserError(f"{source} holds an encoder-decoder (a task seq2seq run), not a GPT: it cannot initialize "
-                        "a GPT; pass a language model run or GPT-2 weights")
+        raise UserError(f"{source} holds an encoder-decoder (a task seq2seq run), not a GPT: it cannot {use}; "
+                        "pass a language model run or GPT-2 weights (decode it with sample.py --source)")
     return cfg
 
 
@@ -196,7 +197,7 @@ def fit_architecture(source: str, cfg: ModelConfig, defaults: Mapping[str, Any],
     the weights' context (the position table is cropped: fine-tuning on short contexts is much cheaper).
     """
     have, tokenizer_meta = describe(source)
-    have = _refuse_encoder_decoder(source, have)
+    have = require_gpt(source, have)
     conflicts = [f"model.{name}={getattr(cfg, name)!r} (weights: {theirs!r})"
                  for name, theirs in have.to_dict().items()
                  if _differs(name, getattr(cfg, name), theirs)
@@ -223,7 +224,7 @@ def load_for(source: str, cfg: ModelConfig) -> Weights:
     scanned and listed layers are converted. A classifier's head is dropped.
     """
     weights = load(source, block_size=cfg.block_size if source.startswith("hf:") else None)
-    _refuse_encoder_decoder(source, weights.model)
+    require_gpt(source, weights.model)
     want, have = cfg.to_dict(), weights.model.to_dict()
     diff = sorted(k for k in want if _differs(k, want[k], have[k]))
     if diff:

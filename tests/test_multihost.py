@@ -7,7 +7,6 @@ timeouts, so a broken run fails the test instead of hanging it.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -96,10 +95,11 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path: Path, data_
     # Only process 0 prints (gloo's C++ library prints its connection lines itself, on both).
     out0, out1 = (tmp_path / "p0.out").read_text(), (tmp_path / "p1.out").read_text()
     assert "model:" in out0 and "throughput" in out0 and "[Gloo] Rank 0" in out0
-    # gloo's threads print their lines unsynchronized, so one line's prefix can land inside another's.
-    gloo = r"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
-    assert re.sub(gloo, "", out1).split() == []
-    assert "[Gloo] Rank 1" in out1 and "step/s" not in err["p1"]  # no progress bar either
+    # gloo's threads print their lines unsynchronized, so one line's words can land inside another's: process 1
+    # may print nothing but those words and rank numbers.
+    gloo = {"[Gloo]", "Rank", "is", "connected", "to", "peer", "ranks.", "Expected", "number", "of", "ranks", ":"}
+    assert all(word in gloo or word.isdigit() for word in out1.split()), out1[-2000:]
+    assert "[Gloo]" in out1 and "step/s" not in err["p1"]  # no progress bar either
 
     # The checkpoint both processes wrote together restores here, on one device, to the same values.
     assert Checkpointer(tmp_path / "multi", read_only=True).manager.all_steps() == [5, 10]

@@ -219,3 +219,11 @@ def test_trains_checkpoints_resumes_exactly_and_loads_as_encoder_decoder(tmp_pat
     assert greedy(loaded.params, loaded.model, src, bos_id=1, eos_id=2, max_new_tokens=T).shape == (1, T)
     with pytest.raises(UserError, match="encoder-decoder"):
         weights.fit_architecture(f"workdir:{whole_dir}", loaded.model.model, {}, True)
+    from jaxgpt.commands.hf import export
+    from jaxgpt.tasks.classify import language_model
+
+    with pytest.raises(UserError, match="cannot be exported"):  # the GPT-only readers refuse it in one line
+        export(str(whole_dir), str(tmp_path / "hf"), "latest", False)
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(UserError, match="cannot be fine-tuned as a classifier"):
+        language_model(f"workdir:{whole_dir}", None)

@@ -102,6 +102,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     source = f"workdir:{flags_.workdir}" if flags_.workdir is not None else flags_.init_from
     texts = read_texts(paths)  # a wrong path fails before a model is read
     loaded = weights.load(source, which=flags_.which)
+    weights.require_gpt(source, loaded.model, "be evaluated as a language model")
     tokenizer = loaded.tokenizer(flags_.bpe_file)
     if texts:
         ids = evaluate.text_ids(texts, tokenizer)

@@ -57,6 +57,7 @@ def inspect(path: str) -> str:
 def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None = None) -> str:
     """Write the run as a Hugging Face directory: weights, tokenizer, generation config."""
     loaded = weights.load(f"workdir:{workdir}", which=which)
+    weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported as a Hugging Face GPT-2")
     tokenizer = None if loaded.tokenizer_meta is None else loaded.tokenizer(bpe_file)
     hf_tokenizer.require_transformers()  # before anything is written: an export without its tokenizer is no use
     params = dict(loaded.params)
