@@ -88,11 +88,11 @@ class SamplerSpec:
                            top_p if self.use_top_p else None, banned=banned, vocab_limit=self.vocab_limit)
 
 
-def finish_rows(tok_B: Array, done_B: Array, eot_token: int | None) -> tuple[Array, Array]:
-    """Finished rows keep emitting eot; a row that has just emitted eot is finished."""
+def finish_rows(tok_B: Array, done_B: Array, eot_token: int | None, fill: int | None = None) -> tuple[Array, Array]:
+    """Finished rows emit `fill` (by default eot again); a row that has just emitted eot is finished."""
     if eot_token is None:
         return tok_B, done_B
-    tok_B = jnp.where(done_B, eot_token, tok_B)
+    tok_B = jnp.where(done_B, eot_token if fill is None else fill, tok_B)
     return tok_B, done_B | (tok_B == eot_token)
 
 

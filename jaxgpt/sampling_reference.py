@@ -124,7 +124,7 @@ def seq2seq_uncached(params: Any, cfg: Seq2SeqConfig, src_BS: Array | np.ndarray
         logits_BV = _seq2seq_logits(params, src_BS, jnp.asarray(tgt_BN), jnp.int32(step), cfg=cfg)
         tok_B, _ = _sample_step(logits_BV, key, jnp.int32(step), done_B, temperature_, top_p_, spec=spec,
                                 banned=cfg.model.pad_id)
-        tok_B, done_B = seq2seq_decoding.finish(tok_B, done_B, eos_id, fill)
+        tok_B, done_B = finish_rows(tok_B, done_B, eos_id, fill)
         tokens_BN[:, step] = np.asarray(tok_B)
         logits_BNV[:, step] = np.asarray(logits_BV)
         if bool(jnp.all(done_B)):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxgpt.attention import init_cache
 from jaxgpt.config import Seq2SeqConfig
 from jaxgpt.errors import UserError
-from jaxgpt.sampling import SamplerSpec, validate_options
+from jaxgpt.sampling import SamplerSpec, finish_rows, validate_options
 from jaxgpt.seq2seq import EncoderDecoder
 from jaxgpt.strategies import gumbel_noise
 
@@ -54,12 +54,6 @@ def sampler_spec(cfg: Seq2SeqConfig, temperature: float, top_k: int | None, top_
 def fill_id(cfg: Seq2SeqConfig, eos_id: int) -> int:
     """What follows a finished row: the padding id (eos when the model has none)."""
     return eos_id if cfg.model.pad_id is None else cfg.model.pad_id
-
-
-def finish(tok_B: Array, done_B: Array, eos_id: int, fill: int) -> tuple[Array, Array]:
-    """Finished rows emit `fill`; a row that has just emitted eos is finished."""
-    tok_B = jnp.where(done_B, fill, tok_B)
-    return tok_B, done_B | (tok_B == eos_id)
 
 
 def encode(params: Any, cfg: Seq2SeqConfig, src_BS: Array, copies: int = 1) -> tuple[Array, list[tuple[Array, Array]]]:
@@ -100,7 +94,7 @@ def generate(params: Any, cfg: Seq2SeqConfig, src_BS: Array, key: Array | None, 
         i, tok_B, cache, done_B, out_BN, logits_BNV = carry
         logits_BV, cache = _step(params, cfg, tok_B, cache, i, memory_kv, src_mask_BS)
         gumbel_BV = None if spec.greedy else gumbel_noise(key, i, (B, V))
-        tok_B, done_B = finish(spec.pick(logits_BV, gumbel_BV, temperature, top_p, cfg.model.pad_id), done_B,
+        tok_B, done_B = finish_rows(spec.pick(logits_BV, gumbel_BV, temperature, top_p, cfg.model.pad_id), done_B,
                                eos_id, fill)
         if return_logits:
             logits_BNV = logits_BNV.at[:, i].set(logits_BV)
