@@ -27,18 +27,22 @@ Then the batch-1 decoding routes (issue 16) on the larger model and on a GPT-2 1
 vocabulary 50304, block 1024), each 1 x 500 sampled tokens, timed in rounds that run every route once, so the
 ratios to the default path are measured side by side: float32 (the default, `generate`), float32 with every
 one-row projection padded to two rows (YNNPACK products; attention, cache and sampling stay one row), float32
-compiled with XLA's oneDNN option, bfloat16 weights and activations (`generate(..., dtype="bfloat16")`), and
-bfloat16 with two-row products. The peer is Hugging Face transformers' greedy `generate` with its KV cache on
-a randomly initialized GPT2LMHeadModel of the same shape, float32, 2 torch threads (when installed).
+compiled with XLA's oneDNN option, float32 with the weights split over two CPU devices (tensor parallel by
+the training rules table: both cores stream half the weights, XLA adds the all-reduces), bfloat16 weights and
+activations (`generate(..., dtype="bfloat16")`), bfloat16 with two-row products and bfloat16 with oneDNN. The
+peer is Hugging Face transformers' greedy `generate` with its KV cache on a randomly initialized
+GPT2LMHeadModel of the same shape, float32, 2 torch threads (when installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -46,11 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch_reference
 
-from jaxgpt import sampling, sampling_reference
+from jaxgpt import layout, sampling, sampling_reference
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.layers import EinsumDense
-from jaxgpt.model import init_params
+from jaxgpt.model import abstract_variables, init_params
+from jaxgpt.runtime import use_cpu_devices
 
 Array = jax.Array
 
@@ -155,7 +160,7 @@ def uncached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) 
 def _two_row_products(next_fun, args, kwargs, context):
     """A flax interceptor: a projection of one row runs on that row twice and keeps the first result.
 
-    XLA:CPU hands one-row products to its single-threaded matrix-vector emitter, two-row ones to YNNPACK
+    XLA:CPU hands one-row products to its matrix-vector emitter, two-row ones to YNNPACK
     (bf16 x bf16 -> f32 natively); attention, the cache and sampling stay one row.
     """
     module, x = context.module, args[0] if args else None
@@ -166,25 +171,39 @@ def _two_row_products(next_fun, args, kwargs, context):
     return next_fun(*args, **kwargs)
 
 
-# name -> (dtype, flax interceptor of the traced decode step or None, XLA compile options)
+class Route(NamedTuple):
+    """A way to run the same decode loop: the dtype, a flax interceptor of the traced step (or None), XLA
+    compile options, and how many CPU devices the weights are split over (tensor parallel, `layout`'s rules)."""
+
+    dtype: str
+    intercept: Callable | None = None
+    options: dict | None = None
+    tensor: int = 1
+
+
 ROUTES = {
-    "float32 (default)": ("float32", None, {}),
-    "float32, two-row products": ("float32", _two_row_products, {}),
-    "float32, XLA oneDNN": ("float32", None, {"xla_cpu_use_onednn": True}),
-    "bfloat16": ("bfloat16", None, {}),
-    "bfloat16, two-row products": ("bfloat16", _two_row_products, {}),
+    "float32 (default)": Route("float32"),
+    "float32, two-row products": Route("float32", _two_row_products),
+    "float32, XLA oneDNN": Route("float32", options={"xla_cpu_use_onednn": True}),
+    "float32, tensor-parallel on 2 devices": Route("float32", tensor=2),
+    "bfloat16": Route("bfloat16"),
+    "bfloat16, two-row products": Route("bfloat16", _two_row_products),
+    "bfloat16, XLA oneDNN": Route("bfloat16", options={"xla_cpu_use_onednn": True}),
 }
+TENSOR_DEVICES = 2  # CPU devices made at start-up; single-device routes run on the first
 
 
 def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Callable[[], np.ndarray]:
     """1 x `new_tokens` sampled tokens from a newline through the route's compiled loop: `generate`'s steps.
 
     The default route is `sampling.generate` itself. The others compile the same loop function
-    (`sampling._run`) afresh, traced under the interceptor and compiled with the options.
+    (`sampling._run`) afresh, traced under the interceptor, with the weights split over `tensor` CPU
+    devices by the training rules table (heads and the MLP's hidden axis; XLA inserts the all-reduces),
+    and compiled with the options.
     """
-    dtype, intercept, options = ROUTES[route]
-    params, cfg = sampling.in_dtype(params, cfg, dtype)
-    if intercept is None and not options:
+    r = ROUTES[route]
+    params, cfg = sampling.in_dtype(params, cfg, r.dtype)
+    if r == Route(r.dtype):
         return lambda: sampling.generate(params, cfg, [NEWLINE], max_new_tokens=new_tokens, key=1)
     req = sampling.request(cfg, [NEWLINE], num_samples=None, max_new_tokens=new_tokens, temperature=1.0, top_k=None,
                            top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)
@@ -192,13 +211,29 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
     scalars = (jnp.int32(new_tokens), jnp.float32(1.0), jnp.float32(1.0))
     loop = jax.jit(lambda *a, **k: sampling._run.__wrapped__(*a, **k),  # a new function: no cached trace
                    static_argnames=("cfg", "spec", "num_steps"), donate_argnames=("state",))
-    state = sampling._prefill(params, prompt, req.key, cfg=cfg)
-    with nn.intercept_methods(intercept) if intercept else contextlib.nullcontext():
-        compiled = loop.lower(params, state, *scalars, cfg=cfg, spec=req.spec, num_steps=new_tokens).compile(options)
+    placed = contextlib.nullcontext
+    if r.tensor > 1:
+        mesh = layout.make_mesh((1, 1, r.tensor), jax.devices()[:r.tensor])
+        rules = layout.rules_for(cfg, mesh)
+        params = jax.device_put(params, layout.logical_to_sharding(
+            nn.get_partition_spec(abstract_variables(cfg)["params"]), mesh, rules))
+        placed = functools.partial(_on_mesh, mesh, rules)
+    with placed():
+        state = sampling._prefill(params, prompt, req.key, cfg=cfg)
+        with nn.intercept_methods(r.intercept) if r.intercept else contextlib.nullcontext():
+            compiled = loop.lower(params, state, *scalars, cfg=cfg, spec=req.spec,
+                                  num_steps=new_tokens).compile(r.options or {})
 
     def run() -> np.ndarray:
-        return np.asarray(compiled(params, sampling._prefill(params, prompt, req.key, cfg=cfg), *scalars)[1])
+        with placed():
+            return np.asarray(compiled(params, sampling._prefill(params, prompt, req.key, cfg=cfg), *scalars)[1])
     return run
+
+
+@contextlib.contextmanager
+def _on_mesh(mesh, rules) -> Iterator[None]:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
 
 
 def bench_routes(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[dict]:
@@ -210,6 +245,7 @@ def bench_routes(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[
     best = dict.fromkeys(programs, float("inf"))
     for _ in range(args.repeats):
         for route, run in programs.items():
+            run()  # as bench_train.interleaved: memory the other routes freed may have gone back to the host
             best[route] = min(best[route], seconds(run))
     rows = [dict(model=name, route=route, tok_s=NEW_TOKENS / t) for route, t in best.items()]
     if torch_reference.available():
@@ -340,5 +376,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    use_cpu_devices(TENSOR_DEVICES)  # before any computation
     use_huge_pages()  # as train.py and sample.py do
     main()

@@ -15,8 +15,9 @@ in the same run, in float32 and under bf16 autocast, and jaxgpt's default varian
 multiple of it next to issue 3's targets (1.5x on (a), 1.1x on (b)); the "bfloat16" row
 (`model.dtype=bfloat16`: bf16 compute, float32 parameters and Adam state) is reported against PyTorch's
 bf16 autocast (issue 16: at least 1.0x). Every program is compiled first and then all of a config's rows
-(PyTorch's too) take one step in turn, round after round, so load from other processes hits them alike;
-"step ms" is each row's fastest step. The "one query block" row disables the causal query blocking of
+(PyTorch's too) take two steps in turn, round after round, so load from other processes hits them alike;
+"step ms" is each row's fastest second step (the first re-faults memory the VM may have reclaimed while
+the other rows ran: see `interleaved`). The "one query block" row disables the causal query blocking of
 `jaxgpt.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
 The "2 CPU devices" row is the trainer's own sharded program (`jaxgpt.layout.build_program`) on a
 data-parallel mesh of two XLA CPU devices (`config.cpu_devices=2`, what configs/stdlib_char.py uses).
@@ -128,11 +129,19 @@ def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1, los
 
 
 def interleaved(runners: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Each runner's fastest of `rounds` runs, taken in turn (A, B, C, A, B, C, ...) so that load from
-    other processes falls on all of them alike."""
+    """Each runner's fastest of `rounds` turns, taken in turn (A, B, C, A, B, C, ...) so that load from
+    other processes falls on all of them alike.
+
+    A turn is two steps back to back, of which the second is timed: a step's temporaries are mapped
+    fresh from the kernel, and on a VM whose balloon driver hands freed memory back to the host (virtio
+    free page reporting, about 2 s after it is freed) the first step after the other rows re-faults
+    them from the host: +1-2 s of kernel time per step on (b), which the row after the PyTorch ones paid
+    in every round. Consecutive training steps never pay it.
+    """
     best = dict.fromkeys(runners, float("inf"))
     for _ in range(rounds):
         for name, run in runners.items():
+            run()
             best[name] = min(best[name], run())
     return best
 
@@ -193,7 +202,7 @@ def accelerator_run(steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (rounds) per row")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps (rounds) per row")
     parser.add_argument("--gpt2", action="store_true", help="GPT-2 124M at batch 4 x 1024 instead")
     args = parser.parse_args()
     if jax.devices()[0].platform in ("tpu", "gpu"):

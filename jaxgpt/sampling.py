@@ -199,9 +199,9 @@ def in_dtype(params: Any, cfg: ModelConfig, dtype: str | None) -> tuple[Any, Mod
 
     Activations, the KV cache and the weight products then run in `dtype`; norms, softmax and the logits
     stay float32 (`GPT.logits`), and so does sampling. Batch-1 decoding reads every weight once per token,
-    so bfloat16 halves the bytes per token, but measure before choosing it on a CPU: XLA:CPU runs a
-    one-row product as a float32 matrix-vector product and converts a bfloat16 matrix to float32 first, on
-    every token (benchmarks/bench_sample.py prints both paths).
+    so bfloat16 halves the bytes per token on accelerators, but not on a CPU: XLA:CPU has no bfloat16
+    one-row product, converts the weights to float32 (once per call, hoisted out of the loop) and the
+    bfloat16 cache on every token (benchmarks/bench_sample.py prints both paths).
     """
     if dtype is None or (cfg.dtype, cfg.param_dtype) == (dtype, dtype):
         return params, cfg
