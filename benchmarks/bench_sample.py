@@ -24,14 +24,15 @@ bounds batch-1 decoding (every step reads every weight), so the script also prin
 the time XLA takes to multiply every weight matrix by one vector, the floor of any decode step.
 
 Then the batch-1 decoding routes (issue 16) on the larger model and on a GPT-2 124M-shaped one (12 x 12 x 768,
-vocabulary 50304, block 1024), each 1 x 500 sampled tokens, timed in rounds that run every route once, so the
-ratios to the default path are measured side by side: float32 (the default, `generate`), float32 with every
-one-row projection padded to two rows (YNNPACK products; attention, cache and sampling stay one row), float32
-compiled with XLA's oneDNN option, float32 with the weights split over two CPU devices (tensor parallel by
-the training rules table: both cores stream half the weights, XLA adds the all-reduces), bfloat16 weights and
-activations (`generate(..., dtype="bfloat16")`), bfloat16 with two-row products and bfloat16 with oneDNN. The
-peer is Hugging Face transformers' greedy `generate` with its KV cache on a randomly initialized
-GPT2LMHeadModel of the same shape, float32, 2 torch threads (when installed).
+vocabulary 50304, block 1024), each 1 x 500 sampled tokens, timed in rounds that run every route twice (the
+second run timed, as bench_train does), so the ratios to the default path are measured side by side: float32
+(the default, `generate`), float32 with every one-row projection padded to two rows (YNNPACK products;
+attention, cache and sampling stay one row), float32 compiled with XLA's oneDNN option, float32 with the
+weights split over two CPU devices (tensor parallel by the training rules table: both cores stream half the
+weights, XLA adds the all-reduces), bfloat16 weights and activations (`generate(..., dtype="bfloat16")`),
+bfloat16 with two-row products and bfloat16 with oneDNN. The peer is Hugging Face transformers' greedy
+`generate` with its KV cache on a randomly initialized GPT2LMHeadModel of the same shape, float32, 2 torch
+threads (when installed).
 """
 
 from __future__ import annotations
