@@ -51,8 +51,9 @@ def test_projection_matches_dot_general(dims, x_shape, kernel_shape, dtype):
 
 
 def test_bf16_products_run_as_bf16_on_cpu():
-    """The forward and input-gradient products of a bf16 projection read bf16 operands in the compiled
-    program; plain lax.dot_general's are converted to float32 first (what made bf16 training slow)."""
+    """The forward, input-gradient and both halves of the weight-gradient product of a bf16 projection
+    read bf16 operands in the compiled program; plain lax.dot_general's are converted to float32 first
+    (what made bf16 training slow)."""
     x, kernel, weights = (jnp.ones(shape, jnp.bfloat16) for shape in ((256, 64), (64, 128), (256, 128)))
     dims = (((1,), (0,)), ((), ()))
 
@@ -66,7 +67,7 @@ def test_bf16_products_run_as_bf16_on_cpu():
 
     if jax.default_backend() != "cpu":
         pytest.skip("a CPU-only rewrite")
-    assert bf16_operand_dots(projection_dot_general) >= 2
+    assert bf16_operand_dots(projection_dot_general) == 4
     assert bf16_operand_dots(jax.lax.dot_general) == 0
 
 
@@ -90,8 +91,8 @@ def _loss_curve(data_dir, dtype: str, steps: int) -> np.ndarray:
 
 def test_bf16_loss_curve_tracks_float32(data_dir):
     """30 steps of the tiny config: bf16 compute (float32 parameters and Adam state) stays within the
-    tolerance benchmarks/bench_bf16_curves.py applies to the quick start (0.05 nats per step, 2% at the end)."""
+    tolerance benchmarks/bench_bf16_curves.py applies to the quick start (2% per step and at the end)."""
     f32, bf16 = _loss_curve(data_dir, "float32", 30), _loss_curve(data_dir, "bfloat16", 30)
     assert f32[-5:].mean() < f32[0] - 0.5  # it learns, so agreement is not two flat lines
-    assert np.abs(bf16 - f32).max() <= 0.05
+    assert (np.abs(bf16 - f32) / f32).max() <= 0.02
     assert abs(bf16[-5:].mean() - f32[-5:].mean()) <= 0.02 * f32[-5:].mean()
