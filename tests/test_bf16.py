@@ -11,7 +11,7 @@ import pytest
 from tests_helpers import load_tiny
 
 from jaxgpt.data import load_dataset
-from jaxgpt.layers import projection_dot_general
+from jaxgpt.layers import add_bias, projection_dot_general
 from jaxgpt.model import init_params
 from jaxgpt.optim import make_optimizer
 from jaxgpt.tasks.lm import LanguageModelling
@@ -91,8 +91,29 @@ def _loss_curve(data_dir, dtype: str, steps: int) -> np.ndarray:
 
 def test_bf16_loss_curve_tracks_float32(data_dir):
     """30 steps of the tiny config: bf16 compute (float32 parameters and Adam state) stays within the
-    tolerance benchmarks/bench_bf16_curves.py applies to the quick start (2% per step and at the end)."""
+    tolerance benchmarks/bench_bf16_curves.py applies to the quick start (running means within 2%, and the
+    final losses); its docstring says why single steps are not compared."""
     f32, bf16 = _loss_curve(data_dir, "float32", 30), _loss_curve(data_dir, "bfloat16", 30)
     assert f32[-5:].mean() < f32[0] - 0.5  # it learns, so agreement is not two flat lines
-    assert (np.abs(bf16 - f32) / f32).max() <= 0.02
+    window = np.ones(5) / 5
+    smooth_f32, smooth_bf16 = np.convolve(f32, window, "valid"), np.convolve(bf16, window, "valid")
+    assert (np.abs(smooth_bf16 - smooth_f32) / smooth_f32).max() <= 0.02
     assert abs(bf16[-5:].mean() - f32[-5:].mean()) <= 0.02 * f32[-5:].mean()
+
+
+def test_bias_gradient_is_the_sum_over_rows():
+    """`add_bias`'s gradients: the cotangent itself for y, and for the bias its float32 sum over every row,
+    rounded once to bf16 (plain broadcasting's bf16 sum may round at every addition)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("a CPU-only rewrite")
+    keys = jax.random.split(jax.random.key(0), 3)
+    y = jax.random.normal(keys[0], (4, 64, 3, 8)).astype(jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (3, 8)).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(keys[2], y.shape).astype(jnp.bfloat16)
+    value, dy, dbias = jax.jit(lambda *a: _value_and_grads(lambda a, b, _: add_bias(a, b), None, *a))(
+        y, bias, cotangent)
+    np.testing.assert_array_equal(np.asarray(value, np.float32), np.asarray(y + bias, np.float32))
+    np.testing.assert_array_equal(np.asarray(dy, np.float32), np.asarray(cotangent, np.float32))
+    exact = np.asarray(cotangent, np.float32).sum((0, 1))
+    assert dbias.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(dbias, np.float32), exact, rtol=2**-8, atol=1e-6)
