@@ -25,7 +25,7 @@ def check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) ->
                         "use a smaller block_size or more data")
 
 
-def _local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+def local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
     """This process's contiguous share of the global batch's rows."""
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
@@ -75,7 +75,7 @@ def batch_for_step(
     shape (batch_size // process_count, block_size). `split` only names the data in error messages.
     """
     check_shapes(len(tokens), batch_size, block_size, split)
-    rows = _local_rows(batch_size, process_index, process_count)
+    rows = local_rows(batch_size, process_index, process_count)
     starts = _global_starts([seed, step], len(tokens) - block_size, batch_size)[rows]
     return _windows(tokens, starts, block_size)
 
@@ -95,7 +95,7 @@ def eval_batches(
     comparable across a run and across resumes. Drawn from a stream separate from training batches;
     rows are split across processes exactly as in `batch_for_step`."""
     check_shapes(len(tokens), batch_size, block_size, split)
-    rows = _local_rows(batch_size, process_index, process_count)
+    rows = local_rows(batch_size, process_index, process_count)
     n_starts = len(tokens) - block_size
     return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)
             for i in range(n_batches)]

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from jaxgpt import weights
+from jaxgpt.batches import local_rows
 from jaxgpt.errors import UserError
 from jaxgpt.model import GPTClassifier, dummy_tokens
 from jaxgpt.tasks.classify_data import (
@@ -139,13 +140,11 @@ class Classification:
                             "row width: choose a new --config.workdir")
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
-        n = self.cfg.batch_size // process_count
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["x"]), self.cfg.batch_size)
-        return make_batch(self.data["train"], idx[process_index * n:(process_index + 1) * n])
+        return make_batch(self.data["train"], idx[local_rows(self.cfg.batch_size, process_index, process_count)])
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
-        n = self.cfg.batch_size // process_count
-        rows = slice(process_index * n, (process_index + 1) * n)
+        rows = local_rows(self.cfg.batch_size, process_index, process_count)
         return {part: [{k: v[rows] for k, v in b.items()} for b in eval_batches(self.data[part], self.cfg.batch_size,
                                                                                    idx)]
                 for part, idx in self.eval_idx.items()}

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.batches import local_rows
 from jaxgpt.config import Seq2SeqConfig
 from jaxgpt.errors import UserError
 from jaxgpt.seq2seq import EncoderDecoder, dummy_batch
@@ -177,13 +178,11 @@ class Seq2Seq:
                             "data, or a new --config.workdir")
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
-        n = self.cfg.batch_size // process_count
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["src"]), self.cfg.batch_size)
-        return rows(self.data["train"], idx[process_index * n:(process_index + 1) * n])
+        return rows(self.data["train"], idx[local_rows(self.cfg.batch_size, process_index, process_count)])
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
-        n = self.cfg.batch_size // process_count
-        part = slice(process_index * n, (process_index + 1) * n)
+        part = local_rows(self.cfg.batch_size, process_index, process_count)
         return {split: [{k: v[part] for k, v in b.items()} for b in batches] for split, batches in self._evals.items()}
 
     def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
