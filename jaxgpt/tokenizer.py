@@ -44,6 +44,12 @@ HOW_TO_GET_BPE = (
 )
 
 
+def _check_ids(ids: Sequence[int], vocab_size: int) -> None:
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {vocab_size})")
+
+
 class Tokenizer(ABC):
     """Text <-> token ids. Subclasses set `name`, `vocab_size` and `eot_token` in `__init__`."""
 
@@ -122,9 +128,7 @@ class CharTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Out-of-range ids are a bug (e.g. a model with the wrong vocab size), so they raise."""
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {self.vocab_size})")
+        _check_ids(ids, self.vocab_size)
         return "".join(self.chars[i] for i in ids)
 
     def to_meta(self) -> dict[str, Any]:
@@ -246,9 +250,7 @@ class WordTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Out-of-range ids are a bug (e.g. a model with the wrong vocab size), so they raise."""
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {self.vocab_size})")
+        _check_ids(ids, self.vocab_size)
         return " ".join(self.tokens[i] for i in ids)
 
     def to_meta(self) -> dict[str, Any]:
