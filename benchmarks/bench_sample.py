@@ -42,7 +42,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -218,7 +218,7 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
         rules = layout.rules_for(cfg, mesh)
         params = jax.device_put(params, layout.logical_to_sharding(
             nn.get_partition_spec(abstract_variables(cfg)["params"]), mesh, rules))
-        placed = functools.partial(_on_mesh, mesh, rules)
+        placed = functools.partial(layout.activate, mesh, rules)
     with placed():
         state = sampling._prefill(params, prompt, req.key, cfg=cfg)
         with nn.intercept_methods(r.intercept) if r.intercept else contextlib.nullcontext():
@@ -229,12 +229,6 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
         with placed():
             return np.asarray(compiled(params, sampling._prefill(params, prompt, req.key, cfg=cfg), *scalars)[1])
     return run
-
-
-@contextlib.contextmanager
-def _on_mesh(mesh, rules) -> Iterator[None]:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        yield
 
 
 def bench_routes(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[dict]:

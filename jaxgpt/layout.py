@@ -91,6 +91,16 @@ def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mes
     return Mesh(np.asarray(devices).reshape(resolved), MESH_AXES, axis_types=axis_types)
 
 
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Iterator[None]:
+    """The mesh and rules that the model's logical activation constraints resolve against.
+
+    `jax.set_mesh`, not `with mesh:` (deprecated, and it silently turns the constraints into no-ops).
+    """
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
 def rules_for(model_cfg: Any, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
     """The rules table, except that a vocabulary the tensor axis does not divide (GPT-2's 50257) is replicated."""
     if model_cfg.vocab_size % mesh.shape["tensor"] == 0:
@@ -148,14 +158,8 @@ class Program:
     train_step: Callable[..., Any]  # jitted (state, batch, key) -> (state, metrics); donates state
     eval_step: Callable[..., Any]  # jitted (params, batch) -> the task's evaluation outputs
 
-    @contextlib.contextmanager
-    def activate(self) -> Iterator[None]:
-        """The mesh and rules that the model's logical activation constraints resolve against.
-
-        `jax.set_mesh`, not `with mesh:` (deprecated, and it silently turns the constraints into no-ops).
-        """
-        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-            yield
+    def activate(self) -> contextlib.AbstractContextManager[None]:
+        return activate(self.mesh, self.rules)
 
     def abstract_batch(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, jax.ShapeDtypeStruct]:
         return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh[k]) for k, shape in shapes.items()}
