@@ -19,6 +19,7 @@ buffer per layer is read in place.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -33,9 +34,10 @@ from jaxgpt.layers import EinsumDense
 Array = jax.Array
 Cache = dict[str, Array]  # one layer's {"k", "v"}: (B, H, S, D); (L, B, H, S, D) when layers are scanned
 NEG_INF = float(jnp.finfo(jnp.float32).min)
+Blocks = tuple[tuple[int, int, int], ...]  # (t0, t1, s1) per query block, `query_blocks`
 
 
-def query_blocks(T: int, S: int, causal: bool) -> list[tuple[int, int, int]]:
+def query_blocks(T: int, S: int, causal: bool) -> Blocks:
     """Row blocks (t0, t1, s1) of causal attention: queries t0..t1 need only keys 0..s1 = t1.
 
     Without a cache the visible keys are always a subset of the causal ones, so splitting the queries
@@ -48,14 +50,29 @@ def query_blocks(T: int, S: int, causal: bool) -> list[tuple[int, int, int]]:
     block = max(64, T // 8)
     n_blocks, ragged = divmod(T, block)
     if not causal or T != S or n_blocks < 2 or ragged:
-        return [(0, T, S)]
-    return [(t0, t0 + block, t0 + block) for t0 in range(0, T, block)]
+        return ((0, T, S),)
+    return tuple((t0, t0 + block, t0 + block) for t0 in range(0, T, block))
 
 
 def scaled_queries(q_BTHD: Array, dtype: str) -> Array:
     """Head-major queries times 1/sqrt(D): scaling the (T, D) queries costs less than the (T, S) scores."""
     scaled = q_BTHD.astype(jnp.float32) / math.sqrt(q_BTHD.shape[-1])
     return scaled.astype(dtype).transpose(0, 2, 1, 3)
+
+
+def work_dtype(dtype: str) -> str:
+    """The dtype of attention's products, softmax inputs and KV cache: the model's, but float32 on CPUs.
+
+    XLA:CPU has no native 16-bit product with batch axes (heads) nor a one-query product against a
+    cache: it converts their operands to float32 anyway. In training, the 16-bit roundings between
+    them (of q, k and v on their way in and of their gradients on the way out) became slow elementwise
+    passes; float32 made a bf16 step of 6x6x384 about 10% faster (benchmarks/bench_train.py). In
+    decoding, a bf16 cache was converted whole on every token and rewritten on every write, which cost
+    a bf16 decode step more than the halved cache saved (benchmarks/bench_sample.py). Accelerators keep
+    the model's dtype.
+    """
+    narrow = jnp.dtype(dtype).itemsize < 4 and kernels.current_platform() == "cpu"
+    return "float32" if narrow else dtype
 
 
 def resolve_impl(impl: str, dtype: str) -> str:
@@ -72,6 +89,58 @@ def resolve_impl(impl: str, dtype: str) -> str:
     if platform in ("gpu", "cuda"):
         return "cudnn" if dtype in ("bfloat16", "float16") else "xla"
     return "einsum"
+
+
+def _block_probs(q_BHTD: Array, k_BHSD: Array, visible_BTS: Array, block: tuple[int, int, int]) -> Array:
+    """Float32 softmax probabilities of one query block over its prefix of keys."""
+    t0, t1, s1 = block
+    att_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD[:, :, t0:t1], k_BHSD[:, :, :s1]).astype(jnp.float32)
+    return jax.nn.softmax(jnp.where(visible_BTS[:, None, t0:t1, :s1], att_BHTS, NEG_INF), axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blocked(q_BHTD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, blocks: Blocks) -> Array:
+    """softmax(q k^T) v per query block, with a backward written out block by block.
+
+    Autodiff's backward of the block slices is a chain of pads and adds over every block's key and value
+    gradients, which XLA:CPU fused with the transposes back to the qkv projection into one slow loop
+    (12 ms per layer of a bf16 6x6x384 step). Here each key block's gradient sums only the query blocks
+    that see it, and the float32 softmax gradient is formed once per block.
+    """
+    return _blocked_fwd(q_BHTD, k_BHSD, v_BHSD, visible_BTS, blocks)[0]
+
+
+def _blocked_fwd(q_BHTD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, blocks: Blocks
+                 ) -> tuple[Array, tuple]:
+    probs = [_block_probs(q_BHTD, k_BHSD, visible_BTS, b) for b in blocks]
+    y_BHTD = jnp.concatenate([jnp.einsum("bhts,bhsd->bhtd", p.astype(v_BHSD.dtype), v_BHSD[:, :, :s1])
+                              for p, (_, _, s1) in zip(probs, blocks, strict=True)], axis=2)
+    return y_BHTD, (q_BHTD, k_BHSD, v_BHSD, probs)
+
+
+def _blocked_bwd(blocks: Blocks, res: tuple, dy_BHTD: Array) -> tuple[Array, Array, Array, None]:
+    q_BHTD, k_BHSD, v_BHSD, probs = res
+    dt = q_BHTD.dtype
+    dq_parts, dk_parts, dv_parts = [], [], []
+    for p_BHTS, (t0, t1, s1) in zip(probs, blocks, strict=True):
+        dy = dy_BHTD[:, :, t0:t1]
+        dv_parts.append(jnp.einsum("bhts,bhtd->bhsd", p_BHTS.astype(dt), dy, preferred_element_type=jnp.float32))
+        dp_BHTS = jnp.einsum("bhtd,bhsd->bhts", dy, v_BHSD[:, :, :s1], preferred_element_type=jnp.float32)
+        ds_BHTS = (p_BHTS * (dp_BHTS - jnp.sum(p_BHTS * dp_BHTS, axis=-1, keepdims=True))).astype(dt)
+        dq_parts.append(jnp.einsum("bhts,bhsd->bhtd", ds_BHTS, k_BHSD[:, :, :s1]))
+        dk_parts.append(jnp.einsum("bhts,bhtd->bhsd", ds_BHTS, q_BHTD[:, :, t0:t1],
+                                   preferred_element_type=jnp.float32))
+
+    def prefix_sum(parts: list[Array]) -> Array:  # keys s0..s1 of block j: the parts of query blocks j, j+1, ...
+        ends = [s1 for _, _, s1 in blocks]
+        return jnp.concatenate([sum(part[:, :, s0:s1] for part in parts[j:])
+                                for j, (s0, s1) in enumerate(zip([0, *ends[:-1]], ends, strict=True))], axis=2)
+
+    return (jnp.concatenate(dq_parts, axis=2), prefix_sum(dk_parts).astype(k_BHSD.dtype),
+            prefix_sum(dv_parts).astype(v_BHSD.dtype), None)
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def attend(q_BTHD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, *, impl: str, dtype: str,
@@ -97,17 +166,18 @@ def attend(q_BTHD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, *, i
                                          mask=None if plain_causal else visible_BTS[:, None], is_causal=plain_causal,
                                          implementation="cudnn" if impl == "cudnn" else None)
         return y, "bthd", None
-    q_BHTD = scaled_queries(q_BTHD, dtype)
-    y_parts, probs_parts = [], []
-    for t0, t1, s1 in query_blocks(T=q_BTHD.shape[1], S=k_BHSD.shape[2], causal=causal):
-        att_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD[:, :, t0:t1], k_BHSD[:, :, :s1]).astype(jnp.float32)
-        att_BHTS = jnp.where(visible_BTS[:, None, t0:t1, :s1], att_BHTS, NEG_INF)
-        probs_BHTS = jax.nn.softmax(att_BHTS, axis=-1)
-        probs_parts.append(jnp.pad(probs_BHTS, ((0, 0), (0, 0), (0, 0), (0, k_BHSD.shape[2] - s1))))
-        if dropout is not None:
-            probs_BHTS = dropout(probs_BHTS)
-        y_parts.append(jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(dtype), v_BHSD[:, :, :s1]))
-    y_BHTD, probs_BHTS = jnp.concatenate(y_parts, axis=2), jnp.concatenate(probs_parts, axis=2)
+    work = work_dtype(dtype)
+    q_BHTD, k_BHSD, v_BHSD = scaled_queries(q_BTHD, work), k_BHSD.astype(work), v_BHSD.astype(work)
+    blocks = query_blocks(T=q_BTHD.shape[1], S=k_BHSD.shape[2], causal=causal)
+    probs = [_block_probs(q_BHTD, k_BHSD, visible_BTS, block) for block in blocks]
+    if dropout is None:
+        y_BHTD = _blocked(q_BHTD, k_BHSD, v_BHSD, visible_BTS, blocks)
+    else:  # dropped probabilities: autodiff's backward
+        y_BHTD = jnp.concatenate([jnp.einsum("bhts,bhsd->bhtd", dropout(p).astype(work), v_BHSD[:, :, :s1])
+                                  for p, (_, _, s1) in zip(probs, blocks, strict=True)], axis=2)
+    S = k_BHSD.shape[2]
+    probs_BHTS = jnp.concatenate([jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, S - s1)))
+                                  for p, (_, _, s1) in zip(probs, blocks, strict=True)], axis=2)
     if jnp.dtype(dtype) == jnp.bfloat16 and kernels.current_platform() == "cpu":
         # heads and head_dim last: XLA:CPU then runs the output projection as a native bf16 product
         # (`layers.projection_dot_general`); accelerators keep the layout their compilers were measured with
@@ -156,8 +226,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, length: int | None = None,
                dtype: str | None = None) -> Cache | list[Cache]:
     """Zeroed KV cache for `GPT.decode`: a (B, H, S, D) pair per layer, stacked when layers are scanned."""
     shape = (batch_size, cfg.n_head, length or cfg.block_size, cfg.head_dim)
-    zeros = lambda *lead: {"k": jnp.zeros((*lead, *shape), dtype or cfg.dtype),
-                           "v": jnp.zeros((*lead, *shape), dtype or cfg.dtype)}
+    dtype = dtype or work_dtype(cfg.dtype)
+    zeros = lambda *lead: {"k": jnp.zeros((*lead, *shape), dtype), "v": jnp.zeros((*lead, *shape), dtype)}
     return zeros(cfg.n_layer) if cfg.scan_layers else [zeros() for _ in range(cfg.n_layer)]
 
 
@@ -172,19 +242,23 @@ class CausalSelfAttention(nn.Module):
         cfg = self.cfg
         H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
         qkv = EinsumDense(cfg, "btc,ckhd->btkhd", (C, 3, H, D), ("embed", None, "heads", "head_dim"),
-                          (None, "heads", "head_dim"), fans=(C, H * D), name="qkv")(x_BTC)
+                          (None, "heads", "head_dim"), fans=(C, H * D), out_dtype=work_dtype(cfg.dtype),
+                          name="qkv")(x_BTC)
         q_BTHD = qkv[:, :, 0]
         k_BHSD, v_BHSD = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
         impl = resolve_impl(cfg.attention_impl, cfg.dtype)
         if cache is not None and x_BTC.shape[1] == 1 and impl == "einsum":
-            y, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, cache["k"], cache["v"], cache_index, cfg.dtype)
+            y, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, cache["k"], cache["v"], cache_index,
+                                       work_dtype(cfg.dtype))
             return self._out(y, "bhtd"), write_cache(cache, k_new, v_new, cache_index)
         if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
             cache = write_cache(cache, k_BHSD, v_BHSD, cache_index)
-            k_BHSD, v_BHSD = cache["k"].astype(cfg.dtype), cache["v"].astype(cfg.dtype)
+            k_BHSD, v_BHSD = cache["k"], cache["v"]
         drop = nn.Dropout(cfg.attn_dropout)
         y, axes, probs = attend(q_BTHD, k_BHSD, v_BHSD, visible_BTS, impl=impl, dtype=cfg.dtype,
-                                causal=cache is None, dropout=lambda p: drop(p, deterministic=deterministic))
+                                causal=cache is None,
+                                dropout=None if deterministic or not cfg.attn_dropout
+                                else lambda p: drop(p, deterministic=False))
         if probs is not None:
             self.sow("intermediates", "attn_weights", probs)  # dropped unless asked for
         return self._out(y, axes), cache

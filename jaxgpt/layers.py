@@ -7,6 +7,7 @@ Every parameter carries logical axis names (`nn.with_logical_partitioning`); the
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -99,14 +100,14 @@ class Norm(nn.Module):
         return y.astype(cfg.dtype)
 
 
-@jax.custom_vjp
-def _bf16_matmul(x_MK: Array, w_KN: Array) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bf16_matmul(x_MK: Array, w_KN: Array, out_dtype: str) -> Array:
     return jax.lax.dot_general(x_MK, w_KN, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(x_MK.dtype)
+                               preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _bf16_matmul_fwd(x_MK: Array, w_KN: Array) -> tuple[Array, tuple[Array, Array]]:
-    return _bf16_matmul(x_MK, w_KN), (x_MK, w_KN)
+def _bf16_matmul_fwd(x_MK: Array, w_KN: Array, out_dtype: str) -> tuple[Array, tuple[Array, Array]]:
+    return _bf16_matmul(x_MK, w_KN, out_dtype), (x_MK, w_KN)
 
 
 def _weight_gradient(x_MK: Array, dy_MN: Array) -> Array:
@@ -116,14 +117,17 @@ def _weight_gradient(x_MK: Array, dy_MN: Array) -> Array:
     operands to float32 first; slices of an explicit X^T are read as bf16 by YNNPACK, which makes
     the weight gradient about 2x faster than in float32 (benchmarks/bench_cpu_products.py).
     """
+    if dy_MN.shape[1] < x_MK.shape[1]:  # dW^T = dY^T X transposes the narrower operand (the MLP's proj: 4x)
+        return _weight_gradient(dy_MN, x_MK).T
     xT_KM = jax.lax.optimization_barrier(x_MK.T)  # materialized: XLA would fold a bare transpose back
     h = x_MK.shape[0] // 2
     dot = lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return dot(xT_KM[:, :h], dy_MN[:h]) + dot(xT_KM[:, h:], dy_MN[h:])
 
 
-def _bf16_matmul_bwd(res: tuple[Array, Array], dy_MN: Array) -> tuple[Array, Array]:
+def _bf16_matmul_bwd(_: str, res: tuple[Array, Array], dy_MN: Array) -> tuple[Array, Array]:
     x_MK, w_KN = res
+    dy_MN = dy_MN.astype(x_MK.dtype)
     dx_MK = jax.lax.dot_general(dy_MN, w_KN, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return dx_MK.astype(x_MK.dtype), _weight_gradient(x_MK, dy_MN).astype(w_KN.dtype)
 
@@ -131,7 +135,8 @@ def _bf16_matmul_bwd(res: tuple[Array, Array], dy_MN: Array) -> tuple[Array, Arr
 _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 
 
-def projection_dot_general(x: Array, kernel: Array, dimension_numbers: Any, precision: Any = None) -> Array:
+def projection_dot_general(x: Array, kernel: Array, dimension_numbers: Any, precision: Any = None,
+                           out_dtype: Any = None) -> Array:
     """`jax.lax.dot_general` for projections, with bfloat16 products that XLA:CPU runs natively.
 
     XLA:CPU multiplies bfloat16 natively (YNNPACK, bf16 x bf16 -> f32) only when a product asks for a
@@ -141,17 +146,19 @@ def projection_dot_general(x: Array, kernel: Array, dimension_numbers: Any, prec
     contracted axes are x's last and the kernel's first (every projection of the GPT) run as one
     (M, K) x (K, N) product whose input-gradient product is written out transpose-free and whose
     weight-gradient product reads slices of an explicit X^T (a custom VJP). Same values as the plain
-    product: float32 accumulation, rounded to bfloat16.
+    product: float32 accumulation, rounded to bfloat16 (or to `out_dtype`, by default x's dtype).
     """
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     (x_dims, k_dims), batch = dimension_numbers
     n = len(x_dims)
     plain = (x.dtype != jnp.bfloat16 or kernel.dtype != jnp.bfloat16 or batch != ((), ())
              or list(x_dims) != list(range(x.ndim - n, x.ndim)) or list(k_dims) != list(range(n))
              or kernels.current_platform() != "cpu")
     if plain:
-        return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision)
+        return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision,
+                                   preferred_element_type=out_dtype)
     K = math.prod(kernel.shape[:n])
-    y_MN = _bf16_matmul(x.reshape(-1, K), kernel.reshape(K, -1))
+    y_MN = _bf16_matmul(x.reshape(-1, K), kernel.reshape(K, -1), out_dtype.name)
     return y_MN.reshape(*x.shape[:x.ndim - n], *kernel.shape[n:])
 
 
@@ -187,7 +194,7 @@ def add_bias(y: Array, bias: Array) -> Array:
     return _bf16_bias_add(y, bias)
 
 
-def einsum_in_kernel_order(spec: str, x: Array, kernel: Array) -> Array:
+def einsum_in_kernel_order(spec: str, x: Array, kernel: Array, out_dtype: Any = None) -> Array:
     """`jnp.einsum(spec, x, kernel)` for projections (every axis x shares with the kernel is contracted).
 
     jnp.einsum picks its own order for several contracted axes ("bthd,hdc->btc" contracts (d, h)), and
@@ -199,7 +206,7 @@ def einsum_in_kernel_order(spec: str, x: Array, kernel: Array) -> Array:
     x_axes, k_axes = inputs.split(",")
     shared = [a for a in k_axes if a in x_axes]
     dims = ([x_axes.index(a) for a in shared], [k_axes.index(a) for a in shared])
-    y = projection_dot_general(x, kernel, (dims, ((), ())))
+    y = projection_dot_general(x, kernel, (dims, ((), ())), out_dtype=out_dtype)
     y_axes = [a for a in x_axes + k_axes if a not in shared]
     return y.transpose([y_axes.index(a) for a in out])
 
@@ -219,18 +226,20 @@ class EinsumDense(nn.Module):
     residual: bool = False
     fans: tuple[int, int] | None = None
     role: str = "attn"  # for `param_init`
+    out_dtype: str | None = None  # y's dtype (None: the model's); attention asks for its own, `attention.work_dtype`
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.cfg
         kernel = self.param("kernel", param_init(cfg, self.kernel_names, residual=self.residual, fans=self.fans,
                                                  role=self.role), self.kernel_shape, cfg.param_dtype)
-        y = einsum_in_kernel_order(self.spec, x.astype(cfg.dtype), kernel.astype(cfg.dtype))
+        out_dtype = self.out_dtype or cfg.dtype
+        y = einsum_in_kernel_order(self.spec, x.astype(cfg.dtype), kernel.astype(cfg.dtype), out_dtype)
         if cfg.use_bias:
             bias_shape = self.kernel_shape[-len(self.bias_names):]
             fan_in = self.fans[0] if self.fans else math.prod(self.kernel_shape[:-len(self.bias_names)])
             y = add_bias(y, self.param("bias", bias_init(cfg, self.bias_names, fan_in), bias_shape,
-                                       cfg.param_dtype).astype(cfg.dtype))
+                                       cfg.param_dtype).astype(out_dtype))
         return y
 
 
@@ -246,7 +255,7 @@ class MLP(nn.Module):
         fc = EinsumDense(cfg, "btc,cf->btf", (C, F), ("embed", "mlp"), ("mlp",), role="mlp", name="fc")
         proj = EinsumDense(cfg, "btf,fc->btc", (F, C), ("mlp", "embed"), ("embed",), residual=True, role="mlp",
                            name="proj")
-        h_BTF = ACTIVATIONS[cfg.activation](fc(x_BTC))
+        h_BTF = ACTIVATIONS[cfg.activation](fc(x_BTC).astype(jnp.float32)).astype(cfg.dtype)
         h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "act_mlp"))
         h_BTF = nn.Dropout(cfg.ff_dropout)(h_BTF, deterministic=deterministic)
         return proj(h_BTF)

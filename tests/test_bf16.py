@@ -18,9 +18,10 @@ from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train_config import from_config_dict
 from jaxgpt.train_step import make_train_step
 
-# (spec of a projection, x shape, kernel shape): the GPT's fused QKV, MLP and output projections
+# (spec of a projection, x shape, kernel shape): the GPT's fused QKV, MLP (fc, proj) and output projections
 PROJECTIONS = [((((2,), (0,)), ((), ())), (2, 16, 32), (32, 3, 4, 8)),
                ((((2,), (0,)), ((), ())), (2, 16, 32), (32, 128)),
+               ((((2,), (0,)), ((), ())), (2, 16, 128), (128, 32)),
                ((((2, 3), (0, 1)), ((), ())), (2, 16, 4, 8), (4, 8, 32))]
 
 
@@ -50,11 +51,12 @@ def test_projection_matches_dot_general(dims, x_shape, kernel_shape, dtype):
             np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
 
 
-def test_bf16_products_run_as_bf16_on_cpu():
+@pytest.mark.parametrize("K,N", [(64, 128), (128, 64)])
+def test_bf16_products_run_as_bf16_on_cpu(K: int, N: int):
     """The forward, input-gradient and both halves of the weight-gradient product of a bf16 projection
-    read bf16 operands in the compiled program; plain lax.dot_general's are converted to float32 first
-    (what made bf16 training slow)."""
-    x, kernel, weights = (jnp.ones(shape, jnp.bfloat16) for shape in ((256, 64), (64, 128), (256, 128)))
+    read bf16 operands in the compiled program, whichever of X and dY the weight gradient transposes;
+    plain lax.dot_general's are converted to float32 first (what made bf16 training slow)."""
+    x, kernel, weights = (jnp.ones(shape, jnp.bfloat16) for shape in ((256, K), (K, N), (256, N)))
     dims = (((1,), (0,)), ((), ()))
 
     def bf16_operand_dots(dot_general):

@@ -167,18 +167,21 @@ def test_repeated_calls_reuse_the_compiled_loop() -> None:
     assert (sampling._run._cache_size(), sampling._prefill._cache_size()) == before
 
 
-def test_decode_loop_updates_the_cache_in_place() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_loop_updates_the_cache_in_place(dtype: str) -> None:
     """No while-loop body of the compiled generation copies a layer's (B, H, S, D) cache, whole or sliced.
 
     A copy per layer and token is invisible to every equality test but was a third of the larger
     benchmark model's decode time (and a slice of a stacked cache, 30% of the small one's); this reads
-    XLA's optimized program to keep them out.
+    XLA's optimized program to keep them out. A bf16 model keeps a float32 cache on CPUs
+    (`attention.work_dtype`): no bf16 image of the cache is made per token either.
     """
-    cfg = SWEEP["seed001"]
-    state = sampling._prefill(random_params(cfg), jnp.asarray(prompts(cfg, 3)), jax.random.key(0), cfg=cfg)
+    params, cfg = sampling.in_dtype(random_params(SWEEP["seed001"]), SWEEP["seed001"], dtype)
+    state = sampling._prefill(params, jnp.asarray(prompts(cfg, 3)), jax.random.key(0), cfg=cfg)
     spec = sampling.SamplerSpec(greedy=True, top_k=None, use_top_p=False, eot_token=None, window_shift=8)
-    hlo = sampling._run.lower(random_params(cfg), state, jnp.int32(40), jnp.float32(1), jnp.float32(1), cfg=cfg,
+    hlo = sampling._run.lower(params, state, jnp.int32(40), jnp.float32(1), jnp.float32(1), cfg=cfg,
                               spec=spec, num_steps=40).compile().as_text()
+    assert state.cache[0]["k"].dtype == jnp.float32
     cache_shape = "f32[{},{},{},{}]".format(*state.cache[0]["k"].shape)
     bodies = {}
     for name in re.findall(r"while\(.*?body=%([\w.]+)", hlo):
@@ -189,6 +192,7 @@ def test_decode_loop_updates_the_cache_in_place() -> None:
         copies = re.findall(re.escape(cache_shape) + r"\{[0-9,]*\} copy\(", text)
         slices = re.findall(r"%slice[\w.-]* = " + re.escape(cache_shape), text)
         assert not copies and not slices, f"{len(copies)} cache copies, {len(slices)} slices in the loop body {name}"
+        assert cache_shape.replace("f32", "bf16") not in text, f"a bf16 image of the cache in the loop body {name}"
 
 
 def test_end_of_text_finishes_rows_and_stops_the_loop() -> None:
