@@ -200,8 +200,9 @@ def in_dtype(params: Any, cfg: ModelConfig, dtype: str | None) -> tuple[Any, Mod
     Activations, the KV cache and the weight products then run in `dtype`; norms, softmax and the logits
     stay float32 (`GPT.logits`), and so does sampling. Batch-1 decoding reads every weight once per token,
     so bfloat16 halves the bytes per token on accelerators, but not on a CPU: XLA:CPU has no bfloat16
-    one-row product, converts the weights to float32 (once per call, hoisted out of the loop) and the
-    bfloat16 cache on every token (benchmarks/bench_sample.py prints both paths).
+    one-row product and converts the weights to float32 (once per call, hoisted out of the loop), and the
+    cache and attention stay float32 there (`attention.work_dtype`), so bf16 decodes at float32's speed
+    (benchmarks/bench_sample.py prints both paths).
     """
     if dtype is None or (cfg.dtype, cfg.param_dtype) == (dtype, dtype):
         return params, cfg
