@@ -241,15 +241,14 @@ class CausalSelfAttention(nn.Module):
                  cache_index: Array | None = None) -> tuple[Array, Cache | None]:
         cfg = self.cfg
         H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
+        work = work_dtype(cfg.dtype)  # q, k, v, the cache and one-token attention
         qkv = EinsumDense(cfg, "btc,ckhd->btkhd", (C, 3, H, D), ("embed", None, "heads", "head_dim"),
-                          (None, "heads", "head_dim"), fans=(C, H * D), out_dtype=work_dtype(cfg.dtype),
-                          name="qkv")(x_BTC)
+                          (None, "heads", "head_dim"), fans=(C, H * D), out_dtype=work, name="qkv")(x_BTC)
         q_BTHD = qkv[:, :, 0]
         k_BHSD, v_BHSD = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
         impl = resolve_impl(cfg.attention_impl, cfg.dtype)
         if cache is not None and x_BTC.shape[1] == 1 and impl == "einsum":
-            y, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, cache["k"], cache["v"], cache_index,
-                                       work_dtype(cfg.dtype))
+            y, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, cache["k"], cache["v"], cache_index, work)
             return self._out(y, "bhtd"), write_cache(cache, k_new, v_new, cache_index)
         if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
             cache = write_cache(cache, k_BHSD, v_BHSD, cache_index)
