@@ -8,7 +8,9 @@ float32, and whether two cores can share a decode step, is decided here, below t
 
 * decode chains: every weight matrix of a model times one row (qkv -> out -> fc -> proj per layer, as a
   decode step needs them, 16 steps inside one compiled loop, best of --repeats calls), for the 6x6x384
-  model and the GPT-2 124M shape (without the tied head). Routes: float32 one row; bfloat16 one row;
+  model and the GPT-2 124M shape (without the tied head). Routes: float32 one row, with the kernel
+  stored (K, N) as the model declares it and stored (N, K) as the sampler decodes one row from it
+  (`model.output_major_kernels`); bfloat16 one row;
   bfloat16 padded to two rows (kernel stored (K, N) as the model stores it, and stored (N, K)); float32
   split by columns over two CPU devices with the all-gather each product then needs, and without it
   (the bound of splitting, not a correct program).
@@ -94,6 +96,7 @@ def chain_rows(C: int, layers: int, repeats: int) -> list[tuple[str, float, str]
 
     routes = {
         "float32, one row": lambda: program(jnp.float32, 1),
+        "float32, one row, kernel (N, K) (the sampler's)": lambda: program(jnp.float32, 1, transposed=True),
         "bfloat16, one row": lambda: program(jnp.bfloat16, 1),
         "bfloat16, two rows, kernel (K, N)": lambda: program(jnp.bfloat16, 2),
         "bfloat16, two rows, kernel (N, K)": lambda: program(jnp.bfloat16, 2, transposed=True),

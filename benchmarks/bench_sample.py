@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -132,10 +133,13 @@ def cached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) ->
     Times the loop itself (`sampling._run`, the function `generate` calls after the prefill) on a copy of
     a prefilled state, so neither the prefill nor a dispatch is in the number.
     """
-    prompt = jnp.asarray(np.random.default_rng(context).integers(0, cfg.vocab_size, size=(1, context)))
-    state = sampling._prefill(params, prompt, jax.random.key(1), cfg=cfg)
-    spec = sampling.SamplerSpec(greedy=False, top_k=None, use_top_p=False, eot_token=None,
-                                window_shift=sampling.default_window_shift(cfg))
+    prompt = np.random.default_rng(context).integers(0, cfg.vocab_size, size=(1, context))
+    spec = sampling.request(cfg, prompt, num_samples=None, max_new_tokens=PROBE_STEPS, temperature=1.0, top_k=None,
+                            top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False,
+                            vocab_limit=None).spec
+    params, cfg = sampling.decoding_weights(params, cfg, None, output_major=spec.output_major)
+    state = sampling._prefill(params, jnp.asarray(prompt), jax.random.key(1), cfg=cfg, output_major=spec.output_major,
+                              slots=sampling.cache_slots(cfg, context, PROBE_STEPS))
     run = lambda st: sampling._run(params, st, jnp.int32(PROBE_STEPS), jnp.float32(1.0), jnp.float32(1.0), cfg=cfg,
                                    spec=spec, num_steps=PROBE_STEPS)
     jax.block_until_ready(run(jax.tree.map(jnp.copy, state)))
@@ -165,7 +169,7 @@ def _two_row_products(next_fun, args, kwargs, context):
     (bf16 x bf16 -> f32 natively); attention, the cache and sampling stay one row.
     """
     module, x = context.module, args[0] if args else None
-    projection = (isinstance(module, EinsumDense | nn.Dense) and context.method_name == "__call__") or (
+    projection = (isinstance(module, EinsumDense) and context.method_name == "__call__") or (
         isinstance(module, nn.Embed) and context.method_name == "attend")
     if projection and x.ndim == 3 and x.shape[0] * x.shape[1] == 1:
         return next_fun(jnp.concatenate([x, x]), *args[1:], **kwargs)[:1]
@@ -200,14 +204,16 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
     The default route is `sampling.generate` itself. The others compile the same loop function
     (`sampling._run`) afresh, traced under the interceptor, with the weights split over `tensor` CPU
     devices by the training rules table (heads and the MLP's hidden axis; XLA inserts the all-reduces),
-    and compiled with the options.
+    and compiled with the options. Two-row products and split weights read the kernels as the modules
+    declare them: output-major matrices (`SamplerSpec.output_major`) are for one row on one device.
     """
     r = ROUTES[route]
-    params, cfg = sampling.in_dtype(params, cfg, r.dtype)
     if r == Route(r.dtype):
-        return lambda: sampling.generate(params, cfg, [NEWLINE], max_new_tokens=new_tokens, key=1)
+        dtype = None if r.dtype == "float32" else r.dtype
+        return lambda: sampling.generate(params, cfg, [NEWLINE], max_new_tokens=new_tokens, key=1, dtype=dtype)
     req = sampling.request(cfg, [NEWLINE], num_samples=None, max_new_tokens=new_tokens, temperature=1.0, top_k=None,
                            top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)
+    spec = dataclasses.replace(req.spec, output_major=req.spec.output_major and not (r.intercept or r.tensor > 1))
     prompt = jnp.asarray(req.prompt_BT)
     scalars = (jnp.int32(new_tokens), jnp.float32(1.0), jnp.float32(1.0))
     loop = jax.jit(lambda *a, **k: sampling._run.__wrapped__(*a, **k),  # a new function: no cached trace
@@ -219,15 +225,18 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
         params = jax.device_put(params, layout.logical_to_sharding(
             nn.get_partition_spec(abstract_variables(cfg)["params"]), mesh, rules))
         placed = functools.partial(layout.activate, mesh, rules)
+    params, cfg = sampling.decoding_weights(params, cfg, r.dtype, output_major=spec.output_major)
+    prefill = functools.partial(sampling._prefill, params, prompt, req.key, cfg=cfg, output_major=spec.output_major,
+                                slots=sampling.cache_slots(cfg, 1, new_tokens))
     with placed():
-        state = sampling._prefill(params, prompt, req.key, cfg=cfg)
+        state = prefill()
         with nn.intercept_methods(r.intercept) if r.intercept else contextlib.nullcontext():
-            compiled = loop.lower(params, state, *scalars, cfg=cfg, spec=req.spec,
+            compiled = loop.lower(params, state, *scalars, cfg=cfg, spec=spec,
                                   num_steps=new_tokens).compile(r.options or {})
 
     def run() -> np.ndarray:
         with placed():
-            return np.asarray(compiled(params, sampling._prefill(params, prompt, req.key, cfg=cfg), *scalars)[1])
+            return np.asarray(compiled(params, prefill(), *scalars)[1])
     return run
 
 

@@ -10,6 +10,7 @@ and returns the new cache, so generation state is a plain pytree the caller owns
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from jaxgpt.attention import Cache, CausalSelfAttention
 from jaxgpt.config import ModelConfig
-from jaxgpt.layers import MLP, Norm, bias_init, param_init
+from jaxgpt.layers import MLP, EinsumDense, Norm, bias_init, param_init
 
 Array = jax.Array
 
@@ -99,10 +100,8 @@ class GPT(nn.Module):
         if cfg.final_norm:
             self.ln_f = Norm(cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=cfg.use_bias, dtype=cfg.dtype,
-                                    param_dtype=cfg.param_dtype,
-                                    kernel_init=param_init(cfg, ("embed", "vocab"), role="head"),
-                                    bias_init=bias_init(cfg, ("vocab",), cfg.n_embd))
+            self.lm_head = EinsumDense(cfg, "btc,cv->btv", (cfg.n_embd, cfg.vocab_size), ("embed", "vocab"),
+                                       ("vocab",), role="head")
 
     def _is_pad(self, idx_BT: Array, mask_BT: Array | None) -> Array | None:
         """Padding from the config's pad_id, from an explicit mask (True = real token), or both."""
@@ -223,6 +222,37 @@ def init_params(cfg: ModelConfig, key: Array, model: nn.Module | None = None) ->
 def abstract_variables(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
     """`init`'s variables as boxed ShapeDtypeStructs: shapes and logical axis names, nothing allocated."""
     return jax.eval_shape((model or GPT(cfg)).init, jax.random.key(0), dummy_tokens(cfg))
+
+
+@functools.cache
+def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+    """Each projection kernel's path -> its shape as a matrix: ([layers,] inputs, outputs).
+
+    Kernels keep a stacked-layers axis first, then their input axes, then their output axes, which are
+    the bias's axes: a model with biases tells each kernel's split, whatever `use_bias` says.
+    """
+    boxed = abstract_variables(cfg.replace(use_bias=True))["params"]
+    flat = dict(jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
+    shapes = {}
+    for path, kernel in flat.items():
+        bias = flat.get((*path[:-1], jax.tree_util.DictKey("bias")))
+        if path[-1] == jax.tree_util.DictKey("kernel") and bias is not None:
+            shape, lead = kernel.value.shape, int(kernel.names[0] == "layers")
+            split = len(shape) - bias.value.ndim + lead
+            shapes[path] = (*shape[:lead], math.prod(shape[lead:split]), math.prod(shape[split:]))
+    return shapes
+
+
+def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> dict:
+    """Every projection kernel as one (outputs, inputs) matrix (PyTorch's order), after any layers axis.
+
+    The layout `layers.kernels_output_major` reads: XLA:CPU's one-row products stream it faster, so
+    the sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
+    """
+    shapes = _kernel_shapes(cfg)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.swapaxes(a.reshape(shapes[path]), -1, -2).astype(dtype or a.dtype)
+        if path in shapes else a, params)
 
 
 def unstack_layers(params: dict, n_layer: int) -> dict:

@@ -5,6 +5,9 @@ call, then run a `lax.while_loop` inside `jax.jit` that samples one token per st
 and feeds it back through the cache. Nothing returns to Python between tokens, so a token costs one
 small forward pass whatever the context length. `stream` runs the same loop in chunks and yields the
 tokens of each chunk as it finishes (the CLI prints them as they arrive); both give identical tokens.
+A token reads every weight and every cache slot, so both are laid out for that: the cache has only as
+many slots as the generation needs (`cache_slots`, at most block_size), and one row on a CPU decodes
+from output-major kernels (`decoding_weights`).
 
 Tokens are chosen by `jaxgpt.strategies` (greedy, temperature, top-k, top-p). The noise of step i
 depends only on the seed and i, so a seed gives the same tokens whether the loop runs in one call, in
@@ -53,7 +56,9 @@ import numpy as np
 
 from jaxgpt.attention import init_cache
 from jaxgpt.config import ModelConfig
+from jaxgpt.decode_weights import decoding_weights, output_major_for
 from jaxgpt.errors import UserError
+from jaxgpt.layers import kernels_output_major
 from jaxgpt.model import GPT
 from jaxgpt.strategies import gumbel_noise, pick_tokens
 
@@ -81,6 +86,7 @@ class SamplerSpec:
     window_shift: int
     return_logits: bool = False
     vocab_limit: int | None = None  # the tokenizer's vocabulary size, when the model's is padded beyond it
+    output_major: bool = False  # the kernels' layout the loop reads (`decoding_weights`)
 
     def pick(self, logits_BV: Array, gumbel_BV: Array | None, temperature: Array, top_p: Array,
              banned: int | None) -> Array:
@@ -184,30 +190,10 @@ def request(cfg: ModelConfig, prompt: PromptLike, *, num_samples: int | None, ma
     use_top_p = top_p is not None and top_p < 1 and not greedy
     spec = SamplerSpec(greedy=greedy, top_k=None if greedy or top_k is None else min(int(top_k), V),
                        use_top_p=use_top_p, eot_token=eot_token, window_shift=int(shift),
-                       return_logits=return_logits, vocab_limit=None if vocab_limit in (None, V) else int(vocab_limit))
+                       return_logits=return_logits, vocab_limit=None if vocab_limit in (None, V) else int(vocab_limit),
+                       output_major=output_major_for(prompt_BT.shape[0]))
     return _Request(prompt_BT, _as_key(key), int(max_new_tokens), float(temperature),
                     1.0 if top_p is None else float(top_p), spec)
-
-
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _cast_floats(params: Any, dtype: str) -> Any:
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
-
-
-def in_dtype(params: Any, cfg: ModelConfig, dtype: str | None) -> tuple[Any, ModelConfig]:
-    """The weights cast to `dtype` and a config computing in it (None: unchanged), for decoding only.
-
-    Activations, the KV cache and the weight products then run in `dtype`; norms, softmax and the logits
-    stay float32 (`GPT.logits`), and so does sampling. Batch-1 decoding reads every weight once per token,
-    so bfloat16 halves the bytes per token on accelerators, but not on a CPU: XLA:CPU has no bfloat16
-    one-row product and converts the weights to float32 (once per call, hoisted out of the loop), and the
-    cache and attention stay float32 there (`attention.work_dtype`), so bf16 decodes at float32's speed
-    (benchmarks/bench_sample.py prints both paths).
-    """
-    if dtype is None or (cfg.dtype, cfg.param_dtype) == (dtype, dtype):
-        return params, cfg
-    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)  # UserError for an unknown dtype
-    return _cast_floats(params, dtype), cfg
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,25 +216,44 @@ class DecodeState(NamedTuple):
     key: Array
 
 
-def _decode(cfg: ModelConfig, params: Any, idx_BT: Array, cache: Any, index: Array | int) -> tuple[Array, Any]:
-    """Logits of the last position only: that is all any caller samples from."""
-    return GPT(cfg).apply({"params": params}, idx_BT, cache, index, True, method=GPT.decode)
+def _decode(cfg: ModelConfig, params: Any, idx_BT: Array, cache: Any, index: Array | int,
+            output_major: bool) -> tuple[Array, Any]:
+    """Logits of the last position only: that is all any caller samples from (`params`: `decoding_weights`)."""
+    with kernels_output_major(output_major):
+        return GPT(cfg).apply({"params": params}, idx_BT, cache, index, True, method=GPT.decode)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill(params: Any, prompt_BT: Array, key: Array, *, cfg: ModelConfig) -> DecodeState:
-    """Write the last min(T, block_size) prompt tokens into a fresh cache with one decode call."""
+SHORTEST_CACHE = 128  # `cache_slots` rounds a generation's cache up to a power of two, at least this
+
+
+def cache_slots(cfg: ModelConfig, prompt_length: int, max_new_tokens: int) -> int:
+    """The KV cache's length for a generation: the smallest power of two >= SHORTEST_CACHE that holds it.
+
+    Every decode step attends over the whole cache (masked), so a 500-token generation from a short
+    prompt reads 512 slots per token instead of block_size (GPT-2: 1,024). The prompt's last
+    min(T, block_size) tokens and all but the last new token are written; when they do not fit in
+    block_size slots, the window slides (module docstring) and the cache has block_size slots.
+    """
+    S = cfg.block_size
+    written = min(prompt_length, S) + max_new_tokens - 1
+    return S if written >= S else min(S, max(SHORTEST_CACHE, 1 << max(written - 1, 0).bit_length()))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "output_major", "slots"))
+def _prefill(params: Any, prompt_BT: Array, key: Array, *, cfg: ModelConfig, output_major: bool,
+             slots: int | None = None) -> DecodeState:
+    """Write the last min(T, block_size) prompt tokens into a fresh cache of `slots` (block_size) slots."""
     S = cfg.block_size
     window_BT = prompt_BT[:, -S:]
     B, T = window_BT.shape
-    logits_BTV, cache = _decode(cfg, params, window_BT, init_cache(cfg, B), 0)
+    logits_BTV, cache = _decode(cfg, params, window_BT, init_cache(cfg, B, slots), 0, output_major)
     window_BS = jnp.zeros((B, S), jnp.int32).at[:, :T].set(window_BT)
     return DecodeState(cache, window_BS, jnp.int32(T), logits_BTV[:, -1], jnp.zeros((B,), bool), jnp.int32(0), key)
 
 
-def _append(cfg: ModelConfig, params: Any, st: DecodeState, tok_B: Array) -> DecodeState:
+def _append(cfg: ModelConfig, spec: SamplerSpec, params: Any, st: DecodeState, tok_B: Array) -> DecodeState:
     """Decode the token just sampled into the next free cache slot (the cheap, common step)."""
-    logits_B1V, cache = _decode(cfg, params, tok_B[:, None], st.cache, st.length)
+    logits_B1V, cache = _decode(cfg, params, tok_B[:, None], st.cache, st.length, spec.output_major)
     window_BS = jax.lax.dynamic_update_slice_in_dim(st.window_BS, tok_B[:, None], st.length, axis=1)
     return st._replace(cache=cache, window_BS=window_BS, length=st.length + 1, logits_BV=logits_B1V[:, 0])
 
@@ -258,7 +263,7 @@ def _slide(cfg: ModelConfig, spec: SamplerSpec, params: Any, st: DecodeState, to
     S, shift = cfg.block_size, spec.window_shift
     keep = S + 1 - shift
     window_BK = jnp.concatenate([st.window_BS[:, shift:], tok_B[:, None]], axis=1)
-    logits_BKV, cache = _decode(cfg, params, window_BK, st.cache, 0)
+    logits_BKV, cache = _decode(cfg, params, window_BK, st.cache, 0, spec.output_major)
     window_BS = jnp.pad(window_BK, ((0, 0), (0, S - keep)))
     return st._replace(cache=cache, window_BS=window_BS, length=jnp.int32(keep), logits_BV=logits_BKV[:, -1])
 
@@ -333,7 +338,7 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
             gumbel_BV = None if spec.greedy else noise_nBV[carry[0].step - step0]
             carry, tok_B = take(carry, gumbel_BV)
             st, *rest = carry
-            return (_append(cfg, params, st, tok_B), *rest)
+            return (_append(cfg, spec, params, st, tok_B), *rest)
 
         carry = jax.lax.while_loop(room, append_one, carry)
         # The token that fills the window, or the last one; nothing if the block of noise ran out.
@@ -342,8 +347,9 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
         gumbel_BV = None if spec.greedy else noise_nBV[st.step - step0]
         carry, tok_B = take(carry, gumbel_BV, commit)
         st, *rest = carry
-        need_slide = commit & (st.step < total) & ~jnp.all(st.done_B)
-        st = jax.lax.cond(need_slide, lambda st: _slide(cfg, spec, params, st, tok_B), lambda st: st, st)
+        if jax.tree.leaves(st.cache)[0].shape[-2] == S:  # a shorter cache (`cache_slots`) never fills up
+            need_slide = commit & (st.step < total) & ~jnp.all(st.done_B)
+            st = jax.lax.cond(need_slide, lambda st: _slide(cfg, spec, params, st, tok_B), lambda st: st, st)
         return (st, *rest)
 
     state, tokens_BN, logits_BNV = jax.lax.while_loop(lambda c: may_sample(c[0]), segment,
@@ -364,13 +370,14 @@ def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_token
     `return_logits`, also the float32 logits (B, max_new_tokens, V) each token was drawn from (zeros
     for steps never run because every row had finished). Compiled programs are cached per shapes and
     static options (`SamplerSpec`); new temperature/top_p values reuse them. `dtype` ("bfloat16") decodes
-    with weights and activations in that dtype (`in_dtype`); the logits are float32 either way.
+    with weights and activations in that dtype (`decoding_weights`); the logits are float32 either way.
     """
-    params, cfg = in_dtype(params, cfg, dtype)
     req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
                    return_logits=return_logits, vocab_limit=vocab_limit)
-    state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg)
+    params, cfg = decoding_weights(params, cfg, dtype, output_major=req.spec.output_major)
+    state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg, output_major=req.spec.output_major,
+                     slots=cache_slots(cfg, req.prompt_BT.shape[1], req.max_new_tokens))
     _, tokens_BN, logits_BNV, _ = _run(params, state, jnp.int32(req.max_new_tokens), jnp.float32(req.temperature),
                                        jnp.float32(req.top_p), cfg=cfg, spec=req.spec, num_steps=req.max_new_tokens)
     if return_logits:
@@ -391,11 +398,12 @@ def stream(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens:
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise UserError(f"chunk_size={chunk_size} must be a positive integer")
-    params, cfg = in_dtype(params, cfg, dtype)
     req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
                    return_logits=False, vocab_limit=vocab_limit)
-    state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg)
+    params, cfg = decoding_weights(params, cfg, dtype, output_major=req.spec.output_major)
+    state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg, output_major=req.spec.output_major,
+                     slots=cache_slots(cfg, req.prompt_BT.shape[1], req.max_new_tokens))
     total, temperature_, top_p_ = jnp.int32(req.max_new_tokens), jnp.float32(req.temperature), jnp.float32(req.top_p)
     run = functools.partial(_run, params, total=total, temperature=temperature_, top_p=top_p_, cfg=cfg,
                             spec=req.spec, num_steps=min(chunk_size, req.max_new_tokens))

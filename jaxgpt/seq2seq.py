@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jaxgpt.attention import Cache, CausalSelfAttention, attend, resolve_impl
 from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.errors import UserError
-from jaxgpt.layers import MLP, EinsumDense, Norm, bias_init, param_init
+from jaxgpt.layers import MLP, EinsumDense, Norm, param_init
 from jaxgpt.model import sinusoidal_table
 
 Array = jax.Array
@@ -201,9 +201,8 @@ class EncoderDecoder(nn.Module):
         if mc.final_norm:
             self.enc_ln_f, self.ln_f = Norm(mc), Norm(mc)
         if not mc.tie_embeddings:
-            self.lm_head = nn.Dense(mc.vocab_size, use_bias=mc.use_bias, dtype=mc.dtype, param_dtype=mc.param_dtype,
-                                    kernel_init=param_init(mc, ("embed", "vocab"), role="head"),
-                                    bias_init=bias_init(mc, ("vocab",), mc.n_embd))
+            self.lm_head = EinsumDense(mc, "btc,cv->btv", (mc.n_embd, mc.vocab_size), ("embed", "vocab"), ("vocab",),
+                                       role="head")
 
     def _embed(self, table: nn.Embed, positions: nn.Embed | None, idx_BT: Array, limit: int,
                deterministic: bool) -> Array:

@@ -49,6 +49,17 @@ def gumbel_noise(key: Array, step: Array, shape: tuple[int, int]) -> Array:
     return jax.random.gumbel(jax.random.fold_in(key, step), shape, jnp.float32)
 
 
+def first_argmax(x_BV: Array) -> Array:
+    """`jnp.argmax(x_BV, -1)` as int32 (ties and NaN alike: the first), as a max and a min over the row.
+
+    XLA:CPU runs argmax's (value, index) reduction one element at a time: 215 us over GPT-2's 50,304
+    logits, 2% of a decode step, where these two plain reductions are vectorized (28 us).
+    """
+    hit_BV = (x_BV == x_BV.max(axis=-1, keepdims=True)) | jnp.isnan(x_BV)
+    V = x_BV.shape[-1]
+    return jnp.min(jnp.where(hit_BV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def pick_tokens(logits_BV: Array, gumbel_BV: Array | None, temperature: Array | float = 1.0,
                 top_k: int | None = None, top_p: Array | float | None = None, *, banned: int | None = None,
                 vocab_limit: int | None = None) -> Array:
@@ -65,6 +76,6 @@ def pick_tokens(logits_BV: Array, gumbel_BV: Array | None, temperature: Array | 
     if vocab_limit is not None and vocab_limit < logits_BV.shape[-1]:
         logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab_limit, logits_BV, -jnp.inf)
     if gumbel_BV is None:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return first_argmax(logits_BV)
     scaled_BV = filter_logits(logits_BV / temperature, top_k, top_p)
-    return jnp.argmax(scaled_BV + gumbel_BV, axis=-1).astype(jnp.int32)
+    return first_argmax(scaled_BV + gumbel_BV)

@@ -76,6 +76,7 @@ SWEEP = {
     "seed004": shrink(PRESETS["seed004"]),
     "gpt2-scan": shrink(PRESETS["gpt2"], scan_layers=True),
     "gpt2-nopos-xla": shrink(PRESETS["gpt2"], position="none", attention_impl="xla"),
+    "gpt2-nobias": shrink(PRESETS["gpt2"], use_bias=False),
 }
 # The GPT-2 family (and the 6.7B shape) differ only in size, so shrunk they are one config: these five
 # cover every preset.
@@ -85,9 +86,10 @@ assert {shrink(c) for c in PRESETS.values()} == {shrink(PRESETS[n]) for n in ("s
 
 @pytest.mark.parametrize("name", SWEEP)
 def test_cached_equals_uncached_for_short_and_long_prompts(name: str) -> None:
+    """Two rows decode with the kernels as declared, one row with output-major ones (on CPUs): both exact."""
     cfg = SWEEP[name]
-    for length in (5, cfg.block_size + 7):  # 30 new tokens: the window fills and slides several times
-        assert_same_generation(cfg, prompts(cfg, length), max_new_tokens=30, temperature=0)
+    for length, batch in ((5, 2), (cfg.block_size + 7, 1)):  # 30 new tokens: the window fills and slides
+        assert_same_generation(cfg, prompts(cfg, length, batch), max_new_tokens=30, temperature=0)
 
 
 FULL_SWEEP = _distinct([shrink(c, scan_layers=scan) for c in PRESETS.values() for scan in (False, True)]
@@ -176,8 +178,9 @@ def test_decode_loop_updates_the_cache_in_place(dtype: str) -> None:
     XLA's optimized program to keep them out. A bf16 model keeps a float32 cache on CPUs
     (`attention.work_dtype`): no bf16 image of the cache is made per token either.
     """
-    params, cfg = sampling.in_dtype(random_params(SWEEP["seed001"]), SWEEP["seed001"], dtype)
-    state = sampling._prefill(params, jnp.asarray(prompts(cfg, 3)), jax.random.key(0), cfg=cfg)
+    cfg = SWEEP["seed001"]
+    params, cfg = sampling.decoding_weights(random_params(cfg), cfg, dtype, output_major=False)
+    state = sampling._prefill(params, jnp.asarray(prompts(cfg, 3)), jax.random.key(0), cfg=cfg, output_major=False)
     spec = sampling.SamplerSpec(greedy=True, top_k=None, use_top_p=False, eot_token=None, window_shift=8)
     hlo = sampling._run.lower(params, state, jnp.int32(40), jnp.float32(1), jnp.float32(1), cfg=cfg,
                               spec=spec, num_steps=40).compile().as_text()
@@ -193,6 +196,59 @@ def test_decode_loop_updates_the_cache_in_place(dtype: str) -> None:
         slices = re.findall(r"%slice[\w.-]* = " + re.escape(cache_shape), text)
         assert not copies and not slices, f"{len(copies)} cache copies, {len(slices)} slices in the loop body {name}"
         assert cache_shape.replace("f32", "bf16") not in text, f"a bf16 image of the cache in the loop body {name}"
+
+
+def test_batch_one_decode_loop_reads_output_major_kernels_as_stored() -> None:
+    """One row on a CPU: every projection reads its (outputs, inputs) matrix in place, on every token.
+
+    A transpose between the stored matrix and its product (undoing the layout inside the program) is
+    copied or fused into a slower loop on every token by XLA:CPU; no while-loop body may hold an
+    array of any kernel's shape, in either order, other than the loop's own carried values.
+    """
+    cfg = SWEEP["seed001"]
+    raw = random_params(cfg)
+    req = sampling.request(cfg, prompts(cfg, 3, batch=1), num_samples=None, max_new_tokens=40, temperature=0,
+                           top_k=None, top_p=None, key=0, eot_token=None, window_shift=8, return_logits=False,
+                           vocab_limit=None)
+    spec = req.spec
+    assert spec.output_major, "one row on a CPU"
+    params, dcfg = sampling.decoding_weights(raw, cfg, None, output_major=True)
+    assert params["h_0"]["mlp"]["fc"]["kernel"].shape == raw["h_0"]["mlp"]["fc"]["kernel"].shape[::-1]
+    state = sampling._prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=dcfg, output_major=True)
+    hlo = sampling._run.lower(params, state, jnp.int32(40), jnp.float32(1), jnp.float32(1), cfg=dcfg,
+                              spec=spec, num_steps=40).compile().as_text()
+    kernels = [a.shape for path, a in jax.tree_util.tree_leaves_with_path(raw) if path[-1].key == "kernel"]
+    shapes = {s for k in kernels for s in (k, (math.prod(k[:-1]), k[-1]), (k[-1], math.prod(k[:-1])),
+                                            (k[0], math.prod(k[1:])), (math.prod(k[1:]), k[0]))}
+    pattern = "|".join(re.escape("f32[{}]".format(",".join(map(str, s)))) for s in shapes)
+    bodies = [hlo[hlo.index(f"\n%{name} "):] for name in re.findall(r"while\(.*?body=%([\w.]+)", hlo)]
+    made = [line.strip()[:120] for body in bodies for line in body[:body.index("\n}\n")].splitlines()
+            if re.search(rf"= ({pattern})\{{[0-9,]*\}} (?!get-tuple-element|parameter|bitcast)", line)]
+    assert any(" dot(" in body for body in bodies), "the model should run inside a while loop"
+    assert not made, f"kernel-shaped arrays made inside the decode loop: {made[:3]}"
+
+
+def test_cache_slots_hold_the_generation_in_a_power_of_two() -> None:
+    cfg = ModelConfig(vocab_size=50, block_size=1024, n_layer=1, n_head=1, n_embd=8)
+    assert sampling.cache_slots(cfg, 1, 500) == 512  # 1 + 499 decoded tokens
+    assert sampling.cache_slots(cfg, 13, 500) == 512 and sampling.cache_slots(cfg, 14, 500) == 1024
+    assert sampling.cache_slots(cfg, 1, 1) == sampling.SHORTEST_CACHE
+    assert sampling.cache_slots(cfg, 2000, 10) == 1024 and sampling.cache_slots(cfg, 1, 1024) == 1024
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_shorter_cache_gives_the_same_tokens(monkeypatch, batch: int) -> None:
+    """Generations that fit in fewer than block_size slots decode against a cache of that many."""
+    monkeypatch.setattr(sampling, "SHORTEST_CACHE", 4)
+    cfg = SWEEP["gpt2-scan"]
+    prompt = prompts(cfg, 3, batch)
+    assert sampling.cache_slots(cfg, 3, 6) == 8 < cfg.block_size
+    got = assert_same_generation(cfg, prompt, max_new_tokens=6, temperature=0)
+    chunks = list(stream(random_params(cfg), cfg, prompt, max_new_tokens=6, temperature=0, chunk_size=4))
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1), got)
+    sampled = generate(random_params(cfg), cfg, prompt, max_new_tokens=6, key=3, top_k=5)
+    want = generate_uncached(random_params(cfg), cfg, prompt, max_new_tokens=6, key=3, top_k=5, bucketed=False)
+    np.testing.assert_array_equal(sampled, want)
 
 
 def test_end_of_text_finishes_rows_and_stops_the_loop() -> None:
@@ -246,6 +302,16 @@ def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
         freq = np.bincount(np.asarray(draw(logits_NV, gumbel_NV, temperature, **kwargs)), minlength=5) / n
         np.testing.assert_allclose(freq, probs, atol=0.01)
         assert (freq[probs == 0] == 0).all()
+
+
+def test_first_argmax_is_argmax() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(64, 37)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, [5, 9]] = np.nan
+    x[3, 7] = np.inf
+    np.testing.assert_array_equal(strategies.first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    assert strategies.first_argmax(jnp.asarray(x)).dtype == jnp.int32
 
 
 def test_greedy_ignores_the_key_and_takes_the_argmax() -> None:
@@ -531,3 +597,20 @@ def test_bfloat16_decoding_follows_float32() -> None:
     np.testing.assert_array_equal(want[0], expected[3:])  # and the model learned the rule
     chunks = list(stream(params, cfg, prompt, max_new_tokens=40, temperature=0, chunk_size=40, dtype="bfloat16"))
     np.testing.assert_array_equal(np.concatenate(chunks, axis=1), got)
+    # one row: output-major float32 images of the bf16 kernels on CPUs (`decode_weights.decoding_weights`)
+    one, one_logits = generate(params, cfg, prompt[:1], max_new_tokens=40, temperature=0, return_logits=True,
+                               dtype="bfloat16")
+    np.testing.assert_allclose(one_logits, want_logits[:1], rtol=0, atol=tolerance)
+    np.testing.assert_array_equal(one, got[:1])
+
+
+def test_decoding_weights_are_prepared_once_per_set_of_weights() -> None:
+    """Generating again from the same weights reuses their decoding layout; new weights get their own."""
+    cfg = SWEEP["seed001"]
+    params = jax.tree.map(jnp.copy, random_params(cfg))
+    first, _ = sampling.decoding_weights(params, cfg, None, output_major=True)
+    again, _ = sampling.decoding_weights(params, cfg, None, output_major=True)
+    assert again is first
+    other = jax.tree.map(jnp.copy, params)
+    assert sampling.decoding_weights(other, cfg, None, output_major=True)[0] is not first
+    assert sampling.decoding_weights(params, cfg, "bfloat16", output_major=True)[0] is not first
