@@ -209,8 +209,7 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
     """
     r = ROUTES[route]
     if r == Route(r.dtype):
-        dtype = None if r.dtype == "float32" else r.dtype
-        return lambda: sampling.generate(params, cfg, [NEWLINE], max_new_tokens=new_tokens, key=1, dtype=dtype)
+        return lambda: sampling.generate(params, cfg, [NEWLINE], max_new_tokens=new_tokens, key=1, dtype=r.dtype)
     req = sampling.request(cfg, [NEWLINE], num_samples=None, max_new_tokens=new_tokens, temperature=1.0, top_k=None,
                            top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)
     spec = dataclasses.replace(req.spec, output_major=req.spec.output_major and not (r.intercept or r.tensor > 1))
@@ -227,7 +226,7 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
         placed = functools.partial(layout.activate, mesh, rules)
     params, cfg = sampling.decoding_weights(params, cfg, r.dtype, output_major=spec.output_major)
     prefill = functools.partial(sampling._prefill, params, prompt, req.key, cfg=cfg, output_major=spec.output_major,
-                                slots=sampling.cache_slots(cfg, 1, new_tokens))
+                                slots=sampling.cache_slots(cfg, req.prompt_BT.shape[1], new_tokens))
     with placed():
         state = prefill()
         with nn.intercept_methods(r.intercept) if r.intercept else contextlib.nullcontext():

@@ -358,6 +358,14 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
     return state, tokens_BN, logits_BNV, progress
 
 
+def _start(params: Any, cfg: ModelConfig, req: _Request, dtype: str | None) -> tuple[Any, ModelConfig, DecodeState]:
+    """The weights and config the loop runs with (`decoding_weights`) and the prefilled state, for a request."""
+    params, cfg = decoding_weights(params, cfg, dtype, output_major=req.spec.output_major)
+    state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg, output_major=req.spec.output_major,
+                     slots=cache_slots(cfg, req.prompt_BT.shape[1], req.max_new_tokens))
+    return params, cfg, state
+
+
 def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens: int, key: KeyLike = 0,
              num_samples: int | None = None, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eot_token: int | None = None, window_shift: int | None = None,
@@ -375,9 +383,7 @@ def generate(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_token
     req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
                    return_logits=return_logits, vocab_limit=vocab_limit)
-    params, cfg = decoding_weights(params, cfg, dtype, output_major=req.spec.output_major)
-    state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg, output_major=req.spec.output_major,
-                     slots=cache_slots(cfg, req.prompt_BT.shape[1], req.max_new_tokens))
+    params, cfg, state = _start(params, cfg, req, dtype)
     _, tokens_BN, logits_BNV, _ = _run(params, state, jnp.int32(req.max_new_tokens), jnp.float32(req.temperature),
                                        jnp.float32(req.top_p), cfg=cfg, spec=req.spec, num_steps=req.max_new_tokens)
     if return_logits:
@@ -401,9 +407,7 @@ def stream(params: Any, cfg: ModelConfig, prompt: PromptLike, *, max_new_tokens:
     req = request(cfg, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, key=key, eot_token=eot_token, window_shift=window_shift,
                    return_logits=False, vocab_limit=vocab_limit)
-    params, cfg = decoding_weights(params, cfg, dtype, output_major=req.spec.output_major)
-    state = _prefill(params, jnp.asarray(req.prompt_BT), req.key, cfg=cfg, output_major=req.spec.output_major,
-                     slots=cache_slots(cfg, req.prompt_BT.shape[1], req.max_new_tokens))
+    params, cfg, state = _start(params, cfg, req, dtype)
     total, temperature_, top_p_ = jnp.int32(req.max_new_tokens), jnp.float32(req.temperature), jnp.float32(req.top_p)
     run = functools.partial(_run, params, total=total, temperature=temperature_, top_p=top_p_, cfg=cfg,
                             spec=req.spec, num_steps=min(chunk_size, req.max_new_tokens))
