@@ -32,7 +32,9 @@ weights split over two CPU devices (tensor parallel by the training rules table:
 weights, XLA adds the all-reduces), bfloat16 weights and activations (`generate(..., dtype="bfloat16")`),
 bfloat16 with two-row products and bfloat16 with oneDNN. The peer is Hugging Face transformers' greedy
 `generate` with its KV cache on a randomly initialized GPT2LMHeadModel of the same shape, float32, 2 torch
-threads (when installed).
+threads (when installed). The last row of each table is the memory bound of a float32 step: the bytes it must
+read (weights and the KV cache) at the fastest streaming read XLA:CPU did in the same rounds, a bound for models
+much larger than the last-level cache (GPT-2's 533 MB per token; 6x6x384's 47 MB partly stay in a 32 MB L3).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import time
 from collections.abc import Callable
@@ -67,7 +70,8 @@ ROUTE_MODELS = {
 }
 # (model, first word of the route) -> tokens/s, or "peer": at least 2.5x transformers' cached generate.
 ROUTE_TARGETS = {("larger 6x6x384", "float32"): 650, ("larger 6x6x384", "bfloat16"): 900,
-                 ("GPT-2 124M shape", "float32"): "peer", ("GPT-2 124M shape", "bfloat16"): "peer"}
+                 ("GPT-2 124M shape", "float32"): "peer", ("GPT-2 124M shape", "bfloat16"): "peer",
+                 ("GPT-2 124M shape", "memory"): "bound"}
 MODELS = {
     "small 4x4x128": ModelConfig(vocab_size=100, block_size=256, n_layer=4, n_head=4, n_embd=128),
     "larger 6x6x384": ModelConfig(vocab_size=100, block_size=256, n_layer=6, n_head=6, n_embd=384),
@@ -89,12 +93,35 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return min(seconds(fn) for _ in range(repeats))
 
 
+def stream_probe() -> tuple[int, Callable[[], None]]:
+    """(bytes, a compiled read of them): a one-row product with a 256 MiB (rows, 1024) matrix, much larger
+    than any cache. Read the way batch-1 decoding reads its output-major kernels, on both cores, it
+    streams faster than a jitted sum. The machines are shared: what a neighbour's memory traffic leaves
+    varies from minute to minute, so the routes take it in turns with them (`bench_routes`)."""
+    x = jnp.ones((64 * 1024, 1024), jnp.float32)
+    row = jnp.ones((1, 1024), jnp.float32)
+    product = jax.jit(lambda x, row: jax.lax.dot_general(row, x, (((1,), (1,)), ((), ()))))
+
+    def run() -> None:
+        product(x, row).block_until_ready()
+
+    run()
+    return x.nbytes, run
+
+
 def memory_bandwidth_gb_s() -> float:
-    """Streaming-read bandwidth: a jitted sum over 256 MiB (much larger than any cache)."""
-    x = jnp.ones((64, 1 << 20), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    return x.nbytes / best_seconds(lambda: total(x).block_until_ready(), 5) / 1e9
+    """The fastest of five `stream_probe` reads, in GB/s."""
+    nbytes, read = stream_probe()
+    return nbytes / best_seconds(read, 5) / 1e9
+
+
+def bytes_per_token(cfg: ModelConfig) -> int:
+    """What one float32 decode step of a NEW_TOKENS generation must read: every weight but the position
+    table (one row of it is read) and the KV cache the sampler allocates for it (`sampling.cache_slots`)."""
+    params = abstract_variables(cfg)["params"]
+    weights = sum(x.size for x in jax.tree.leaves(params)) - math.prod(nn.unbox(params["wpe"]["embedding"]).shape)
+    cache = 2 * cfg.n_layer * sampling.cache_slots(cfg, 1, NEW_TOKENS) * cfg.n_embd
+    return 4 * (weights + cache)
 
 
 def weights_matvec_seconds(params, cfg: ModelConfig, repeats: int) -> float:
@@ -107,19 +134,20 @@ def weights_matvec_seconds(params, cfg: ModelConfig, repeats: int) -> float:
     loop, each round starting from the previous round's result, so nothing is skipped or hoisted.
     """
     C = cfg.n_embd
-    mats = []
+    mats = []  # (outputs, inputs), as the sampler stores them for one row (`model.output_major_kernels`)
     for i in range(cfg.n_layer):
         layer = params[f"h_{i}"]
-        mats += [layer["attn"]["qkv"]["kernel"].reshape(C, -1), layer["attn"]["out"]["kernel"].reshape(-1, C),
-                 layer["mlp"]["fc"]["kernel"], layer["mlp"]["proj"]["kernel"]]
-    head = params["wte"]["embedding"]
+        mats += [jnp.asarray(m.T) for m in (layer["attn"]["qkv"]["kernel"].reshape(C, -1),
+                                            layer["attn"]["out"]["kernel"].reshape(-1, C),
+                                            layer["mlp"]["fc"]["kernel"], layer["mlp"]["proj"]["kernel"])]
+    head = params["wte"]["embedding"]  # (V, C): output-major already
 
     @jax.jit
     def rounds(mats: list, head: Array) -> Array:
         def one_step(_, h_1C: Array) -> Array:
             h = h_1C
-            for m in mats:  # a product's input is the previous output (its first rows' worth after qkv)
-                h = jnp.tanh(h[:, : m.shape[0]] @ m)
+            for m_NK in mats:  # a product's input is the previous output (its first columns' worth after qkv)
+                h = jnp.tanh(jax.lax.dot_general(h[:, : m_NK.shape[1]], m_NK, (((1,), (1,)), ((), ()))))
             return h + jnp.max(h @ head.T) * 1e-9
         return jax.lax.fori_loop(0, PROBE_STEPS, one_step, jnp.ones((1, C), jnp.float32))
 
@@ -245,12 +273,17 @@ def bench_routes(name: str, cfg: ModelConfig, args: argparse.Namespace) -> list[
     programs = {route: route_program(params, cfg, route, NEW_TOKENS) for route in ROUTES}
     for run in programs.values():
         run()  # compiles the default route's loop
-    best = dict.fromkeys(programs, float("inf"))
+    nbytes, stream = stream_probe()
+    best = dict.fromkeys([*programs, stream], float("inf"))
     for _ in range(args.repeats):
         for route, run in programs.items():
             run()  # as bench_train.interleaved: memory the other routes freed may have gone back to the host
             best[route] = min(best[route], seconds(run))
+        best[stream] = min(best[stream], best_seconds(stream, 3))
+    bandwidth, read = nbytes / best.pop(stream) / 1e9, bytes_per_token(cfg)
     rows = [dict(model=name, route=route, tok_s=NEW_TOKENS / t) for route, t in best.items()]
+    rows.append(dict(model=name, route=f"memory bound, f32: {read / 1e6:,.0f} MB at {bandwidth:.0f} GB/s",
+                     tok_s=bandwidth * 1e9 / read))
     if torch_reference.available():
         hf_s = torch_reference.hf_generate_seconds(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head,
                                                    cfg.n_embd, NEW_TOKENS)
@@ -273,7 +306,10 @@ def print_routes(rows: list[dict]) -> None:
             target = f"{target:,} tok/s: {'meets' if r['tok_s'] >= target else 'misses'}"
         elif target and r["model"] in peer:
             ratio = r["tok_s"] / peer[r["model"]]
-            target = f"{ratio:.2f}x HF (2.5x): {'meets' if ratio >= 2.5 else 'misses'}"
+            target = (f"at most {ratio:.2f}x HF" if target == "bound" else
+                      f"{ratio:.2f}x HF (2.5x): {'meets' if ratio >= 2.5 else 'misses'}")
+        else:
+            target = ""  # no peer in this run to state it against
         print(f"| {r['model']:<17} | {r['route']:<37} | {r['tok_s']:>9,.0f} | "
               f"{r['tok_s'] / default[r['model']]:>9.2f} | {target:>24} |", flush=True)
 

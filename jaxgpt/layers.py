@@ -237,7 +237,13 @@ def kernels_output_major(enabled: bool = True) -> Iterator[None]:
 
 def einsum_output_major(spec: str, x: Array, kernel_NK: Array, kernel_shape: tuple[int, ...],
                         out_dtype: Any) -> Array:
-    """`einsum_in_kernel_order` for a kernel of `kernel_shape` stored as one (outputs, inputs) matrix."""
+    """`einsum_in_kernel_order` for a kernel of `kernel_shape` stored as one (outputs, inputs) matrix.
+
+    Not `einsum_in_kernel_order` on the matrix reshaped to (outputs..., inputs...): XLA canonicalizes a
+    product whose kernel has several free axes by moving the contracted axes first, which copies the
+    kernel on every token (test_sampling's output-major HLO test fails that way). Only a 2-D matrix is
+    read in place, so x is flattened to (..., K) instead.
+    """
     inputs, out = spec.split("->")
     x_axes, k_axes = inputs.split(",")
     shared = [a for a in k_axes if a in x_axes]  # the kernel's leading axes
