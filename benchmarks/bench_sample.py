@@ -68,7 +68,8 @@ ROUTE_MODELS = {
     "larger 6x6x384": ModelConfig(vocab_size=100, block_size=256, n_layer=6, n_head=6, n_embd=384),
     "GPT-2 124M shape": ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
 }
-# (model, first word of the route) -> tokens/s, or "peer": at least 2.5x transformers' cached generate.
+# (model, first word of the route) -> tokens/s, or "peer": at least 2.5x transformers' cached generate, or
+# "bound": the memory bound, shown as the most any float32 route could reach against that peer.
 ROUTE_TARGETS = {("larger 6x6x384", "float32"): 650, ("larger 6x6x384", "bfloat16"): 900,
                  ("GPT-2 124M shape", "float32"): "peer", ("GPT-2 124M shape", "bfloat16"): "peer",
                  ("GPT-2 124M shape", "memory"): "bound"}
