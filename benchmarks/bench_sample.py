@@ -59,7 +59,7 @@ from jaxgpt import layout, sampling, sampling_reference
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.config import ModelConfig
 from jaxgpt.layers import EinsumDense
-from jaxgpt.model import abstract_variables, init_params
+from jaxgpt.model import abstract_variables, init_params, output_major_kernels
 from jaxgpt.runtime import use_cpu_devices
 
 Array = jax.Array
@@ -135,12 +135,9 @@ def weights_matvec_seconds(params, cfg: ModelConfig, repeats: int) -> float:
     loop, each round starting from the previous round's result, so nothing is skipped or hoisted.
     """
     C = cfg.n_embd
-    mats = []  # (outputs, inputs), as the sampler stores them for one row (`model.output_major_kernels`)
-    for i in range(cfg.n_layer):
-        layer = params[f"h_{i}"]
-        mats += [jnp.asarray(m.T) for m in (layer["attn"]["qkv"]["kernel"].reshape(C, -1),
-                                            layer["attn"]["out"]["kernel"].reshape(-1, C),
-                                            layer["mlp"]["fc"]["kernel"], layer["mlp"]["proj"]["kernel"])]
+    params = output_major_kernels(nn.unbox(params), cfg)  # (outputs, inputs) matrices, as the sampler reads one row
+    mats = [params[f"h_{i}"][block][name]["kernel"] for i in range(cfg.n_layer)
+            for block, name in (("attn", "qkv"), ("attn", "out"), ("mlp", "fc"), ("mlp", "proj"))]
     head = params["wte"]["embedding"]  # (V, C): output-major already
 
     @jax.jit
@@ -163,14 +160,12 @@ def cached_per_token_at(params, cfg: ModelConfig, context: int, repeats: int) ->
     a prefilled state, so neither the prefill nor a dispatch is in the number.
     """
     prompt = np.random.default_rng(context).integers(0, cfg.vocab_size, size=(1, context))
-    spec = sampling.request(cfg, prompt, num_samples=None, max_new_tokens=PROBE_STEPS, temperature=1.0, top_k=None,
-                            top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False,
-                            vocab_limit=None).spec
-    params, cfg = sampling.decoding_weights(params, cfg, None, output_major=spec.output_major)
-    state = sampling._prefill(params, jnp.asarray(prompt), jax.random.key(1), cfg=cfg, output_major=spec.output_major,
-                              slots=sampling.cache_slots(cfg, context, PROBE_STEPS))
+    req = sampling.request(cfg, prompt, num_samples=None, max_new_tokens=PROBE_STEPS, temperature=1.0, top_k=None,
+                           top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False,
+                           vocab_limit=None)
+    params, cfg, state = sampling._start(params, cfg, req, None)
     run = lambda st: sampling._run(params, st, jnp.int32(PROBE_STEPS), jnp.float32(1.0), jnp.float32(1.0), cfg=cfg,
-                                   spec=spec, num_steps=PROBE_STEPS)
+                                   spec=req.spec, num_steps=PROBE_STEPS)
     jax.block_until_ready(run(jax.tree.map(jnp.copy, state)))
     times = []
     for _ in range(repeats):
@@ -242,7 +237,7 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
     req = sampling.request(cfg, [NEWLINE], num_samples=None, max_new_tokens=new_tokens, temperature=1.0, top_k=None,
                            top_p=None, key=1, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)
     spec = dataclasses.replace(req.spec, output_major=req.spec.output_major and not (r.intercept or r.tensor > 1))
-    prompt = jnp.asarray(req.prompt_BT)
+    req = dataclasses.replace(req, spec=spec)
     scalars = (jnp.int32(new_tokens), jnp.float32(1.0), jnp.float32(1.0))
     loop = jax.jit(lambda *a, **k: sampling._run.__wrapped__(*a, **k),  # a new function: no cached trace
                    static_argnames=("cfg", "spec", "num_steps"), donate_argnames=("state",))
@@ -253,18 +248,17 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
         params = jax.device_put(params, layout.logical_to_sharding(
             nn.get_partition_spec(abstract_variables(cfg)["params"]), mesh, rules))
         placed = functools.partial(layout.activate, mesh, rules)
-    params, cfg = sampling.decoding_weights(params, cfg, r.dtype, output_major=spec.output_major)
-    prefill = functools.partial(sampling._prefill, params, prompt, req.key, cfg=cfg, output_major=spec.output_major,
-                                slots=sampling.cache_slots(cfg, req.prompt_BT.shape[1], new_tokens))
+    start = functools.partial(sampling._start, params, cfg, req, r.dtype)  # the prepared weights are kept
     with placed():
-        state = prefill()
+        weights, decode_cfg, state = start()
         with nn.intercept_methods(r.intercept) if r.intercept else contextlib.nullcontext():
-            compiled = loop.lower(params, state, *scalars, cfg=cfg, spec=spec,
+            compiled = loop.lower(weights, state, *scalars, cfg=decode_cfg, spec=spec,
                                   num_steps=new_tokens).compile(r.options or {})
 
     def run() -> np.ndarray:
         with placed():
-            return np.asarray(compiled(params, prefill(), *scalars)[1])
+            weights, _, state = start()
+            return np.asarray(compiled(weights, state, *scalars)[1])
     return run
 
 
