@@ -205,13 +205,19 @@ def einsum_in_kernel_order(spec: str, x: Array, kernel: Array, out_dtype: Any = 
     that copy of each output-projection kernel added a sixth to the weight traffic. Contracting in the
     kernel's own axis order needs no copy.
     """
+    x_axes, k_axes, shared, to_out = _projection_axes(spec)
+    dims = ([x_axes.index(a) for a in shared], [k_axes.index(a) for a in shared])
+    return projection_dot_general(x, kernel, (dims, ((), ())), out_dtype=out_dtype).transpose(to_out)
+
+
+def _projection_axes(spec: str) -> tuple[str, str, list[str], list[int]]:
+    """A projection's einsum spec -> (x's axes, the kernel's, the contracted ones in the kernel's order,
+    the transpose from the product's axes (x's free ones, then the kernel's) to the output's)."""
     inputs, out = spec.split("->")
     x_axes, k_axes = inputs.split(",")
     shared = [a for a in k_axes if a in x_axes]
-    dims = ([x_axes.index(a) for a in shared], [k_axes.index(a) for a in shared])
-    y = projection_dot_general(x, kernel, (dims, ((), ())), out_dtype=out_dtype)
     y_axes = [a for a in x_axes + k_axes if a not in shared]
-    return y.transpose([y_axes.index(a) for a in out])
+    return x_axes, k_axes, shared, [y_axes.index(a) for a in out]
 
 
 _OUTPUT_MAJOR = contextvars.ContextVar("kernels_output_major", default=False)
@@ -244,16 +250,12 @@ def einsum_output_major(spec: str, x: Array, kernel_NK: Array, kernel_shape: tup
     kernel on every token (test_sampling's output-major HLO test fails that way). Only a 2-D matrix is
     read in place, so x is flattened to (..., K) instead.
     """
-    inputs, out = spec.split("->")
-    x_axes, k_axes = inputs.split(",")
-    shared = [a for a in k_axes if a in x_axes]  # the kernel's leading axes
+    x_axes, _, shared, to_out = _projection_axes(spec)  # shared: the kernel's leading axes
     rest = [a for a in x_axes if a not in shared]
     x = x.transpose([x_axes.index(a) for a in rest + shared])
     x_MK = x.reshape(*x.shape[:len(rest)], kernel_NK.shape[1])
     y = jax.lax.dot_general(x_MK, kernel_NK, (((len(rest),), (1,)), ((), ())), preferred_element_type=out_dtype)
-    y = y.reshape(*x.shape[:len(rest)], *kernel_shape[len(shared):])
-    y_axes = rest + list(k_axes[len(shared):])
-    return y.transpose([y_axes.index(a) for a in out])
+    return y.reshape(*x.shape[:len(rest)], *kernel_shape[len(shared):]).transpose(to_out)
 
 
 class EinsumDense(nn.Module):
@@ -278,9 +280,9 @@ class EinsumDense(nn.Module):
         cfg = self.cfg
         init = param_init(cfg, self.kernel_names, residual=self.residual, fans=self.fans, role=self.role)
         out_dtype = self.out_dtype or cfg.dtype
+        n_out = len(self.bias_names)  # the kernel's output axes, its last ones
+        K, N = math.prod(self.kernel_shape[:-n_out]), math.prod(self.kernel_shape[-n_out:])
         if _OUTPUT_MAJOR.get():
-            n_out = len(self.bias_names)
-            K, N = math.prod(self.kernel_shape[:-n_out]), math.prod(self.kernel_shape[-n_out:])
             flat = lambda key, shape, dtype: nn.unbox(init(key, self.kernel_shape, dtype)).reshape(K, N).T
             kernel_NK = self.param("kernel", flat, (N, K), cfg.param_dtype)
             y = einsum_output_major(self.spec, x.astype(kernel_NK.dtype), kernel_NK, self.kernel_shape,
@@ -289,9 +291,8 @@ class EinsumDense(nn.Module):
             kernel = self.param("kernel", init, self.kernel_shape, cfg.param_dtype)
             y = einsum_in_kernel_order(self.spec, x.astype(cfg.dtype), kernel.astype(cfg.dtype), out_dtype)
         if cfg.use_bias:
-            bias_shape = self.kernel_shape[-len(self.bias_names):]
-            fan_in = self.fans[0] if self.fans else math.prod(self.kernel_shape[:-len(self.bias_names)])
-            y = add_bias(y, self.param("bias", bias_init(cfg, self.bias_names, fan_in), bias_shape,
+            fan_in = self.fans[0] if self.fans else K
+            y = add_bias(y, self.param("bias", bias_init(cfg, self.bias_names, fan_in), self.kernel_shape[-n_out:],
                                        cfg.param_dtype).astype(out_dtype))
         return y
 
