@@ -3,7 +3,7 @@
     python benchmarks/bench_bf16_curves.py              # 200 steps of configs/stdlib_char.py, from the repo root
     python benchmarks/bench_bf16_curves.py --steps 50
 
-Both runs are the real trainer (`jaxgpt.loop.train`) on the quick start's model, data, batches, initial
+Both runs are the real trainer (`jaxgpt.train.loop.train`) on the quick start's model, data, batches, initial
 weights and learning-rate schedule (its 700-step decay, so these are its first steps); they differ only in
 `model.dtype` (bfloat16: bf16 compute, float32 parameters and Adam state). Each step's training loss is
 logged, and the script prints the largest |loss_bf16 - loss_f32| over the steps, the final losses (mean
@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxgpt.commands import use_huge_pages
-from jaxgpt.loop import train
-from jaxgpt.train_config import from_config_dict
+from jaxgpt.train.config import from_config_dict
+from jaxgpt.train.loop import train
 
 QUICK_START = Path(__file__).resolve().parents[1] / "configs" / "stdlib_char.py"
 CURVE_REL = 0.02  # 10-step running means, relative to float32's

@@ -35,8 +35,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxgpt.layers import _weight_gradient
-from jaxgpt.runtime import use_cpu_devices
+from jaxgpt.model.layers import _weight_gradient
+from jaxgpt.train.runtime import use_cpu_devices
 
 STEPS = 16  # chain rounds inside one compiled loop
 CHAINS = {"6x6x384": (384, 6), "GPT-2 124M shape": (768, 12)}  # width, layers

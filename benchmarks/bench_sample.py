@@ -8,7 +8,7 @@ Two character-level models of the training issue (random weights: speed does not
 block 256, vocabulary 100: small 4 layers x 4 heads x 128 wide, larger 6 x 6 x 384. For each, 1 sample x 500
 new tokens from a newline prompt:
 
-* cached: `jaxgpt.sampling.generate` (prefill, then one compiled while_loop with the KV cache; past 256
+* cached: `jaxgpt.generate.sampling.generate` (prefill, then one compiled while_loop with the KV cache; past 256
   tokens the window jumps by the default window_shift and is re-prefilled, as documented there);
   also `stream` in chunks of 16 tokens, the path the CLI prints from;
 * uncached: `generate_uncached`, the naive loop that re-runs the jitted model on the whole current window
@@ -45,8 +45,10 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -55,12 +57,16 @@ import jax.numpy as jnp
 import numpy as np
 import torch_reference
 
-from jaxgpt import layout, sampling, sampling_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the uncached reference sampler
+import sampling_reference
+
 from jaxgpt.commands import use_huge_pages
-from jaxgpt.config import ModelConfig
-from jaxgpt.layers import EinsumDense
-from jaxgpt.model import abstract_variables, init_params, output_major_kernels
-from jaxgpt.runtime import use_cpu_devices
+from jaxgpt.generate import sampling
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import abstract_variables, init_params, output_major_kernels
+from jaxgpt.model.layers import EinsumDense
+from jaxgpt.train import sharding as layout
+from jaxgpt.train.runtime import use_cpu_devices
 
 Array = jax.Array
 

@@ -6,10 +6,10 @@ of the f32 matmul peak measured in the same process.
 
 On a TPU or GPU host it instead trains GPT-2 124M as configs/gpt2_124m.py does (bf16 compute, `auto`
 attention: splash on TPU, cuDNN on GPU; the chunked loss), 8 x 1024 tokens per device on every device, and
-prints tokens/s and MFU against the chips' published bf16 peak (`jaxgpt.chips`): the number to compare with
+prints tokens/s and MFU against the chips' published bf16 peak (`jaxgpt.train.chips`): the number to compare with
 llm.c's (about 40% MFU for GPT-2 124M on an H100).
 
-Uses the real train step (`jaxgpt.train_step.make_train_step`, jit with donation) on random tokens.
+Uses the real train step (`jaxgpt.train.step.make_train_step`, jit with donation) on random tokens.
 When PyTorch is installed, the same model in eager PyTorch (benchmarks/torch_reference.py) is timed
 in the same run, in float32 and under bf16 autocast, and jaxgpt's default variant is reported as a
 multiple of it next to issue 3's targets (1.5x on (a), 1.1x on (b)); the "bfloat16" row
@@ -18,8 +18,8 @@ bf16 autocast (issue 16: at least 1.0x). Every program is compiled first and the
 (PyTorch's too) take two steps in turn, round after round, so load from other processes hits them alike;
 "step ms" is each row's fastest second step (the first re-faults memory the VM may have reclaimed while
 the other rows ran: see `interleaved`). The "one query block" row disables the causal query blocking of
-`jaxgpt.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
-The "2 CPU devices" row is the trainer's own sharded program (`jaxgpt.layout.build_program`) on a
+`jaxgpt.model.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
+The "2 CPU devices" row is the trainer's own sharded program (`jaxgpt.train.sharding.build_program`) on a
 data-parallel mesh of two XLA CPU devices (`config.cpu_devices=2`, what configs/stdlib_char.py uses).
 The "dense matmuls alone" row is a floor for any implementation that multiplies with XLA: the forward
 and backward products of every weight matrix (X W, dY W^T, X^T dY) at the model's shapes, and nothing
@@ -41,18 +41,19 @@ import jax.numpy as jnp
 import numpy as np
 import torch_reference
 
-from jaxgpt import attention, layout
-from jaxgpt.chips import peak_flops_for
 from jaxgpt.commands import use_huge_pages
-from jaxgpt.config import ModelConfig
-from jaxgpt.flops import flops_per_token, matmul_params, measure_matmul_peak
-from jaxgpt.model import init_params
-from jaxgpt.optim import OptimConfig, make_optimizer
-from jaxgpt.presets import get_preset
-from jaxgpt.runtime import use_cpu_devices
+from jaxgpt.model import attention
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import init_params
+from jaxgpt.model.presets import get_preset
 from jaxgpt.tasks.lm import LanguageModelling
-from jaxgpt.train_config import base_config, from_config_dict, model_fields
-from jaxgpt.train_step import make_train_step
+from jaxgpt.train import sharding as layout
+from jaxgpt.train.chips import peak_flops_for
+from jaxgpt.train.config import base_config, from_config_dict, model_fields
+from jaxgpt.train.flops import flops_per_token, matmul_params, measure_matmul_peak
+from jaxgpt.train.optim import OptimConfig, make_optimizer
+from jaxgpt.train.runtime import use_cpu_devices
+from jaxgpt.train.step import make_train_step
 
 CONFIGS = {
     "(a) 4x4x128 T256 B32": (ModelConfig(vocab_size=100, block_size=256, n_layer=4, n_head=4, n_embd=128), 32),
@@ -194,7 +195,7 @@ def accelerator_run(steps: int) -> None:
     tok_s = batch * cfg.block_size / step_s
     peak = peak_flops_for(devices)
     mfu = f"MFU {tok_s * flops_per_token(cfg) / peak:.1%} of the published bf16 peak" if peak else (
-        f"MFU unknown: {devices[0].device_kind!r} is not in jaxgpt.chips")
+        f"MFU unknown: {devices[0].device_kind!r} is not in jaxgpt.train.chips")
     print(f"jax {jax.__version__}, {len(devices)} x {devices[0].device_kind}: GPT-2 124M, bf16, attention auto, "
           f"chunked loss, {batch} x {cfg.block_size} tokens per step; compile {compile_s:.1f} s, "
           f"{step_s * 1e3:.1f} ms per step, {tok_s:,.0f} tokens/s, {mfu} (llm.c: about 40% on an H100)")

@@ -12,8 +12,8 @@ schedule (factor 1, 4000 warmup steps) and label smoothing 0.1. Sized for accele
 from configs/seq2seq_copy.py's small model instead.
 """
 
-from jaxgpt.presets import get_seq2seq_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_seq2seq_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

@@ -12,7 +12,7 @@ to each snippet (a character model has no spare token; see jaxgpt/tasks/classify
 Any CSV/JSONL of (text, label) works the same way: --config.classify.data=path/to/file.csv.
 """
 
-from jaxgpt.train_config import base_config
+from jaxgpt.train.config import base_config
 
 
 def get_config():

@@ -7,8 +7,8 @@ On a pod, set the mesh, e.g. --config.mesh.data=-1 --config.mesh.fsdp=8.
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

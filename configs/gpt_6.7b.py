@@ -10,7 +10,7 @@ See docs/scaling.md for the plan (which slice, mesh, batch and remat) and launch
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """
 
-from jaxgpt.train_config import pod_config
+from jaxgpt.train.config import pod_config
 
 
 def get_config():

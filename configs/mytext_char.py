@@ -9,8 +9,8 @@ The vocabulary is the set of characters in the text. README.md, "Bring your own 
 sampling, evaluation and export.
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

@@ -9,7 +9,7 @@ hf:/path/to/gpt2 offline); block_size only crops the context. `--config.init_fro
 architecture from scratch instead (slow on a CPU). README.md, "Fine-tune GPT-2", has the walk-through.
 """
 
-from jaxgpt.train_config import base_config
+from jaxgpt.train.config import base_config
 
 
 def get_config():

@@ -2,8 +2,8 @@
 tokenizer, tiktoken's r50k / GPT-2 BPE: 6 x 512, 8 heads, pre-norm, sinusoidal positions, ReLU, Xavier.
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

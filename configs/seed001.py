@@ -2,8 +2,8 @@
 Shakespeare with GPT-2 BPE. Its 40,478-token vocabulary becomes the dataset's, and there is no padding
 in language-model batches, so `pad_id` is unset here (token 0 is an ordinary BPE token)."""
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

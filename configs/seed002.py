@@ -3,8 +3,8 @@ per-head key_dim 512) as a character-level language model on tiny Shakespeare, 2
 The preset's `pad_id=0` (Keras' mask_zero) is unset here: language-model batches have no padding, and id 0 is
 an ordinary character."""
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

@@ -26,8 +26,8 @@ The article gives no optimizer settings or sampling temperature: training uses A
 the model's own distribution (temperature 1) for the 76 tokens that fill the 80-token context.
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

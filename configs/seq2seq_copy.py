@@ -9,8 +9,8 @@ exact match measured on 2 CPU cores.
     python train.py --config configs/seq2seq_copy.py [--config.seq2seq.data=reverse]
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

@@ -8,8 +8,8 @@ Character level, 3 encoder + 3 decoder layers, 4 heads, 128 wide.
     python train.py --config configs/seq2seq_stdlib.py
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

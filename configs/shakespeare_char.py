@@ -4,8 +4,8 @@ Downloads tiny Shakespeare on first use (or prepare it offline: jaxgpt data --te
 --tokenizer char --out data/shakespeare_char).
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

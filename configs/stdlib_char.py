@@ -4,8 +4,8 @@
 parallel over two CPU devices. See README.md for the time and validation loss measured on a 2-core machine.
 """
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

@@ -25,7 +25,7 @@ GiB = 2**30
 
 def config(path: str, **overrides: object):
     """A config file's typed config with dotted overrides, as the command line would give."""
-    from jaxgpt.train_config import from_config_dict
+    from jaxgpt.train.config import from_config_dict
 
     spec = importlib.util.spec_from_file_location(Path(path).stem.replace(".", "_"), path)
     module = importlib.util.module_from_spec(spec)
@@ -69,7 +69,8 @@ def test_cli_compiles_a_small_model_for_a_v5e_slice(tmp_path: Path) -> None:
 def test_splash_and_the_chunked_loss_compile_for_a_v5e_slice() -> None:
     """A GPT-shaped step (T = 512, 4 heads of 64) with splash attention and the chunked loss, data parallel over
     v5e:2x2: the kernels are in the program, their FLOPs are added analytically, the gradient all-reduce is seen."""
-    from jaxgpt import aot, kernels
+    from jaxgpt.ops import kernels
+    from jaxgpt.tools import aot
 
     c = config(TINY, **{"model.vocab_size": 512, "model.block_size": 512, "model.n_embd": 256, "model.n_head": 4,
                         "model.dtype": "bfloat16", "model.attention_impl": "auto", "loss_chunk": 128,
@@ -86,7 +87,7 @@ def test_splash_and_the_chunked_loss_compile_for_a_v5e_slice() -> None:
 
 
 def test_scanned_flops_are_extrapolated_to_every_layer() -> None:
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     unrolled = aot.analyze(config(TINY, **{"model.vocab_size": 128}), "v5p:2x2x1")
     scanned = aot.analyze(config(TINY, **{"model.vocab_size": 128, "model.scan_layers": True}), "v5p:2x2x1")
@@ -97,7 +98,7 @@ def test_scanned_flops_are_extrapolated_to_every_layer() -> None:
 
 
 def test_a_model_too_big_for_the_slice_is_reported_not_raised() -> None:
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     c = config(str(ROOT / "configs" / "gpt2_xl.py"), **{"model.remat": "none", "batch_size": 64})
     r = aot.analyze(c, "v5e:2x2")  # 16 sequences of 1024 per 16 GiB chip, every activation kept
@@ -107,7 +108,7 @@ def test_a_model_too_big_for_the_slice_is_reported_not_raised() -> None:
 
 def test_fsdp_and_tensor_parallel_placement_on_tpu_devices() -> None:
     """Shardings only (nothing compiled): FSDP splits parameters and moments, tensor splits heads and MLP."""
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     devices = aot.topology_devices("v5e:4x4")
     cfg = aot._resolved(config(str(ROOT / "configs" / "gpt2_medium.py"), **{"mesh.fsdp": 4, "mesh.tensor": 4}))
@@ -133,7 +134,7 @@ def test_bad_topology_is_a_one_line_error() -> None:
 def test_gpt2_124m_flops_match_and_remat_shrinks_activations() -> None:
     """GPT-2 124M, unscanned, 8 x 1024 tokens per chip on v5e:2x2: XLA's FLOPs within 10% of 6N + attention,
     and full remat makes the compiled temporaries at least 2.5x smaller (measured: 7.1 -> 2.7 GiB)."""
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     # The einsum attention and dense loss this claim was measured with (the config now uses splash and chunks).
     base = {"batch_size": 32, "grad_accum": 1, "mesh.data": -1, "model.attention_impl": "einsum", "loss_chunk": 0}
@@ -149,7 +150,7 @@ def test_gpt2_124m_flops_match_and_remat_shrinks_activations() -> None:
 def test_gpt2_124m_with_splash_and_chunked_loss_is_compute_bound_on_v5e() -> None:
     """The plan's headline rows: 16 x 1024 tokens per v5e chip without remat fit, with a roofline-bound MFU of at
     least 60%; and 8192-token sequences fit on v5e:2x2."""
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     path = str(ROOT / "configs" / "gpt2_124m.py")
     r = aot.analyze(config(path, **{"batch_size": 64, "grad_accum": 1, "mesh.data": -1}), "v5e:2x2")
@@ -166,7 +167,7 @@ def test_gpt2_124m_with_splash_and_chunked_loss_is_compute_bound_on_v5e() -> Non
     ("configs/gpt2_xl.py", "v5p:2x2x2", 64),
 ])
 def test_gpt2_small_and_xl_compile_for_v5e_and_v5p(path: str, topology: str, batch: int) -> None:
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     c = config(str(ROOT / path), **{"batch_size": batch, "grad_accum": 1, "model.scan_layers": True,
                                     "model.remat": "full"})

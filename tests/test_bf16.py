@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from tests_helpers import load_tiny
 
-from jaxgpt.data import load_dataset
-from jaxgpt.layers import add_bias, projection_dot_general
-from jaxgpt.model import init_params
-from jaxgpt.optim import make_optimizer
+from jaxgpt.data.dataset import load_dataset
+from jaxgpt.model.gpt import init_params
+from jaxgpt.model.layers import add_bias, projection_dot_general
 from jaxgpt.tasks.lm import LanguageModelling
-from jaxgpt.train_config import from_config_dict
-from jaxgpt.train_step import make_train_step
+from jaxgpt.train.config import from_config_dict
+from jaxgpt.train.optim import make_optimizer
+from jaxgpt.train.step import make_train_step
 
 # (spec of a projection, x shape, kernel shape): the GPT's fused QKV, MLP (fc, proj) and output projections
 PROJECTIONS = [((((2,), (0,)), ((), ())), (2, 16, 32), (32, 3, 4, 8)),

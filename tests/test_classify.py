@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.checkpoint import Checkpointer
-from jaxgpt.config import ModelConfig
+from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, GPTClassifier, init_params
-from jaxgpt.optim import OptimConfig, make_optimizer
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import GPT, GPTClassifier, init_params
 from jaxgpt.tasks import classify, classify_data
-from jaxgpt.tokenizer import CharTokenizer
-from jaxgpt.train_config import base_config, from_config_dict
+from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.train.config import base_config, from_config_dict
+from jaxgpt.train.optim import OptimConfig, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHABET = "\nabcdefxyz"  # sorted by code point, as CharTokenizer requires
@@ -239,8 +239,8 @@ def test_finetune_beats_majority_saves_and_predicts(tmp_path: Path, tiny_lm: Pat
 @pytest.mark.slow
 def test_finetune_from_a_gpt2_directory_uses_the_end_of_text_token(tmp_path: Path) -> None:
     """hf:PATH with GPT-2's BPE: a tiny random GPT-2 written by jaxgpt's exporter; rows end with eot 50256."""
-    from jaxgpt.hf import save_hf_gpt2
-    from jaxgpt.tokenizer import GPT2_EOT, load_bpe
+    from jaxgpt.data.tokenizer import GPT2_EOT, load_bpe
+    from jaxgpt.io.hf import save_hf_gpt2
 
     try:
         load_bpe("gpt2")

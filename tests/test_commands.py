@@ -66,7 +66,7 @@ class CopyTask:
     batch_ndims = {"x": 2, "y": 2}  # noqa: RUF012
 
     def __init__(self, cfg: Any) -> None:
-        from jaxgpt.model import GPT
+        from jaxgpt.model.gpt import GPT
 
         self.cfg, self.model_cfg = cfg, cfg.model.replace(vocab_size=16)
         self.model = GPT(self.model_cfg)
@@ -117,8 +117,8 @@ class CopyTask:
 def test_a_new_task_trains_on_the_loop_unchanged(tmp_path: Path) -> None:
     from tests_helpers import load_tiny
 
-    from jaxgpt.loop import train
-    from jaxgpt.train_config import from_config_dict
+    from jaxgpt.train.config import from_config_dict
+    from jaxgpt.train.loop import train
 
     c = load_tiny(workdir=str(tmp_path / "copy"), max_steps=200, eval_interval=100, ckpt_interval=100)
     c.model.vocab_size, c.optim.lr, c.optim.min_lr = 16, 1e-2, 1e-3

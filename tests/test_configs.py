@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgpt.config import Seq2SeqConfig
-from jaxgpt.model import GPT
-from jaxgpt.seq2seq import EncoderDecoder
-from jaxgpt.train_config import from_config_dict
+from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.model.encdec import EncoderDecoder
+from jaxgpt.model.gpt import GPT
+from jaxgpt.train.config import from_config_dict
 
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.py")
                  if not p.stem.startswith("classify_"))  # classification configs: tests/test_classify.py

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import tiktoken
 
-from jaxgpt import data, datasets
-from jaxgpt import tokenizer as tok
-from jaxgpt.batches import batch_for_step, eval_batches
 from jaxgpt.commands import data as data_command
-from jaxgpt.data import load_dataset, prepare_text
-from jaxgpt.datasets import prepare_builtin
+from jaxgpt.data import corpora as datasets
+from jaxgpt.data import dataset as data
+from jaxgpt.data import tokenizer as tok
+from jaxgpt.data.batches import batch_for_step, eval_batches
+from jaxgpt.data.corpora import prepare_builtin
+from jaxgpt.data.dataset import load_dataset, prepare_text
+from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, load_bpe
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import CharTokenizer, Tokenizer, load_bpe
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 VOCAB = "".join(sorted(set(TEXT)))

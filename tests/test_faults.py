@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -112,7 +112,7 @@ def test_directory_of_other_files_is_refused(tmp_path: Path, data_dir: Path) -> 
 
 
 def test_second_trainer_fails_at_once_naming_the_holder(run_copy: Path, data_dir: Path) -> None:
-    from jaxgpt.rundir import WorkdirLock
+    from jaxgpt.train.rundir import WorkdirLock
 
     lock = WorkdirLock(run_copy)  # this process plays the first trainer
     lock.record_holder()
@@ -302,8 +302,8 @@ def test_too_little_space_is_refused_before_compiling(tmp_path: Path, data_dir: 
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from tests_helpers import load_tiny, train_run
 
-    from jaxgpt import rundir
     from jaxgpt.errors import UserError
+    from jaxgpt.train import rundir
 
     monkeypatch.setattr(rundir, "free_bytes", lambda path: 1000)
     with pytest.raises(UserError, match="MiB free, but a checkpoint of this run needs"):
@@ -345,7 +345,7 @@ def test_changed_schedule_on_resume_is_refused_with_nothing_written(run_copy: Pa
 
 
 def test_a_model_setting_added_after_a_run_was_saved_counts_as_its_default() -> None:
-    from jaxgpt.resume import changed_keys
+    from jaxgpt.train.resume import changed_keys
 
     now = {"model.n_layer": 2, "model.attn_resid_dropout": True, "optim.lr": 0.001}
     older = {"model.n_layer": 2, "optim.lr": 0.001}  # saved before attn_resid_dropout existed

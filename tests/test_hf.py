@@ -22,11 +22,11 @@ pytest.importorskip("safetensors")
 
 from safetensors.numpy import load_file, save_file
 
-from jaxgpt import hf, weights
 from jaxgpt.commands import hf as hf_command
-from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, GPTClassifier, stack_layers, unstack_layers
+from jaxgpt.io import hf, weights
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import GPT, GPTClassifier, stack_layers, unstack_layers
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers are not installed")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxgpt import hlo
+from jaxgpt.tools import hlo
 
 # A step shaped like XLA:TPU's output: a scan loop of 4 trips without known_trip_count (its bound is the
 # condition's constant), an all-gather over a mesh axis of 2 repeated in an async start/done pair (one

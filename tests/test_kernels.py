@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import kernels, layout
-from jaxgpt.attention import attend, resolve_impl
-from jaxgpt.config import ModelConfig
-from jaxgpt.model import init_params
-from jaxgpt.optim import OptimConfig, make_optimizer
+from jaxgpt.model.attention import attend, resolve_impl
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import init_params
+from jaxgpt.ops import kernels
 from jaxgpt.tasks.lm import LanguageModelling
-from jaxgpt.train_config import base_config, from_config_dict, model_fields
-from jaxgpt.train_step import make_train_step
+from jaxgpt.train import sharding as layout
+from jaxgpt.train.config import base_config, from_config_dict, model_fields
+from jaxgpt.train.optim import OptimConfig, make_optimizer
+from jaxgpt.train.step import make_train_step
 
 
 def _qkv(B: int, H: int, T: int, D: int, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -101,7 +102,7 @@ def test_auto_is_einsum_on_cpu_and_splash_for_a_tpu_mesh() -> None:
     assert resolve_impl("xla", "bfloat16") == "xla"
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: no TPU topology to set as the mesh")
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     with jax.set_mesh(layout.make_mesh((-1, 1, 1), aot.topology_devices("v5e:2x2"))):
         assert resolve_impl("auto", "bfloat16") == "splash"

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from tests_helpers import logged_losses
 
-from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -95,10 +95,10 @@ def test_bf16_matmuls_in_the_compiled_step() -> None:
     """The trainer's own train step, lowered: bf16 projection products, fp32 parameters in and out."""
     from tests_helpers import load_tiny
 
-    from jaxgpt import layout
-    from jaxgpt.attention import work_dtype
+    from jaxgpt.model.attention import work_dtype
     from jaxgpt.tasks.lm import LanguageModelling
-    from jaxgpt.train_config import from_config_dict
+    from jaxgpt.train import sharding as layout
+    from jaxgpt.train.config import from_config_dict
 
     c = load_tiny(workdir="w", batch_size=4)
     c.model.vocab_size, c.model.block_size, c.model.dtype, c.model.param_dtype = 256, 64, "bfloat16", "float32"

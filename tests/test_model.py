@@ -10,12 +10,12 @@ import numpy as np
 import numpy_reference as ref
 import pytest
 
-from jaxgpt.attention import attend, query_blocks
-from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, GPTClassifier, init_params, stack_layers, unstack_layers
-from jaxgpt.presets import PRESETS, get_preset
-from jaxgpt.summary import count_params, param_shapes, summary
+from jaxgpt.model.attention import attend, query_blocks
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import GPT, GPTClassifier, init_params, stack_layers, unstack_layers
+from jaxgpt.model.presets import PRESETS, get_preset
+from jaxgpt.tools.summary import count_params, param_shapes, summary
 
 TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=48)
 

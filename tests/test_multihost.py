@@ -19,9 +19,9 @@ import pytest
 from flax import traverse_util
 from tests_helpers import logged_losses
 
-from jaxgpt import layout
-from jaxgpt.checkpoint import Checkpointer
-from jaxgpt.weights import load
+from jaxgpt.io.weights import load
+from jaxgpt.train import sharding as layout
+from jaxgpt.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -137,7 +137,7 @@ def test_each_host_reads_only_the_rows_its_devices_hold() -> None:
     """Row ranges per host on a 16-chip, 4-host v5e slice, for rows split over 16, 4 and 1 (replicated) groups."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxgpt import aot
+    from jaxgpt.tools import aot
 
     devices = aot.topology_devices("v5e:4x4")
     hosts = sorted({d.process_index for d in devices})

@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
-from jaxgpt import plots, seq2seq, weights
 from jaxgpt.commands import plots as plots_command
 from jaxgpt.commands import summary as summary_command
-from jaxgpt.config import ModelConfig
+from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.model import init_params, sinusoidal_table, stack_layers
-from jaxgpt.presets import PRESETS, SEQ2SEQ_PRESETS
-from jaxgpt.tokenizer import CharTokenizer
+from jaxgpt.io import weights
+from jaxgpt.model import encdec as seq2seq
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import init_params, sinusoidal_table, stack_layers
+from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
+from jaxgpt.tools import plots
 
 CHARS = "".join(sorted(set(" .,?HTabcdefghiklmnorstuwy\n")))
 CFG = ModelConfig(vocab_size=len(CHARS), block_size=32, n_layer=2, n_head=4, n_embd=32)
@@ -86,7 +88,7 @@ def test_attention_heatmap_png(params, tmp_path):
 def test_attention_cli(params, tmp_path, monkeypatch, capsys):
     """--workdir goes through `weights.load` (faked: a checkpoint with a char tokenizer); --hf through the
     GPT-2 importer, with --ids when the vocabulary has no known tokenizer."""
-    from jaxgpt.hf import save_hf_gpt2
+    from jaxgpt.io.hf import save_hf_gpt2
 
     real_load = weights.load
     meta = {"tokenizer": CharTokenizer(CHARS).to_meta()}

@@ -16,17 +16,18 @@ import numpy as np
 import numpy_reference as ref
 import optax
 import pytest
+from sampling_reference import generate_uncached
 
-from jaxgpt import sampling, strategies, weights
 from jaxgpt.commands import sample as cli
-from jaxgpt.config import ModelConfig
+from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.model import stack_layers
-from jaxgpt.presets import PRESETS
-from jaxgpt.sampling import generate, stream
-from jaxgpt.sampling_reference import generate_uncached
-from jaxgpt.strategies import filter_logits, pick_tokens
-from jaxgpt.tokenizer import CharTokenizer
+from jaxgpt.generate import sampling, strategies
+from jaxgpt.generate.sampling import generate, stream
+from jaxgpt.generate.strategies import filter_logits, pick_tokens
+from jaxgpt.io import weights
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import stack_layers
+from jaxgpt.model.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=48)
@@ -356,7 +357,7 @@ assert len(CHARS) == SAMPLED_CFG.vocab_size
 @pytest.fixture(scope="module")
 def char_workdir(tmp_path_factory) -> Path:
     """A work directory holding one checkpoint of a tiny character model, written with the trainer's API."""
-    from jaxgpt.checkpoint import Checkpointer
+    from jaxgpt.train.checkpoint import Checkpointer
 
     workdir = tmp_path_factory.mktemp("char_run")
     cfg = SAMPLED_CFG
@@ -438,7 +439,7 @@ def test_cli_process_exit_code_and_no_traceback(char_workdir: Path) -> None:
 
 
 def bpe_or_skip():
-    from jaxgpt.tokenizer import load_bpe
+    from jaxgpt.data.tokenizer import load_bpe
 
     try:
         return load_bpe()
@@ -502,8 +503,8 @@ def test_noise_block_matches_single_steps() -> None:
 def test_cli_samples_from_a_hugging_face_gpt2_directory(tmp_path: Path, capsys) -> None:
     """--init_from hf:PATH: the imported weights give the library's greedy tokens, decoded with GPT-2 BPE."""
     bpe_or_skip()
-    from jaxgpt.hf import save_hf_gpt2
-    from jaxgpt.tokenizer import load_bpe
+    from jaxgpt.data.tokenizer import load_bpe
+    from jaxgpt.io.hf import save_hf_gpt2
 
     cfg = PRESETS["gpt2"].replace(n_layer=1, n_embd=16, n_head=2, block_size=16)
     params = random_params(cfg)
@@ -523,7 +524,7 @@ def test_cli_samples_from_a_hugging_face_gpt2_directory(tmp_path: Path, capsys) 
 
 def test_vocabulary_padding_ids_are_never_sampled() -> None:
     """A model whose vocabulary is padded past its tokenizer's (GPT-2's 50257 -> 50304) never emits the padding."""
-    from jaxgpt.strategies import pick_tokens
+    from jaxgpt.generate.strategies import pick_tokens
 
     logits = jnp.zeros((2, 8)).at[:, 6].set(10.0)  # the padding id 6 is by far the likeliest
     assert pick_tokens(logits, None, vocab_limit=6).tolist() == [0, 0]

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from jaxgpt import seq2seq
-from jaxgpt.config import ModelConfig, model_config_from_dict
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, GPTClassifier, init_params, sinusoidal_table
-from jaxgpt.presets import PRESETS, SEQ2SEQ_PRESETS
+from jaxgpt.model import encdec as seq2seq
+from jaxgpt.model.config import ModelConfig, model_config_from_dict
+from jaxgpt.model.gpt import GPT, GPTClassifier, init_params, sinusoidal_table
+from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
 
 SMALL = dict(vocab_size=512, block_size=16, n_layer=2, n_embd=64, n_head=4, head_dim=16, d_ff=256)
 

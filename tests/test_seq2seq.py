@@ -13,11 +13,11 @@ import numpy_reference_seq2seq as ref2
 import pytest
 from flax import traverse_util
 
-from jaxgpt import layout
-from jaxgpt.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.errors import UserError
-from jaxgpt.presets import SEQ2SEQ_PRESETS, get_seq2seq_preset
-from jaxgpt.seq2seq import EncoderDecoder, abstract_variables, init_params
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.model.encdec import EncoderDecoder, abstract_variables, init_params
+from jaxgpt.model.presets import SEQ2SEQ_PRESETS, get_seq2seq_preset
+from jaxgpt.train import sharding as layout
 
 TINY = dict(vocab_size=29, src_vocab_size=31, block_size=9, src_block_size=11, n_layer=2, n_encoder_layer=2,
             n_embd=16, n_head=2, d_ff=24)

@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import numpy_reference_seq2seq as ref2
 import pytest
+from sampling_reference import seq2seq_uncached
 
-from jaxgpt import seq2seq_decoding as dec
 from jaxgpt.commands import sample as cli
-from jaxgpt.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.sampling_reference import seq2seq_uncached
-from jaxgpt.seq2seq import EncoderDecoder
+from jaxgpt.generate import seq2seq as dec
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.model.encdec import EncoderDecoder
 from jaxgpt.tasks import pairs
-from jaxgpt.tokenizer import CharTokenizer
 
 PAD, BOS = 0, 1
 TINY = dict(vocab_size=11, src_vocab_size=13, block_size=8, src_block_size=9, n_layer=2, n_encoder_layer=2,
@@ -208,7 +208,7 @@ CHARS = "abcdefgh"  # text ids 0..7 -> model ids 3..10: TINY's 11-token vocabula
 
 def write_run(workdir: Path, cfg: ModelConfig | Seq2SeqConfig, params: dict, seq2seq: bool) -> Path:
     """A work directory with one checkpoint, as the trainer writes it (a seq2seq run's meta has its specials)."""
-    from jaxgpt.checkpoint import Checkpointer
+    from jaxgpt.train.checkpoint import Checkpointer
 
     meta = {"model": cfg.to_dict(), "tokenizer": CharTokenizer(CHARS).to_meta(), "val_loss": 1.0}
     ckpt = Checkpointer(workdir)
@@ -268,7 +268,7 @@ def test_cli_seq2seq_mistakes_are_one_line(seq2seq_run: Path, capsys, args: list
 
 
 def test_cli_source_on_a_gpt_names_prompt(tmp_path: Path, capsys) -> None:
-    from jaxgpt.model import init_params
+    from jaxgpt.model.gpt import init_params
 
     cfg = ModelConfig(vocab_size=len(CHARS), block_size=8, n_layer=1, n_head=2, n_embd=16)
     run = write_run(tmp_path / "gpt", cfg, init_params(cfg, jax.random.key(0)), seq2seq=False)

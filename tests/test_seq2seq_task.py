@@ -14,19 +14,19 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgpt import weights
-from jaxgpt.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.flops import seq2seq_flops_per_token
-from jaxgpt.optim import OptimConfig, noam, schedule
-from jaxgpt.presets import get_preset
-from jaxgpt.seq2seq import abstract_variables
-from jaxgpt.seq2seq_decoding import greedy
+from jaxgpt.generate.seq2seq import greedy
+from jaxgpt.io import weights
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.model.encdec import abstract_variables
+from jaxgpt.model.presets import get_preset
 from jaxgpt.tasks import pairs
 from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.tasks.seq2seq import Seq2Seq, seq2seq_loss
-from jaxgpt.tokenizer import CharTokenizer
-from jaxgpt.train_config import base_config, from_config_dict, model_fields
+from jaxgpt.train.config import base_config, from_config_dict, model_fields
+from jaxgpt.train.flops import seq2seq_flops_per_token
+from jaxgpt.train.optim import OptimConfig, noam, schedule
 
 # ----------------------------------------------------------------------------------------------------
 # Pair files
@@ -195,7 +195,7 @@ def test_flops_count_every_weight_use_of_a_row() -> None:
 
 
 def test_trains_checkpoints_resumes_exactly_and_loads_as_encoder_decoder(tmp_path: Path) -> None:
-    from jaxgpt.loop import train
+    from jaxgpt.train.loop import train
 
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
     whole = train(from_config_dict(_tiny(tmp_path, workdir=str(whole_dir))))

@@ -1,7 +1,7 @@
 """Sharded training equals single-device training, and checkpoints move between meshes.
 
 Eight fake CPU devices need XLA_FLAGS before jax is imported, so the multi-device runs happen in one
-subprocess (the real training loop, `jaxgpt.loop.train`, once per mesh); the single-device runs happen here,
+subprocess (the real training loop, `jaxgpt.train.loop.train`, once per mesh); the single-device runs happen here,
 in the test process, which stays on one device.
 """
 
@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import AbstractMesh
 from tests_helpers import logged_losses
 
-from jaxgpt import layout
 from jaxgpt.errors import UserError
+from jaxgpt.train import sharding as layout
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
@@ -122,7 +122,7 @@ def test_mesh_shape_resolution_and_errors() -> None:
 
 
 def test_divisibility_errors_name_the_fix() -> None:
-    from jaxgpt.config import ModelConfig
+    from jaxgpt.model.config import ModelConfig
 
     mesh = AbstractMesh((2, 2, 2), layout.MESH_AXES)
     layout.check_divisibility(ModelConfig(n_head=4, n_embd=32), mesh, global_batch=8)
@@ -133,7 +133,7 @@ def test_divisibility_errors_name_the_fix() -> None:
 
 
 def test_vocab_rule_replicates_an_indivisible_vocabulary() -> None:
-    from jaxgpt.config import ModelConfig
+    from jaxgpt.model.config import ModelConfig
 
     mesh = AbstractMesh((1, 1, 4), layout.MESH_AXES)
     assert dict(layout.rules_for(ModelConfig(vocab_size=50304), mesh))["vocab"] == "tensor"

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import tiktoken
 
-from jaxgpt import tokenizer as tok
+from jaxgpt.data import tokenizer as tok
+from jaxgpt.data.tokenizer import BPE_FILE_ENV, R50K_SHA256, CharTokenizer, load_bpe, tokenizer_from_meta
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import BPE_FILE_ENV, R50K_SHA256, CharTokenizer, load_bpe, tokenizer_from_meta
 
 ROUND_TRIP_TEXTS = [
     "A long time ago",

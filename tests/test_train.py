@@ -18,8 +18,8 @@ import pytest
 from flax import traverse_util
 from tests_helpers import logged_losses
 
-from jaxgpt import optim
-from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.train import optim
+from jaxgpt.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -87,7 +87,7 @@ def test_kill_during_checkpoint_save_keeps_previous(tmp_path: Path) -> None:
     """A process SIGKILLed while an asynchronous save is in flight leaves the previous step restorable."""
     script = f"""
 import os, signal, numpy as np, jax.numpy as jnp
-from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.train.checkpoint import Checkpointer
 ck = Checkpointer({str(tmp_path)!r})
 small = {{"params": {{"w": jnp.ones((4, 4))}}, "opt_state": {{"m": jnp.zeros((4,))}}, "step": jnp.asarray(1)}}
 ck.save(small, {{"model": {{}}}}); ck.wait()
@@ -179,7 +179,7 @@ def test_cpu_devices_train_data_parallel_like_one_device(tmp_path: Path, data_di
 
 def test_cpu_devices_after_jax_started_is_a_user_error() -> None:
     from jaxgpt.errors import UserError
-    from jaxgpt.runtime import use_cpu_devices
+    from jaxgpt.train.runtime import use_cpu_devices
 
     jax.devices()  # this process's CPU backend is running with one device
     use_cpu_devices(len(jax.devices("cpu")))  # asking for what is there is fine
@@ -259,8 +259,8 @@ def test_commands_restart_with_huge_page_malloc() -> None:
 
 
 def test_weight_decay_mask_is_by_name_even_when_scanned() -> None:
-    from jaxgpt.config import ModelConfig
-    from jaxgpt.model import init_params
+    from jaxgpt.model.config import ModelConfig
+    from jaxgpt.model.gpt import init_params
 
     params = init_params(ModelConfig(scan_layers=True, tie_embeddings=False), jax.random.key(0))
     mask = traverse_util.flatten_dict(optim.decay_mask(params))
@@ -279,8 +279,8 @@ def test_schedule_warms_up_then_decays_to_min() -> None:
 def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_dir: Path) -> None:
     from tests_helpers import load_tiny, train_run
 
-    from jaxgpt.hf import save_hf_gpt2
-    from jaxgpt.weights import load_for
+    from jaxgpt.io.hf import save_hf_gpt2
+    from jaxgpt.io.weights import load_for
 
     first = train_run(load_tiny(workdir=str(tmp_path / "first"), data_dir=str(data_dir), max_steps=20))
     cfg, params = first["model_cfg"], first["state"]["params"]

@@ -13,17 +13,13 @@ from pathlib import Path
 import pytest
 from test_workflows import random_params, save_run
 
-from jaxgpt import weights
 from jaxgpt.commands import data as data_command
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.commands import sample as sample_command
 from jaxgpt.commands import train as train_command
-from jaxgpt.config import ModelConfig
-from jaxgpt.data import load_dataset, unknown_summary
-from jaxgpt.datasets import prepare_builtin, wine_reviews
-from jaxgpt.errors import UserError
-from jaxgpt.tasks.lm import describe_tokenizer, same_tokenizer
-from jaxgpt.tokenizer import (
+from jaxgpt.data.corpora import prepare_builtin, wine_reviews
+from jaxgpt.data.dataset import load_dataset, unknown_summary
+from jaxgpt.data.tokenizer import (
     WORD_PAD,
     WORD_PAD_ID,
     WORD_PUNCTUATION,
@@ -33,6 +29,10 @@ from jaxgpt.tokenizer import (
     standardize,
     tokenizer_from_meta,
 )
+from jaxgpt.errors import UserError
+from jaxgpt.io import weights
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.tasks.lm import describe_tokenizer, same_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WINE_CSV = ROOT / "tests" / "data" / "wine_tiny.csv"

@@ -19,18 +19,19 @@ import numpy_reference as ref
 import pytest
 from tests_helpers import train_run
 
-from jaxgpt import bpe_ranks, evaluate, weights
-from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.commands import bpe as bpe_command
 from jaxgpt.commands import eval as eval_command
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.commands import sample as sample_command
 from jaxgpt.commands import train as train_command
-from jaxgpt.config import ModelConfig
-from jaxgpt.data import load_dataset
+from jaxgpt.data.dataset import load_dataset
+from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, CharTokenizer, load_bpe
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import GPT2_TOKENIZER_META, CharTokenizer, load_bpe
-from jaxgpt.train_config import base_config
+from jaxgpt.io import bpe_ranks, weights
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.tools import evaluate
+from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.train.config import base_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CHARS = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz ,.;:!?'\n(){}=+-*/0123456789ABCDEFGHIJ")))
@@ -177,7 +178,7 @@ def test_init_from_hf_with_no_model_keys_trains(data_export: Path, data_dir: Pat
 
 def test_init_from_names_conflicting_model_keys(data_export: Path, data_dir: Path, tmp_path: Path) -> None:
     from jaxgpt.tasks.lm import model_for
-    from jaxgpt.train_config import from_config_dict
+    from jaxgpt.train.config import from_config_dict
 
     c = finetune_config(tmp_path / "run", data_dir, f"hf:{data_export}")
     c.model.n_layer, c.model.block_size = 3, 16

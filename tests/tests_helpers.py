@@ -33,7 +33,7 @@ def prepare_test_corpus(out: Path) -> Path:
     """
     from json import decoder, encoder
 
-    from jaxgpt.data import prepare_text
+    from jaxgpt.data.dataset import prepare_text
 
     sources = [Path(m.__file__).read_text() for m in (decoder, encoder, signal, subprocess)]
     prepare_text(sources, out, None, 0.1, "test sources", False)
@@ -48,7 +48,7 @@ def logged_losses(workdir: Path) -> list[tuple[int, float]]:
 
 def train_run(c: ConfigDict) -> dict:
     """The loop on a ConfigDict, typed at the boundary as the train command does."""
-    from jaxgpt.loop import train
-    from jaxgpt.train_config import from_config_dict
+    from jaxgpt.train.config import from_config_dict
+    from jaxgpt.train.loop import train
 
     return train(from_config_dict(c))

@@ -1,7 +1,7 @@
 """A seconds-sized training config for tests: 2 layers x 32 wide on a small character dataset."""
 
-from jaxgpt.presets import get_preset
-from jaxgpt.train_config import base_config, model_fields
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.config import base_config, model_fields
 
 
 def get_config():

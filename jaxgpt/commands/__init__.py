@@ -86,7 +86,7 @@ def require_config(flags_: flags.FlagValues, example: str) -> ConfigDict:
         raise UserError(f"cannot load the --config file: {one_line(e)}") from None
     if not isinstance(config, ConfigDict):
         raise UserError(f"the --config file's get_config() returned a {type(config).__name__}, not an "
-                        f"ml_collections ConfigDict: start it from jaxgpt.train_config.base_config() (see {example})")
+                        f"ml_collections ConfigDict: start it from jaxgpt.train.config.base_config() (see {example})")
     return config
 
 

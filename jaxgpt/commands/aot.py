@@ -23,7 +23,7 @@ EXAMPLE = "configs/gpt2_xl.py"
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
-    from jaxgpt.aot import TOPOLOGY_HELP
+    from jaxgpt.tools.aot import TOPOLOGY_HELP
 
     define_config(flags_, argv, EXAMPLE)
     flags.DEFINE_string("topology", None, f"TPU slice to compile for: {TOPOLOGY_HELP}", flag_values=flags_,
@@ -34,8 +34,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
-    from jaxgpt import aot
-    from jaxgpt.train_config import from_config_dict
+    from jaxgpt.tools import aot
+    from jaxgpt.train.config import from_config_dict
 
     no_arguments(args)
     aot.parse_topology(flags_.topology)  # a bad topology is reported before the config is read

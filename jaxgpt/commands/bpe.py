@@ -15,10 +15,10 @@ from pathlib import Path
 
 from absl import flags
 
-from jaxgpt import bpe_ranks
 from jaxgpt.commands import run_command
+from jaxgpt.data.tokenizer import BPE_FILE_ENV
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import BPE_FILE_ENV
+from jaxgpt.io import bpe_ranks
 
 SUBCOMMANDS = ("fetch", "verify")
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
-from jaxgpt.data import prepare_text, unknown_summary
-from jaxgpt.datasets import BUILTIN_DATASETS, WINE_VOCAB_SIZE, prepare_builtin
+from jaxgpt.data.corpora import BUILTIN_DATASETS, WINE_VOCAB_SIZE, prepare_builtin
+from jaxgpt.data.dataset import prepare_text, unknown_summary
+from jaxgpt.data.tokenizer import WordTokenizer, load_bpe
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import WordTokenizer, load_bpe
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:

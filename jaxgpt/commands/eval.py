@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 from absl import flags
 
-from jaxgpt import evaluate, weights
 from jaxgpt.commands import run_command
+from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import Tokenizer
+from jaxgpt.io import weights
+from jaxgpt.tools import evaluate
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -69,7 +70,7 @@ def window_length(flags_: flags.FlagValues, model_block_size: int) -> int:
 def dataset_rows(flags_: flags.FlagValues, loaded: weights.Weights,
                  tokenizer: Tokenizer) -> tuple[evaluate.Rows, int, str]:
     """Rows of a prepared dataset's split (whole, or the trainer's batches), their characters, and a label."""
-    from jaxgpt.data import load_dataset
+    from jaxgpt.data.dataset import load_dataset
     from jaxgpt.tasks.lm import describe_tokenizer, same_tokenizer
 
     settings = loaded.meta.get("config") or {}

@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from absl import flags
 from flax import traverse_util
 
-from jaxgpt import hf_tokenizer, weights
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.errors import UserError
-from jaxgpt.hf import load_hf_gpt2, save_hf_gpt2, tensor_specs
-from jaxgpt.summary import count_params
+from jaxgpt.io import hf_tokenizer, weights
+from jaxgpt.io.hf import load_hf_gpt2, save_hf_gpt2, tensor_specs
+from jaxgpt.tools.summary import count_params
 
 SUBCOMMANDS = ("inspect", "export")
 INSPECTED_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_dim", "d_ff", "activation",

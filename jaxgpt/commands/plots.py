@@ -25,12 +25,13 @@ from pathlib import Path
 
 from absl import flags
 
-from jaxgpt import plots, weights
 from jaxgpt.commands import no_arguments, run_command
-from jaxgpt.config import Seq2SeqConfig
+from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.presets import PRESETS, SEQ2SEQ_PRESETS
-from jaxgpt.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer
+from jaxgpt.io import weights
+from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
+from jaxgpt.tools import plots
 
 SUBCOMMANDS = ("curves", "attention", "positions")
 
@@ -79,7 +80,7 @@ def untrained_seq2seq(name: str, seed: int) -> weights.Weights:
     """A randomly initialized encoder-decoder preset, read with GPT-2's BPE when it has GPT-2's vocabulary."""
     import jax
 
-    from jaxgpt.seq2seq import init_params
+    from jaxgpt.model.encdec import init_params
 
     cfg = SEQ2SEQ_PRESETS[name]
     meta = dict(GPT2_TOKENIZER_META) if cfg.model.vocab_size == cfg.src_vocab_size == GPT2_VOCAB_SIZE else None

@@ -39,12 +39,14 @@ import jax
 import numpy as np
 from absl import flags
 
-from jaxgpt import sampling, seq2seq_decoding, weights
 from jaxgpt.commands import no_arguments, run_command
-from jaxgpt.config import Seq2SeqConfig
+from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
+from jaxgpt.generate import sampling
+from jaxgpt.generate import seq2seq as seq2seq_decoding
+from jaxgpt.io import weights
+from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.tasks import pairs
-from jaxgpt.tokenizer import Tokenizer
 
 SEPARATOR = "-" * 40
 

@@ -1,7 +1,7 @@
 """Parameter table of a model: shapes and counts per module.
 
     jaxgpt summary --preset gpt2
-    jaxgpt summary --preset seed002-encdec  # an encoder-decoder preset (jaxgpt.presets.SEQ2SEQ_PRESETS)
+    jaxgpt summary --preset seed002-encdec  # an encoder-decoder preset (jaxgpt.model.presets.SEQ2SEQ_PRESETS)
     jaxgpt summary --config configs/stdlib_char.py --vocab_size 100 [--depth 3]
     jaxgpt summary --hf path/to/gpt2        # only its config.json is read
 
@@ -22,11 +22,11 @@ from typing import Any
 from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
-from jaxgpt.config import ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.errors import UserError
-from jaxgpt.hf import hf_config_to_model_config, read_hf_config
-from jaxgpt.presets import PRESETS, SEQ2SEQ_PRESETS, get_preset
-from jaxgpt.summary import summary
+from jaxgpt.io.hf import hf_config_to_model_config, read_hf_config
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, model_config_from_dict
+from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS, get_preset
+from jaxgpt.tools.summary import summary
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:

@@ -23,8 +23,8 @@ def print_sample(cfg: Any, result: dict) -> None:
     import jax
 
     from jaxgpt.commands.sample import print_stream
-    from jaxgpt.sampling import stream
-    from jaxgpt.tokenizer import tokenizer_from_meta
+    from jaxgpt.data.tokenizer import tokenizer_from_meta
+    from jaxgpt.generate.sampling import stream
 
     s = cfg.sample
     if cfg.task != "lm" or s.max_new_tokens <= 0 or not result["steps"] or jax.process_index() != 0:
@@ -47,8 +47,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
-    from jaxgpt.loop import train
-    from jaxgpt.train_config import from_config_dict
+    from jaxgpt.train.config import from_config_dict
+    from jaxgpt.train.loop import train
 
     no_arguments(args)
     cfg = from_config_dict(require_config(flags_, EXAMPLE))

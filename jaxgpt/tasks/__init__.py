@@ -1,4 +1,4 @@
-"""Tasks: what the one training loop (`jaxgpt.loop`) trains.
+"""Tasks: what the one training loop (`jaxgpt.train.loop`) trains.
 
 A task is the model, its data and its objective; the loop owns everything else (state, sharding,
 resume, evaluation cadence, checkpoints, logs). Language modelling (`lm`), seed 001's classification
@@ -14,8 +14,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxgpt.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.train_config import TrainConfig
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.train.config import TrainConfig
 
 Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf has the rows first
 

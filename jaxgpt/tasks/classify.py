@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgpt import weights
-from jaxgpt.batches import local_rows
+from jaxgpt.data.batches import local_rows
+from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPTClassifier, dummy_tokens
+from jaxgpt.io import weights
+from jaxgpt.model.gpt import GPTClassifier, dummy_tokens
 from jaxgpt.tasks.classify_data import (
     Label,
     batch_indices,
@@ -43,8 +44,7 @@ from jaxgpt.tasks.classify_data import (
     make_batch,
     spread_indices,
 )
-from jaxgpt.tokenizer import Tokenizer, tokenizer_from_meta
-from jaxgpt.train_config import TrainConfig
+from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # x (B, T) int32, mask (B, T) bool, label (B,) int32, weight (B,) float32
 TRAIN_EVAL_EXAMPLES = 256  # training accuracy is measured on a fixed, class-spread sample of this size

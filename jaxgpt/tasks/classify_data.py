@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.datasets import stdlib_files, stdlib_root
+from jaxgpt.data.corpora import stdlib_files, stdlib_root
+from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import Tokenizer
 
 Label = int | str
 

@@ -14,14 +14,15 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from jaxgpt import kernels, weights
-from jaxgpt.batches import batch_for_step, check_shapes, eval_batches
-from jaxgpt.config import ModelConfig
-from jaxgpt.data import META_FILE, Dataset, load_dataset, unknown_summary
-from jaxgpt.datasets import prepare_builtin
+from jaxgpt.data.batches import batch_for_step, check_shapes, eval_batches
+from jaxgpt.data.corpora import prepare_builtin
+from jaxgpt.data.dataset import META_FILE, Dataset, load_dataset, unknown_summary
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, dummy_tokens
-from jaxgpt.train_config import DataConfig, TrainConfig, base_config
+from jaxgpt.io import weights
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import GPT, dummy_tokens
+from jaxgpt.ops import kernels
+from jaxgpt.train.config import DataConfig, TrainConfig, base_config
 
 
 def _check_data_keys(data: DataConfig) -> None:

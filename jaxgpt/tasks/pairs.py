@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.datasets import stdlib_files, stdlib_root
+from jaxgpt.data.corpora import stdlib_files, stdlib_root
+from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.tasks.classify_data import spread_indices
-from jaxgpt.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
 
 Pair = tuple[str, str]
 

@@ -1,4 +1,4 @@
-"""Sequence to sequence: the encoder-decoder Transformer (`jaxgpt.seq2seq`) trained on source/target pairs.
+"""Sequence to sequence: the encoder-decoder Transformer (`jaxgpt.model.encdec`) trained on source/target pairs.
 
 Teacher forcing: the decoder reads [bos] + target and is trained to predict target + [eos] at every position
 at once; the loss is the mean cross-entropy over real target tokens (padding and the filler rows of a short
@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.batches import local_rows
-from jaxgpt.config import Seq2SeqConfig
+from jaxgpt.data.batches import local_rows
 from jaxgpt.errors import UserError
-from jaxgpt.seq2seq import EncoderDecoder, dummy_batch
-from jaxgpt.seq2seq_decoding import greedy
+from jaxgpt.generate.seq2seq import greedy
+from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.model.encdec import EncoderDecoder, dummy_batch
 from jaxgpt.tasks.classify_data import batch_indices
 from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.tasks.pairs import (
@@ -44,7 +44,7 @@ from jaxgpt.tasks.pairs import (
     rows,
     to_ids,
 )
-from jaxgpt.train_config import TrainConfig
+from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # src (B, S), tgt_in / tgt_out (B, T) int32, weight (B,) float32
 

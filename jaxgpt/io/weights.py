@@ -1,0 +1,237 @@
+"""The one weight loader: `load(source)` -> parameters, their model config and their tokenizer.
+
+Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`, plots, export):
+
+* `workdir:PATH`: a jaxgpt run's latest (or best) checkpoint; its meta names the model and tokenizer. An
+  encoder-decoder run (task seq2seq) gives a `Seq2SeqConfig`: it samples (`jaxgpt.generate.seq2seq`) but
+  never initializes a GPT.
+* `hf:PATH`: a Hugging Face GPT-2 directory (`save_pretrained` layout, `jaxgpt.io.hf`), or `hf:OWNER/NAME`, a
+  Hub repository (e.g. hf:openai-community/gpt2) fetched into huggingface_hub's cache when online.
+* `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
+
+A Hugging Face directory's tokenizer is read back when jaxgpt knows it (GPT-2's BPE, or a character
+vocabulary such as a jaxgpt export's, `jaxgpt.io.hf_tokenizer`). A source without a tokenizer of its own gets
+GPT-2's BPE when its vocabulary is GPT-2's, and none otherwise (`Weights.tokenizer` then says so).
+
+Fine-tuning takes its architecture from the weights (`fit_architecture`): the config only chooses what does
+not change the parameters' meaning (`config.RUNTIME_FIELDS`) and may crop the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
+from jaxgpt.errors import UserError
+from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
+from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
+from jaxgpt.model.presets import get_preset
+from jaxgpt.train.checkpoint import open_checkpoint
+
+SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face GPT-2 directory), hf:OWNER/NAME (a Hugging Face "
+           "Hub repository) or preset:NAME")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a GPT-2 repository needs: configs, tokenizer files and safetensors weights (not its TF/Flax/ONNX copies).
+HUB_FILES = ["*.json", "merges.txt", "*.safetensors"]
+HUB_TORCH_FILES = ["pytorch_model*.bin", "pytorch_model*.bin.index.json"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Weights:
+    """Loaded weights: plain (unboxed) parameters on the default device, and what they mean."""
+
+    params: Any
+    model: ModelConfig | Seq2SeqConfig  # an encoder-decoder for a seq2seq run's checkpoint
+    tokenizer_meta: dict[str, Any] | None  # `Tokenizer.to_meta()`, or None when no tokenizer is known
+    meta: dict[str, Any]  # the checkpoint's meta for workdir: sources; {} otherwise
+    description: str
+
+    def tokenizer(self, bpe_file: str | os.PathLike[str] | None = None) -> Tokenizer:
+        if self.tokenizer_meta is None:
+            raise UserError(f"{self.description} has a {self.model.vocab_size}-token vocabulary and no tokenizer: "
+                            f"jaxgpt knows GPT-2's ({GPT2_VOCAB_SIZE} tokens) and those saved with jaxgpt runs")
+        return tokenizer_from_meta(self.tokenizer_meta, bpe_file)
+
+
+def _model_from_meta(meta: dict[str, Any]) -> ModelConfig | Seq2SeqConfig:
+    """A checkpoint's model: an encoder-decoder when its meta has the seq2seq task's specials ("seq2seq"),
+    whose flat model dict is `Seq2SeqConfig.to_dict()`; a GPT otherwise."""
+    values = dict(meta["model"])
+    if "seq2seq" not in meta:
+        return model_config_from_dict(values)
+    own = {name: values.pop(name) for name in SEQ2SEQ_FIELDS}
+    return Seq2SeqConfig(model_config_from_dict(values), **own)
+
+
+def require_gpt(source: str, cfg: ModelConfig | Seq2SeqConfig, use: str = "initialize a GPT") -> ModelConfig:
+    """`cfg` if it is a GPT's; a one-line error for an encoder-decoder, which only `sample.py --source` reads."""
+    if isinstance(cfg, Seq2SeqConfig):
+        raise UserError(f"{source} holds an encoder-decoder (a task seq2seq run), not a GPT: it cannot {use}; "
+                        "pass a language model run or GPT-2 weights (decode it with sample.py --source)")
+    return cfg
+
+
+def _vocabulary_tokenizer(cfg: ModelConfig) -> dict[str, Any] | None:
+    return dict(GPT2_TOKENIZER_META) if cfg.vocab_size == GPT2_VOCAB_SIZE else None
+
+
+def short(error: BaseException, limit: int = 100) -> str:
+    """An exception's message on one line, cut at a word boundary: library errors can run to paragraphs."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def hf_directory(arg: str) -> Path:
+    """The local directory of `hf:ARG`: ARG itself, or a Hub repository's snapshot (downloaded once, cached).
+
+    Anything short of a complete download (no network, no such repository, no huggingface_hub) is one
+    line that says how to pass a local directory instead.
+    """
+    path = Path(arg).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(arg):
+        return path
+    offline = (f"download it where there is network (hf download {arg} --local-dir DIR) and pass "
+               "hf:/path/to/DIR")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise UserError(f"hf:{arg} is not a local directory, and fetching it from the Hugging Face Hub needs "
+                        f"huggingface_hub (pip install huggingface_hub); or {offline}") from None
+    try:
+        root = Path(snapshot_download(arg, allow_patterns=HUB_FILES))
+        if not any(root.glob("*.safetensors")):  # an older upload with only torch's pickle
+            root = Path(snapshot_download(arg, allow_patterns=HUB_FILES + HUB_TORCH_FILES))
+    except Exception as e:  # network, authentication and missing-repository errors come in many types
+        raise UserError(f"hf:{arg} is not a local directory and could not be fetched from the Hugging Face Hub "
+                        f"({type(e).__name__}: {short(e)}): {offline}") from None
+    return root
+
+
+def _hf_tokenizer(root: Path, cfg: ModelConfig) -> dict[str, Any] | None:
+    from jaxgpt.io.hf_tokenizer import has_hf_tokenizer, read_tokenizer_meta
+
+    return read_tokenizer_meta(root) if has_hf_tokenizer(root) else _vocabulary_tokenizer(cfg)
+
+
+def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqConfig, dict[str, Any] | None]:
+    """The model config and tokenizer meta of `source`, without reading its tensors (cheap, also on resume)."""
+    kind, _, arg = source.partition(":")
+    if kind == "workdir" and arg and Path(arg).is_dir():
+        ckpt, _, meta = open_checkpoint(arg, which, f"train a model in {arg} first or pass the right work directory")
+        ckpt.close()
+        return _model_from_meta(meta), meta.get("tokenizer")
+    if kind == "hf" and arg:
+        from jaxgpt.io.hf import CONFIG_FILE, hf_config_to_model_config, read_hf_config
+
+        root = hf_directory(arg)
+        cfg = hf_config_to_model_config(read_hf_config(root), where=str(root / CONFIG_FILE))
+        return cfg, _hf_tokenizer(root, cfg)
+    loaded = load(source, which=which)  # errors, and presets (whose init is the cheap part)
+    return loaded.model, loaded.tokenizer_meta
+
+
+def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int | None = None) -> Weights:
+    """Weights from `source` (see the module docstring).
+
+    `which` picks a run's latest or best checkpoint; `seed` initializes a preset; `block_size` crops a
+    Hugging Face model's position table to at most that many positions (fine-tuning on short contexts is
+    much cheaper).
+    """
+    kind, _, arg = source.partition(":")
+    if kind == "workdir" and arg:
+        if not Path(arg).is_dir():
+            raise UserError(f"{arg} does not exist: train a model there first (python train.py --config ... "
+                            f"--config.workdir={arg}) or pass the right work directory")
+        ckpt, step, meta = open_checkpoint(arg, which, "train first (python train.py --config ... "
+                                           f"--config.workdir={arg}) or pass the right work directory")
+        try:
+            params = ckpt.restore_params(step)
+        finally:
+            ckpt.close()
+        return Weights(params, _model_from_meta(meta), meta.get("tokenizer"), meta,
+                       f"{Path(arg).name} ({which}, step {step})")
+    if kind == "hf" and arg:
+        from jaxgpt.io.hf import load_hf_gpt2, read_hf_config
+
+        root = hf_directory(arg)
+        n_positions = read_hf_config(root).get("n_positions", 1024)
+        crop = {} if block_size is None else {"block_size": min(block_size, n_positions)}
+        params, cfg = load_hf_gpt2(root, **crop)
+        return Weights(params, cfg, _hf_tokenizer(root, cfg), {}, arg if root != Path(arg) else root.name)
+    if kind == "preset" and arg:
+        cfg = get_preset(arg)
+        return Weights(init_params(cfg, jax.random.key(seed)), cfg, _vocabulary_tokenizer(cfg), {},
+                       f"{arg} (random init, seed {seed})")
+    raise UserError(f"weights source {source!r} is not understood: use {SOURCES}")
+
+
+def _differs(name: str, ours: Any, theirs: Any) -> bool:
+    """Whether a model field differs in what the weights mean: runtime settings never do, and a shorter context
+    does not (the position table is cropped)."""
+    return name not in RUNTIME_FIELDS and ours != theirs and not (name == "block_size" and ours < theirs)
+
+
+def _is_default(name: str, cfg: ModelConfig, defaults: Mapping[str, Any], vocab_from_data: bool) -> bool:
+    """Whether the config leaves `name` at the base config's value (derived sizes: following their rule)."""
+    if name == "vocab_size":
+        return vocab_from_data
+    if name in ("head_dim", "d_ff"):
+        return cfg.is_derived(name)
+    return getattr(cfg, name) == defaults.get(name)
+
+
+def fit_architecture(source: str, cfg: ModelConfig, defaults: Mapping[str, Any],
+                     vocab_from_data: bool) -> tuple[ModelConfig, dict[str, Any] | None]:
+    """The model to fine-tune from `source`: its architecture, with `cfg`'s runtime settings; and its tokenizer.
+
+    The weights already fix every size and choice, so the config need not restate them: a key left at
+    `defaults` (the base config's model) takes the weights' value. A key set to anything else must agree
+    with the weights (it is an error naming it otherwise), except `block_size`, which may be shorter than
+    the weights' context (the position table is cropped: fine-tuning on short contexts is much cheaper).
+    """
+    have, tokenizer_meta = describe(source)
+    have = require_gpt(source, have)
+    conflicts = [f"model.{name}={getattr(cfg, name)!r} (weights: {theirs!r})"
+                 for name, theirs in have.to_dict().items()
+                 if _differs(name, getattr(cfg, name), theirs)
+                 and not _is_default(name, cfg, defaults, vocab_from_data)]
+    if conflicts:
+        raise UserError(f"init_from {source} fixes the model's architecture, but the config sets "
+                        f"{', '.join(conflicts)}: remove these keys (the weights' values are used) or match them")
+    runtime = {name: getattr(cfg, name) for name in RUNTIME_FIELDS}
+    return have.replace(**runtime, block_size=min(cfg.block_size, have.block_size)), tokenizer_meta
+
+
+def _crop_positions(params: dict, have: ModelConfig, cfg: ModelConfig) -> dict:
+    """A learned position table cut to `cfg`'s shorter context (positions beyond it are never used)."""
+    if cfg.block_size >= have.block_size or have.position != "learned" or "wpe" not in params:
+        return params
+    return {**params, "wpe": {"embedding": params["wpe"]["embedding"][:cfg.n_positions]}}
+
+
+def load_for(source: str, cfg: ModelConfig) -> Weights:
+    """Weights from `source` to start training `cfg` from (fine-tuning): the architecture must agree.
+
+    Settings that change neither parameter shapes nor their meaning (dropout, dtypes, attention path,
+    scan, remat, init) may differ, and the context may be shorter (`fit_architecture` picks such a `cfg`);
+    scanned and listed layers are converted. A classifier's head is dropped.
+    """
+    weights = load(source, block_size=cfg.block_size if source.startswith("hf:") else None)
+    require_gpt(source, weights.model)
+    want, have = cfg.to_dict(), weights.model.to_dict()
+    diff = sorted(k for k in want if _differs(k, want[k], have[k]))
+    if diff:
+        shown = ", ".join(f"{k}: run {want[k]!r} vs weights {have[k]!r}" for k in diff)
+        raise UserError(f"init_from {source} has a different architecture ({shown}): set these model keys to "
+                        "the weights' values")
+    params = _crop_positions({k: v for k, v in weights.params.items() if k != "cls_head"}, weights.model, cfg)
+    if weights.model.scan_layers != cfg.scan_layers:
+        params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else unstack_layers(params, cfg.n_layer)
+    return dataclasses.replace(weights, params=params, model=cfg)

@@ -1,0 +1,216 @@
+"""Model configuration: one frozen dataclass whose knobs cover every GPT variant jaxgpt builds.
+
+The config is validated when it is constructed, so a bad value fails at the command line
+with a message that says what to change, not deep inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxgpt.errors import UserError
+
+POSITIONS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
+NORM_PLACEMENTS = ("pre", "post")
+NORMS = ("layernorm", "unbiased_std")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+# gpt2: normal(0.02), residual projections / sqrt(2 L), zero biases. xavier: Xavier-uniform matrices, zero biases.
+# xavier_torch: seed 000 (the Annotated Transformer), Xavier-uniform matrices with PyTorch's default Linear biases
+# U(+-1/sqrt(fan_in)). gpt1_torch: seed 001, PyTorch's default Linear (weights and biases U(+-1/sqrt(fan_in))) in
+# attention, normal(0.02) token table and feed-forward weights, normal(1) positions (nn.Embedding's default).
+INITS = ("gpt2", "xavier", "xavier_torch", "gpt1_torch")
+# Where embd_dropout acts: on tokens + positions (GPT-2, seed 000), or on the token embedding alone, before the
+# positions are added (seed 001).
+EMBD_DROPOUT_SITES = ("sum", "tokens")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "splash", "auto")  # jaxgpt.model.attention.attend
+REMATS = ("none", "full", "save_dots")
+# Settings that change neither parameter shapes nor their meaning: weights trained under one value load
+# under any other (fine-tuning, sampling, export).
+RUNTIME_FIELDS = frozenset({"embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout", "dtype", "param_dtype",
+                            "attention_impl", "scan_layers", "remat", "init", "embd_dropout_site",
+                            "attn_resid_dropout"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every architectural choice of a decoder-only transformer, with GPT-2 defaults.
+
+    Defaults are GPT-2 small except the sizes, which are tiny so that a bare
+    `ModelConfig()` is cheap in tests.
+    """
+
+    # Sizes.
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    head_dim: int | None = None  # per-head size D; None -> n_embd // n_head (seed 004 sets its own)
+    d_ff: int | None = None  # feed-forward width F; None -> 4 * n_embd
+    # Positions and embeddings.
+    position: str = "learned"
+    pad_positions: bool = False  # seed 001: real tokens at positions 1..T, padding at 0
+    scale_embeddings: bool = False  # multiply token embeddings by sqrt(n_embd) (seed 000, 002)
+    pad_id: int | None = None  # tokens equal to this id are padding: masked as keys
+    # Normalization.
+    norm_placement: str = "pre"
+    final_norm: bool = True
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    # Feed-forward, biases, output head.
+    activation: str = "gelu_tanh"
+    use_bias: bool = True
+    tie_embeddings: bool = True
+    # Dropout: embeddings, attention probabilities, sublayer outputs, inside the feed-forward.
+    embd_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    ff_dropout: float = 0.0
+    embd_dropout_site: str = "sum"  # "sum": tokens + positions; "tokens": the token embedding only (seed 001)
+    attn_resid_dropout: bool = True  # resid_dropout on attention outputs too; False: only after the feed-forward
+    # Initialization, numerics, performance.
+    init: str = "gpt2"
+    dtype: str = "float32"  # compute dtype of activations
+    param_dtype: str = "float32"
+    attention_impl: str = "einsum"
+    scan_layers: bool = False
+    remat: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None and self.n_head > 0 and self.n_embd % self.n_head:
+            raise UserError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                            "change one of them or set head_dim explicitly")
+        for name, value in self._derived().items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        self._validate()
+
+    def _derived(self) -> dict[str, int]:
+        """The rule for sizes left unset (None): head_dim = n_embd / n_head, d_ff = 4 n_embd."""
+        return {"head_dim": self.n_embd // max(self.n_head, 1), "d_ff": 4 * self.n_embd}
+
+    def is_derived(self, name: str) -> bool:
+        """Whether `name` (head_dim or d_ff) has the value the rule gives: it then follows n_embd and n_head."""
+        return getattr(self, name) == self._derived()[name]
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_dim", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"model.{name}={value!r} must be a positive integer")
+        choices = {
+            "position": POSITIONS,
+            "norm_placement": NORM_PLACEMENTS,
+            "norm": NORMS,
+            "activation": ACTIVATIONS,
+            "init": INITS,
+            "embd_dropout_site": EMBD_DROPOUT_SITES,
+            "dtype": DTYPES,
+            "param_dtype": DTYPES,
+            "attention_impl": ATTENTION_IMPLS,
+            "remat": REMATS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(f"model.{name}={getattr(self, name)!r} is unknown: choose one of {allowed}")
+        for name in ("embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate < 1.0:
+                raise UserError(f"model.{name}={rate} must be in [0, 1)")
+        if not isinstance(self.attn_resid_dropout, bool):
+            raise UserError(f"model.attn_resid_dropout={self.attn_resid_dropout!r} must be True or False")
+        if self.norm_eps <= 0:
+            raise UserError(f"model.norm_eps={self.norm_eps} must be positive")
+        if self.position.startswith("sinusoidal") and self.n_embd % 2:
+            raise UserError(f"sinusoidal positions need an even n_embd, got {self.n_embd}")
+        if self.attention_impl != "einsum" and self.attn_dropout > 0:
+            raise UserError(f"attention_impl={self.attention_impl!r} has no attention-probability dropout: "
+                            "set attn_dropout=0 or use attention_impl='einsum'")
+        if self.pad_id is not None and not 0 <= self.pad_id < self.vocab_size:
+            raise UserError(f"model.pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def n_positions(self) -> int:
+        """Rows of the position table: one extra when position 0 is reserved for padding."""
+        return self.block_size + int(self.pad_positions)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A validated copy with some fields changed; derived sizes follow new sizes unless given."""
+        return ModelConfig(**{**self.settings(), **changes})
+
+    def settings(self) -> dict[str, Any]:
+        """The fields, with derived sizes as None (unset): what a config file or the command line changes."""
+        return {**self.to_dict(), **{name: None for name in self._derived() if self.is_derived(name)}}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
+    """Build a config from a plain dict (a checkpoint's or a config file's), rejecting unknown keys."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UserError(f"unknown model config keys {unknown}: valid keys are {sorted(known)}")
+    return ModelConfig(**values)
+
+
+# Fields only an encoder-decoder has; every other choice is a ModelConfig field that both stacks share.
+SEQ2SEQ_FIELDS = ("n_encoder_layer", "src_vocab_size", "src_block_size", "share_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqConfig:
+    """An encoder-decoder transformer: a ModelConfig for the decoder and the shared choices, plus the encoder's sizes.
+
+    `model` says everything both stacks have in common (width, heads, norm and its placement, activation,
+    positions, dropout, init, pad_id) and describes the decoder itself: n_layer decoder layers, vocab_size
+    target tokens, block_size the longest target, tie_embeddings the output head sharing the target
+    embedding. Composing rather than adding these four fields to ModelConfig keeps ModelConfig the
+    description of one stack, which every GPT module, checkpoint and command reads, and lets the encoder
+    reuse jaxgpt's layers unchanged.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    n_encoder_layer: int = 2
+    src_vocab_size: int | None = None  # None -> the target vocabulary (model.vocab_size)
+    src_block_size: int | None = None  # longest source; None -> model.block_size
+    share_embeddings: bool = False  # one token table for source and target (needs equal vocabularies)
+
+    def __post_init__(self) -> None:
+        if self.src_vocab_size is None:
+            object.__setattr__(self, "src_vocab_size", self.model.vocab_size)
+        if self.src_block_size is None:
+            object.__setattr__(self, "src_block_size", self.model.block_size)
+        for name in ("n_encoder_layer", "src_vocab_size", "src_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"model.{name}={value!r} must be a positive integer")
+        if self.share_embeddings and self.src_vocab_size != self.model.vocab_size:
+            raise UserError(f"share_embeddings needs one vocabulary: src_vocab_size={self.src_vocab_size} != "
+                            f"vocab_size={self.model.vocab_size}")
+        if self.model.pad_id is not None and self.model.pad_id >= self.src_vocab_size:
+            raise UserError(f"model.pad_id={self.model.pad_id} is outside the source vocabulary "
+                            f"[0, {self.src_vocab_size})")
+        unsupported = {"scan_layers": False, "remat": "none", "pad_positions": False}
+        for name, plain in unsupported.items():
+            if getattr(self.model, name) != plain:
+                raise UserError(f"model.{name}={getattr(self.model, name)!r} is not available for the "
+                                f"encoder-decoder: set {name}={plain!r}")
+
+    def replace(self, **changes: Any) -> Seq2SeqConfig:
+        """A validated copy; ModelConfig fields and the encoder's own fields may be mixed in `changes`.
+
+        Source sizes equal to the target's follow them (as when derived), unless given.
+        """
+        own = {name: changes.pop(name) for name in SEQ2SEQ_FIELDS if name in changes}
+        for name, target in (("src_vocab_size", "vocab_size"), ("src_block_size", "block_size")):
+            if name not in own and getattr(self, name) == getattr(self.model, target):
+                own[name] = None
+        return dataclasses.replace(self, model=self.model.replace(**changes) if changes else self.model, **own)
+
+    def to_dict(self) -> dict[str, Any]:
+        """One flat dict: the ModelConfig fields and the encoder's."""
+        return {**self.model.to_dict(), **{name: getattr(self, name) for name in SEQ2SEQ_FIELDS}}

@@ -1,0 +1,270 @@
+"""The GPT family as Flax linen modules: pure functions through `init` / `apply`.
+
+Shapes are named in variable suffixes: B batch, T query length, S key length (the cache
+length when decoding), C n_embd, H heads, D head_dim, F d_ff, V vocab, L layers.
+
+The building blocks (projections, norms, MLP) are in `jaxgpt.model.layers`, attention and its key/value cache
+in `jaxgpt.model.attention`. Decoding uses an explicit cache: `GPT.decode` takes the cache and the write index
+and returns the new cache, so generation state is a plain pytree the caller owns.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.model.attention import Cache, CausalSelfAttention
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.layers import MLP, EinsumDense, Norm, bias_init, param_init
+
+Array = jax.Array
+
+
+def sinusoidal_table(n_pos: int, dim: int, kind: str) -> np.ndarray:
+    """Fixed position codes: seed 000 interleaves sin/cos per frequency, seed 002 concatenates them."""
+    pos = np.arange(n_pos, dtype=np.float64)[:, None]
+    half = dim // 2
+    if kind == "sinusoidal":
+        angle = pos * np.exp(-np.arange(0, dim, 2) * math.log(10000.0) / dim)
+        table = np.zeros((n_pos, dim))
+        table[:, 0::2], table[:, 1::2] = np.sin(angle), np.cos(angle)
+        return table
+    angle = pos / 10000.0 ** (np.arange(half) / half)
+    return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1)
+
+
+class Block(nn.Module):
+    """One transformer layer, pre-norm (GPT-2, seed 000) or post-norm (seeds 001, 004).
+
+    The (carry, xs) -> (carry, ys) signature lets `nn.scan` stack it over layers: the
+    residual stream is the carry and the per-layer cache is scanned.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTC: Array, cache: Cache | None, visible_BTS: Array, cache_index: Array | None,
+                 deterministic: bool) -> tuple[Array, Cache | None]:
+        cfg = self.cfg
+        attn, mlp = CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
+        ln_1, ln_2 = Norm(cfg, name="ln_1"), Norm(cfg, name="ln_2")
+        drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=deterministic)
+        drop_attn = drop if cfg.attn_resid_dropout else lambda y: y  # seed 002 drops only the feed-forward's
+        if cfg.norm_placement == "pre":
+            y, cache = attn(ln_1(x_BTC), visible_BTS, deterministic, cache, cache_index)
+            x_BTC = x_BTC + drop_attn(y)
+            x_BTC = x_BTC + drop(mlp(ln_2(x_BTC), deterministic))
+        else:
+            y, cache = attn(x_BTC, visible_BTS, deterministic, cache, cache_index)
+            x_BTC = ln_1(x_BTC + drop_attn(y))
+            x_BTC = ln_2(x_BTC + drop(mlp(x_BTC, deterministic)))
+        return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), cache
+
+
+def _block_class(cfg: ModelConfig) -> type[nn.Module]:
+    if cfg.remat == "none":
+        return Block
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "save_dots" else None
+    # `deterministic` is a Python bool: it must be static (self=0, x=1, ..., deterministic=5).
+    return nn.remat(Block, static_argnums=(5,), policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: tokens (B, T) -> next-token logits (B, T, V) in float32."""
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        embed_init = param_init(cfg, ("vocab", "embed"), role="token")
+        self.wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                            embedding_init=embed_init)
+        if cfg.position == "learned":
+            self.wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                embedding_init=param_init(cfg, ("position", "embed"), role="position"))
+        self.drop = nn.Dropout(cfg.embd_dropout)
+        block = _block_class(cfg)
+        if cfg.scan_layers:
+            self.h = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
+                             split_rngs={"params": True, "dropout": True},
+                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layer,
+                             metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+        else:
+            self.blocks = [block(cfg, name=f"h_{i}") for i in range(cfg.n_layer)]
+        if cfg.final_norm:
+            self.ln_f = Norm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = EinsumDense(cfg, "btc,cv->btv", (cfg.n_embd, cfg.vocab_size), ("embed", "vocab"),
+                                       ("vocab",), role="head")
+
+    def _is_pad(self, idx_BT: Array, mask_BT: Array | None) -> Array | None:
+        """Padding from the config's pad_id, from an explicit mask (True = real token), or both."""
+        pad = None if self.cfg.pad_id is None else idx_BT == self.cfg.pad_id
+        if mask_BT is not None:
+            pad = ~mask_BT if pad is None else pad | ~mask_BT
+        return pad
+
+    def _embed(self, idx_BT: Array, pos_BT: Array, deterministic: bool) -> Array:
+        """Token embeddings plus positions; embd_dropout on the sum, or (seed 001) on the tokens alone."""
+        cfg = self.cfg
+        tokens_only = cfg.embd_dropout_site == "tokens"
+        x_BTC = self.wte(idx_BT)
+        if cfg.scale_embeddings:
+            x_BTC = x_BTC * math.sqrt(cfg.n_embd)
+        if tokens_only:
+            x_BTC = self.drop(x_BTC, deterministic=deterministic)
+        if cfg.position == "learned":
+            x_BTC = x_BTC + self.wpe(pos_BT)
+        elif cfg.position != "none":
+            table = jnp.asarray(sinusoidal_table(cfg.n_positions, cfg.n_embd, cfg.position), cfg.dtype)
+            x_BTC = x_BTC + table[pos_BT]
+        return x_BTC if tokens_only else self.drop(x_BTC, deterministic=deterministic)
+
+    def _layers(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
+                cache_index: Array | None = None) -> tuple[Array, Any]:
+        if self.cfg.scan_layers:
+            return self.h(x_BTC, cache, visible_BTS, cache_index, deterministic)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x_BTC, c = block(x_BTC, None if cache is None else cache[i], visible_BTS, cache_index, deterministic)
+            new_cache.append(c)
+        return x_BTC, new_cache
+
+    def hidden(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
+        """Final hidden states (B, T, C): after the final norm when the model has one."""
+        T = idx_BT.shape[1]
+        pos_BT = jnp.broadcast_to(jnp.arange(T), idx_BT.shape)
+        visible_BTS = jnp.tril(jnp.ones((1, T, T), bool))
+        pad_BT = self._is_pad(idx_BT, mask_BT)
+        if self.cfg.pad_positions:
+            pos_BT = pos_BT + 1 if pad_BT is None else jnp.where(pad_BT, 0, pos_BT + 1)
+        if pad_BT is not None:  # a padding key is hidden, but every query still sees itself
+            visible_BTS = (visible_BTS & ~pad_BT[:, None, :]) | jnp.eye(T, dtype=bool)[None]
+        x_BTC = self._embed(idx_BT, pos_BT, deterministic)
+        x_BTC = nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed"))
+        x_BTC, _ = self._layers(x_BTC, visible_BTS, deterministic)
+        return self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC
+
+    def logits(self, h_BTC: Array) -> Array:
+        logits_BTV = self.wte.attend(h_BTC) if self.cfg.tie_embeddings else self.lm_head(h_BTC)
+        return logits_BTV.astype(jnp.float32)
+
+    def __call__(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
+        return self.logits(self.hidden(idx_BT, mask_BT, deterministic))
+
+    def decode(self, idx_BT: Array, cache: Cache | list[Cache], cache_index: Array, last_only: bool = False
+               ) -> tuple[Array, Cache | list[Cache]]:
+        """Run T new tokens at positions cache_index.. against a cache of S = block_size slots.
+
+        Used for both the prompt (prefill, T = prompt length) and each new token (T = 1).
+        Returns float32 logits (B, T, V) (only the last position's, (B, 1, V), with `last_only`:
+        a prefill needs no more) and the updated cache; slots past the written ones are never
+        visible, so the cache may hold stale values there.
+        """
+        T = idx_BT.shape[1]
+        S = (cache["k"] if self.cfg.scan_layers else cache[0]["k"]).shape[-2]
+        q_pos_T = cache_index + jnp.arange(T)
+        visible_BTS = (jnp.arange(S)[None, :] <= q_pos_T[:, None])[None]
+        pos_BT = jnp.broadcast_to(q_pos_T + int(self.cfg.pad_positions), idx_BT.shape)
+        x_BTC = self._embed(idx_BT, pos_BT, deterministic=True)
+        x_BTC, cache = self._layers(x_BTC, visible_BTS, True, cache, cache_index)
+        if last_only:
+            x_BTC = x_BTC[:, -1:]
+        h_BTC = self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC
+        return self.logits(h_BTC), cache
+
+
+class GPTClassifier(GPT):
+    """Seed 001's fine-tuning model: LM logits plus class logits read at the classification token.
+
+    It extends GPT's parameter tree with `cls_head` only, so a language model checkpoint
+    initializes it directly.
+    """
+
+    n_class: int = 2
+    cls_token_id: int = 0
+    cls_dropout: float = 0.1
+
+    def setup(self) -> None:
+        super().setup()
+        self.cls_head = nn.Dense(self.n_class, dtype=self.cfg.dtype, param_dtype=self.cfg.param_dtype,
+                                 kernel_init=param_init(self.cfg, ("embed", "classes"), role="classes"),
+                                 bias_init=bias_init(self.cfg, ("classes",), self.cfg.n_embd, role="classes"))
+        self.cls_drop = nn.Dropout(self.cls_dropout)
+
+    def __call__(self, idx_BT: Array, mask_BT: Array | None = None,
+                 deterministic: bool = True) -> tuple[Array, Array]:
+        h_BTC = self.hidden(idx_BT, mask_BT, deterministic)
+        T = idx_BT.shape[1]
+        last_cls_B = T - 1 - jnp.argmax((idx_BT == self.cls_token_id)[:, ::-1], axis=1)
+        h_BC = jnp.take_along_axis(h_BTC, last_cls_B[:, None, None], axis=1)[:, 0]
+        cls_BK = self.cls_head(self.cls_drop(h_BC, deterministic=deterministic))
+        return self.logits(h_BTC), cls_BK.astype(jnp.float32)
+
+
+def dummy_tokens(cfg: ModelConfig) -> Array:
+    """The smallest batch `init` needs: parameter shapes do not depend on it."""
+    return jnp.zeros((1, min(cfg.block_size, 8)), jnp.int32)
+
+
+def init_params(cfg: ModelConfig, key: Array, model: nn.Module | None = None) -> dict:
+    """Plain (unboxed) float parameters, built under jit (eager init is slow to dispatch)."""
+    model = model or GPT(cfg)
+    return nn.unbox(jax.jit(model.init)(key, dummy_tokens(cfg))["params"])
+
+
+def abstract_variables(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
+    """`init`'s variables as boxed ShapeDtypeStructs: shapes and logical axis names, nothing allocated."""
+    return jax.eval_shape((model or GPT(cfg)).init, jax.random.key(0), dummy_tokens(cfg))
+
+
+@functools.cache
+def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+    """Each projection kernel's path -> its shape as a matrix: ([layers,] inputs, outputs).
+
+    Kernels keep a stacked-layers axis first, then their input axes, then their output axes, which are
+    the bias's axes: a model with biases tells each kernel's split, whatever `use_bias` says.
+    """
+    boxed = abstract_variables(cfg.replace(use_bias=True))["params"]
+    flat = dict(jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
+    shapes = {}
+    for path, kernel in flat.items():
+        bias = flat.get((*path[:-1], jax.tree_util.DictKey("bias")))
+        if path[-1] == jax.tree_util.DictKey("kernel") and bias is not None:
+            shape, lead = kernel.value.shape, int(kernel.names[0] == "layers")
+            split = len(shape) - bias.value.ndim + lead
+            shapes[path] = (*shape[:lead], math.prod(shape[lead:split]), math.prod(shape[split:]))
+    return shapes
+
+
+def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> dict:
+    """Every projection kernel as one (outputs, inputs) matrix (PyTorch's order), after any layers axis.
+
+    The layout `layers.kernels_output_major` reads: XLA:CPU's one-row products stream it faster, so
+    the sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
+    """
+    shapes = _kernel_shapes(cfg)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.swapaxes(a.reshape(shapes[path]), -1, -2).astype(dtype or a.dtype)
+        if path in shapes else a, params)
+
+
+def unstack_layers(params: dict, n_layer: int) -> dict:
+    """Scanned params (`h` with a leading L axis) -> one `h_i` subtree per layer."""
+    out = {k: v for k, v in params.items() if k != "h"}
+    for i in range(n_layer):
+        out[f"h_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["h"])
+    return out
+
+
+def stack_layers(params: dict, n_layer: int) -> dict:
+    """Inverse of `unstack_layers`: per-layer `h_i` subtrees -> scanned `h`."""
+    out = {k: v for k, v in params.items() if not k.startswith("h_")}
+    out["h"] = jax.tree.map(lambda *a: jnp.stack(a), *[params[f"h_{i}"] for i in range(n_layer)])
+    return out

@@ -1,0 +1,194 @@
+"""Checkpoints with orbax: asynchronous, atomic, the last N plus the best by validation loss.
+
+A checkpoint step directory holds three items: `params`, `opt_state` (both OCDBT pytrees,
+restorable onto any mesh) and `meta` (JSON: step, resolved configs, the tokenizer, losses).
+The checkpointer knows nothing of models: inference restores `params` from the shapes and dtypes
+orbax recorded, and training passes the abstract state of its own layout (`jaxgpt.train.sharding`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from jaxgpt.errors import UserError
+from jaxgpt.train.rundir import disk_error, free_bytes
+
+CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
+
+
+class CheckpointReadError(UserError):
+    """A checkpoint step that exists but cannot be read (deleted or truncated files, a corrupt manifest)."""
+
+    def __init__(self, directory: Path, step: int, error: BaseException) -> None:
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        super().__init__(f"checkpoint step {step} in {directory} cannot be read ({reason})")
+        self.step = step
+
+
+def _quiet_closed_loop() -> None:
+    """Drop the noise that orbax's writer threads leave behind a failed save.
+
+    When one write of an asynchronous save fails (a full disk), orbax closes its event loop while other
+    writes are still completing; each then reports, as an unraisable exception with a traceback, that it
+    cannot call back into the closed loop, and asyncio logs the failed writes' tasks ("Task exception was
+    never retrieved") at exit. The failure itself is raised by `wait` and reported once.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "jaxgpt_quiet", False):
+        return
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+    def hook(unraisable: Any) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.jaxgpt_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) in `tree`: about what one checkpoint takes on disk."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def checkpoint_dir(workdir: str | os.PathLike[str]) -> Path:
+    return Path(workdir).absolute() / "checkpoints"  # orbax insists on absolute paths
+
+
+class Checkpointer:
+    """Thin policy layer over `ocp.CheckpointManager` (which does the work)."""
+
+    def __init__(self, workdir: str | os.PathLike[str], keep: int = 2, keep_best: bool = True,
+                 read_only: bool = False) -> None:
+        keep_policies: list[Any] = [policies.LatestN(n=keep)]
+        if keep_best:
+            keep_policies.append(policies.BestN(get_metric_fn=lambda m: -m["val_loss"], n=1,
+                                                keep_checkpoints_without_metrics=False))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policies.AnyPreservationPolicy(keep_policies), cleanup_tmp_directories=True,
+            create=not read_only, read_only=read_only, enable_async_checkpointing=True)
+        self.directory = checkpoint_dir(workdir)
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}  # registered, so that item metadata can be read
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._bytes = 0  # of the last state saved, for the message of a full disk
+        if not read_only:
+            _quiet_closed_loop()
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def set_aside(self, step: int) -> Path:
+        """Move an unreadable step out of the manager's sight (kept for inspection, never deleted), so that
+        training resumed from an earlier step can save this step number again."""
+        target = self.directory.parent / CORRUPT_DIR / str(step)
+        target.parent.mkdir(exist_ok=True)
+        if target.exists():
+            target = target.with_name(f"{step}-{os.getpid()}")
+        os.replace(self.directory / str(step), target)
+        self.manager.reload()
+        return target
+
+    def best_step(self) -> int | None:
+        """The step with the lowest recorded validation loss (None if no checkpoint has one)."""
+        scored = [(m["val_loss"], s) for s in self.manager.all_steps()
+                  if (m := self.read_meta(s)).get("val_loss") is not None]
+        return min(scored)[1] if scored else None
+
+    def save(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Start an asynchronous save of `state` at its step; arrays may be donated right after."""
+        step = int(jax.device_get(state["step"]))
+        val_loss = meta.get("val_loss")
+        self._bytes = state_bytes([state["params"], state["opt_state"]])
+        self._writing(lambda: self.manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state["params"]), opt_state=ocp.args.StandardSave(state["opt_state"]),
+            meta=ocp.args.JsonSave({**meta, "step": step})),
+            metrics=None if val_loss is None else {"val_loss": float(val_loss)}, force=True))
+
+    def _writing(self, write: Callable[[], Any]) -> Any:
+        """Run a save or a wait for one; a full disk (now, or in the background save) becomes a UserError
+        naming the directory and the space a checkpoint needs. Orbax commits by renaming a finished
+        temporary directory, so the previous checkpoint is intact whatever failed."""
+        try:
+            return write()
+        except Exception as e:
+            fault = disk_error(e)
+            if fault is None:
+                raise
+            steps = self.manager.all_steps()
+            kept = f"step {max(steps)} is intact" if steps else "there is no earlier checkpoint"
+            raise UserError(f"writing a checkpoint into {self.directory} failed ({fault.strerror or fault}): it "
+                            f"needs about {self._bytes / 2**20:,.1f} MiB, {free_bytes(self.directory) / 2**20:,.1f} "
+                            f"MiB are free there (or a file-size limit applies); {kept}. Free space, then run "
+                            "the same command to resume") from None
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        try:
+            return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        except Exception as e:
+            raise CheckpointReadError(self.directory, step, e) from None
+
+    def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
+        """The state saved at `step`, placed on the shardings of `abstract_state` (ShapeDtypeStructs)."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_state["params"]),
+                opt_state=ocp.args.StandardRestore(abstract_state["opt_state"])))
+        except Exception as e:  # whatever the library's reason, this step cannot be read
+            raise CheckpointReadError(self.directory, step, e) from None
+        return {"params": restored["params"], "opt_state": restored["opt_state"],
+                "step": jax.device_put(np.int32(step), abstract_state["step"].sharding)}
+
+    def restore_params(self, step: int, abstract_params: Any = None) -> Any:
+        """The parameters saved at `step`: placed as `abstract_params` says, or (None) as saved in shape
+        and dtype but on the default device, whatever mesh wrote them."""
+        try:
+            if abstract_params is None:
+                device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                abstract_params = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                                               self.manager.item_metadata(step)["params"].tree)
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_params)))
+        except Exception as e:
+            raise CheckpointReadError(self.directory, step, e) from None
+        return restored["params"]
+
+    def wait(self) -> None:
+        """Block until the background save has committed (its tmp directory renamed into place)."""
+        self._writing(self.manager.wait_until_finished)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def open_checkpoint(workdir: str | os.PathLike[str], which: str,
+                    how_to_make: str) -> tuple[Checkpointer, int, dict[str, Any]]:
+    """A read-only Checkpointer on `workdir`, its latest or best step, and that step's meta.
+
+    `how_to_make` ends the errors with the way to get a checkpoint there. The caller closes the Checkpointer.
+    """
+    if which not in ("latest", "best"):
+        raise UserError(f"checkpoint {which!r} is unknown: use 'latest' or 'best'")
+    if not checkpoint_dir(workdir).is_dir():
+        raise UserError(f"{workdir} has no checkpoints: {how_to_make}")
+    ckpt = Checkpointer(workdir, read_only=True)
+    step = ckpt.latest_step() if which == "latest" else ckpt.best_step()
+    if step is None:
+        ckpt.close()
+        raise UserError(f"{workdir} has no {'finished' if which == 'latest' else 'evaluated'} checkpoint: "
+                        + how_to_make + ("" if which == "latest" else ", or use --which latest"))
+    return ckpt, step, ckpt.read_meta(step)

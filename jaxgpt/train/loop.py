@@ -1,0 +1,292 @@
+"""The training loop: a task -> sharded state -> compiled steps -> logs and checkpoints.
+
+One loop for every task (`jaxgpt.tasks`). Everything a step needs is a function of (config, step): the
+batch comes from `task.train_rows(step, ...)`, dropout from `fold_in(key, step)`, so resuming from a
+checkpoint replays exactly what an uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from jaxgpt import tasks
+from jaxgpt.errors import UserError
+from jaxgpt.train import resume, rundir, runtime
+from jaxgpt.train import sharding as layout
+from jaxgpt.train.checkpoint import Checkpointer, state_bytes
+from jaxgpt.train.chips import peak_flops_for
+from jaxgpt.train.config import TrainConfig
+from jaxgpt.train.flops import flops_per_token, measure_matmul_peak
+from jaxgpt.train.interrupt import GracefulStop
+from jaxgpt.train.logs import MetricsLog, progress_line, require_wandb
+
+
+def micro_batches(x: np.ndarray, grad_accum: int) -> np.ndarray:
+    """(b, ...) local rows -> (A, b/A, ...), interleaved so each process's rows stay contiguous per micro-batch."""
+    b = x.shape[0]
+    return np.swapaxes(x.reshape(b // grad_accum, grad_accum, *x.shape[1:]), 0, 1)
+
+
+def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
+    """Run (or resume) training as configured; returns the final metrics, state and model config.
+
+    The task is `cfg.task`'s (`tasks.build`) unless one is given: any object with the `tasks.Task` methods
+    trains here unchanged. The run owns its work directory while it trains (`rundir.WorkdirLock`).
+    """
+    runtime.setup(cfg.runtime)
+    if cfg.wandb_project and jax.process_index() == 0:
+        require_wandb(cfg.wandb_project)
+    task = task or tasks.build(cfg)
+    workdir = runtime.check_workdir(cfg.workdir)
+    rundir.check_not_foreign(workdir)
+    lock = rundir.WorkdirLock(workdir) if jax.process_index() == 0 else None
+    try:
+        return _train(cfg, task, workdir, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.WorkdirLock | None) -> dict[str, Any]:
+    """`train` once the work directory is this run's: nothing in it changes before every check has passed."""
+    is_main = jax.process_index() == 0
+    mesh = layout.make_mesh(cfg.runtime.mesh)
+    prog = layout.build_program(task, cfg.optim, mesh, cfg.batch_size, cfg.grad_accum)
+    init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
+    ckpt = Checkpointer(workdir, keep=cfg.keep_checkpoints)
+    trajectory = resume.trajectory(cfg, task.model_cfg.to_dict(), task.meta)
+    meta = {"model": task.model_cfg.to_dict(), "config": cfg.settings, "tokenizer": task.tokenizer_meta, **task.meta,
+            "trajectory": trajectory}
+    # Weights from elsewhere are read outside the mesh context, as plain host arrays.
+    pretrained = task.pretrained() if ckpt.latest_step() is None else None
+    if is_main and task.describe():
+        print(task.describe(), flush=True)
+    with prog.activate():
+        state, start = _initial_state(cfg, task, ckpt, prog, init_key, pretrained, trajectory)
+        if start >= cfg.max_steps:
+            ckpt.close()
+            return _finished(cfg, task, workdir, state, start)
+        _check_space(ckpt, prog.abstract_state)
+        if is_main:
+            lock.record_holder()
+            rundir.record_start(workdir, cfg.settings, start)
+            n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+            print(f"model: {n_params:,} parameters; mesh {dict(mesh.shape)}; "
+                  f"{'resuming at step ' + str(start) if start else 'starting from step 0'}", flush=True)
+        A = cfg.grad_accum
+        # Each process reads only the rows its devices hold (all of them if the batch is replicated over hosts).
+        train_spans = layout.local_rows(layout.batch_sharding(mesh, 1, leading=1), (A, cfg.batch_size // A), dim=1)
+        eval_spans = layout.local_rows(layout.batch_sharding(mesh, 1), (task.eval_rows_per_batch,), dim=0)
+
+        def to_global(shardings: dict, rows: dict[str, np.ndarray], n_rows: int, leading: tuple = ()) -> dict:
+            return {k: layout.global_array(shardings[k], v, (*leading, n_rows, *v.shape[1 + len(leading):]))
+                    for k, v in rows.items()}
+
+        def batch(step: int) -> dict[str, jax.Array]:
+            rows = layout.read_rows(lambda i, n: task.train_rows(step, i, n), train_spans, cfg.batch_size, unit=A)
+            return to_global(prog.batch_sh, {k: micro_batches(v, A) for k, v in rows.items()},
+                             cfg.batch_size // A, leading=(A,))
+
+        evals = {split: [to_global(prog.eval_sh, rows, task.eval_rows_per_batch) for rows in batches]
+                 for split, batches in layout.read_rows(task.eval_rows, eval_spans, task.eval_rows_per_batch).items()}
+
+        def evaluate(params: Any) -> dict[str, Any]:
+            return task.summarize({split: jax.device_get([prog.eval_step(params, b) for b in batches])
+                                   for split, batches in evals.items()})
+
+        t0 = time.perf_counter()
+        compiled = prog.train_step.lower(state, batch(start), dropout_key).compile()
+        compile_s = time.perf_counter() - t0
+        log = MetricsLog(workdir, start, cfg.settings, cfg.wandb_project, cfg.wandb_name)
+        plain = is_main and not sys.stderr.isatty()  # a log file gets lines, not a progress bar's \r updates
+        bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main or plain, unit="step", dynamic_ncols=True)
+        pending: list[tuple[int, dict]] = []
+        last_eval: dict[str, Any] = {}
+        tokens_per_step = cfg.batch_size * task.tokens_per_row
+        t_start = t_log = time.perf_counter()
+        n_timed, t_train = 0, 0.0
+        published_peak = peak_flops_for(jax.devices())  # None on CPUs, which have no published peak
+
+        def flush(step: int) -> None:
+            """Fetch the queued step metrics; stop on a non-finite loss before anything is saved."""
+            nonlocal t_log, n_timed, t_train
+            if not pending:
+                return
+            fetched = jax.device_get([m for _, m in pending])
+            elapsed = time.perf_counter() - t_log
+            t_train += elapsed
+            tok_s = tokens_per_step * len(pending) / elapsed
+            for (s, _), m in zip(pending, fetched, strict=True):
+                if not np.isfinite(m["loss"]):
+                    raise UserError(f"loss is {m['loss']} at step {s}: training stopped; the last good checkpoint "
+                                    f"(step {ckpt.latest_step()}) is kept. Lower optim.lr or raise optim.warmup_steps")
+            n_timed += len(pending)
+            last = {k: float(v) for k, v in fetched[-1].items()}
+            terms = {f"train_{k}": v for k, v in last.items() if k not in ("loss", "lr", "grad_norm")}
+            mfu = None if published_peak is None else _model_flops(task, tok_s) / published_peak
+            record = {"train_loss": last["loss"], **terms, "lr": last["lr"], "grad_norm": last["grad_norm"],
+                      "tokens_per_sec": tok_s, **({"mfu": mfu} if mfu is not None else {})}
+            log.write(step, record)
+            bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{tok_s:,.0f}",
+                            **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+            if plain:
+                print(progress_line(step, cfg.max_steps, record, time.perf_counter() - t_start), file=sys.stderr,
+                      flush=True)
+            pending.clear()
+            t_log = time.perf_counter()
+
+        with GracefulStop() as stop:
+            try:
+                for step in range(start, cfg.max_steps):
+                    state, metrics = compiled(state, batch(step), dropout_key)
+                    pending.append((step + 1, metrics))
+                    bar.update(1)
+                    done = step + 1
+                    is_eval = done % cfg.eval_interval == 0 or done == cfg.max_steps
+                    if done % cfg.log_interval == 0 or is_eval or done % cfg.ckpt_interval == 0:
+                        flush(done)
+                    if is_eval:
+                        t_eval = time.perf_counter()
+                        last_eval = evaluate(state["params"])
+                        log.write(done, last_eval, kind="eval")
+                        if is_main:
+                            bar.write(task.eval_line(done, last_eval))
+                        t_log += time.perf_counter() - t_eval  # keep evaluation out of tokens/s
+                    saved = is_eval or done % cfg.ckpt_interval == 0
+                    if saved:
+                        ckpt.save(state, {**meta, **({"val_loss": last_eval["val_loss"]} if is_eval else {})})
+                    if done < cfg.max_steps and _stop_agreed(stop, done, cfg.log_interval):
+                        flush(done)
+                        if not saved:
+                            ckpt.save(state, meta)
+                        ckpt.wait()
+                        raise stop.stopped(done, ckpt.directory)
+                flush(cfg.max_steps)
+            finally:  # a save in flight must commit even when training stops early, or it is silently lost
+                _close(bar, ckpt, log)
+    summary = _throughput(task, cfg.batch_size, n_timed, t_train, compile_s, published_peak)
+    if is_main:
+        print(summary["report"], flush=True)
+        if last_eval and task.final_line(last_eval):
+            print(task.final_line(last_eval), flush=True)
+        print(_outputs_report(cfg, workdir), flush=True)
+    multihost_utils.sync_global_devices("jaxgpt-train-end")
+    return {**last_eval, **summary, "steps": cfg.max_steps - start, "state": state, "model_cfg": task.model_cfg,
+            "tokenizer_meta": task.tokenizer_meta}
+
+
+def _stop_agreed(stop: GracefulStop, done: int, log_interval: int) -> bool:
+    """Whether every process stops after step `done`: at once with one process; with several, at the next log
+    interval and only together (a process stopping alone would leave the others hanging in a collective)."""
+    if jax.process_count() == 1:
+        return stop.requested
+    if done % log_interval:
+        return False
+    return bool(np.max(multihost_utils.process_allgather(np.int32(stop.requested))))
+
+
+def _close(bar: tqdm, ckpt: Checkpointer, log: MetricsLog) -> None:
+    """Wait for the last save to commit, then close everything, even when the wait failed (a full disk)."""
+    bar.close()
+    try:
+        ckpt.wait()
+    finally:
+        with contextlib.suppress(Exception):  # after a failed wait, close raises the same error again
+            ckpt.close()
+        log.close()
+
+
+def _check_space(ckpt: Checkpointer, abstract_state: dict[str, Any]) -> None:
+    """Refuse to start (before compiling) when the checkpoint directory cannot hold even one checkpoint."""
+    need = state_bytes([abstract_state["params"], abstract_state["opt_state"]])
+    free = rundir.free_bytes(ckpt.directory)
+    if free < need:
+        raise UserError(f"{ckpt.directory} has {free / 2**20:,.1f} MiB free, but a checkpoint of this run needs about "
+                        f"{need / 2**20:,.1f} MiB: free space there or choose another --config.workdir")
+
+
+def _finished(cfg: TrainConfig, task: tasks.Task, workdir: Path, state: dict, start: int) -> dict[str, Any]:
+    """A resumed run with nothing left to do says so (no throughput of zero steps) and returns its state."""
+    if jax.process_index() == 0:
+        print(f"{workdir} is already trained to step {start} (config.max_steps={cfg.max_steps}): nothing to do; "
+              "raise --config.max_steps to train further", flush=True)
+    return {"steps": 0, "state": state, "model_cfg": task.model_cfg, "tokenizer_meta": task.tokenizer_meta}
+
+
+def _outputs_report(cfg: TrainConfig, workdir: Path) -> str:
+    """Where the run's outputs are, and the commands that use them."""
+    lines = [f"outputs in {workdir}: checkpoints/, metrics.jsonl, tensorboard/, config.json",
+             f"  plot:   jaxgpt plots curves --workdir {workdir} --out {workdir / 'curves.png'}",
+             f"  logs:   tensorboard --logdir {workdir / 'tensorboard'}"]
+    if cfg.task == "lm":
+        lines.insert(1, f"  sample: jaxgpt sample --workdir {workdir} --prompt \"...\"")
+    return "\n".join(lines)
+
+
+def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog: layout.Program, key: jax.Array,
+                   pretrained: Any = None, trajectory: dict[str, Any] | None = None) -> tuple[dict, int]:
+    """Resume from the latest checkpoint, or initialize (from scratch or from pretrained weights) directly sharded.
+
+    Pretrained weights may lack top-level subtrees of the model (a classifier's new head): those are
+    initialized, and XLA drops the rest of the (discarded) full initialization.
+    """
+    latest = ckpt.latest_step()
+    if latest is not None:
+        if not cfg.resume:
+            raise UserError(f"{cfg.workdir} already holds checkpoints (latest step {latest}): pass "
+                            "--config.resume=True to continue, or choose a new --config.workdir")
+
+        def check(saved_meta: dict[str, Any]) -> None:
+            task.check_resume(saved_meta, cfg.workdir)
+            resume.check_same_run(saved_meta, trajectory or {}, cfg)
+
+        return resume.restore_readable(cfg, ckpt, prog.abstract_state, check)
+    param_sh = prog.state_sh["params"]
+    example = task.example_input()
+    missing = sorted(set(param_sh) - set(pretrained or {})) if pretrained is not None else sorted(param_sh)
+    fresh = jax.jit(lambda k: {name: nn.unbox(task.model.init(k, example)["params"])[name] for name in missing},
+                    out_shardings={name: param_sh[name] for name in missing})(key)
+    params = {**fresh, **(jax.device_put({k: v for k, v in pretrained.items() if k in param_sh},
+                                         {k: param_sh[k] for k in pretrained if k in param_sh})
+                          if pretrained is not None else {})}
+    shapes = jax.tree.map(lambda s: s.shape, prog.abstract_state["params"])
+    if jax.tree.map(lambda a: a.shape, params) != shapes:
+        raise UserError("the initial weights do not match the model's parameter shapes (corrupt checkpoint?)")
+    opt_state = jax.jit(prog.tx.init, out_shardings=prog.state_sh["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), prog.state_sh["step"])}, 0
+
+
+def _model_flops(task: tasks.Task, tok_s: float) -> float:
+    """Model FLOP/s at `tok_s` tokens/s (6N + attention per token, `jaxgpt.train.flops`)."""
+    return tok_s * flops_per_token(task.model_cfg, task.tokens_per_row)
+
+
+def _throughput(task: tasks.Task, batch_size: int, n_steps: int, seconds: float, compile_s: float,
+                published_peak: float | None) -> dict[str, Any]:
+    """Tokens/s and MFU of the run: against the chips' published bf16 peak on TPUs and GPUs (comparable with
+    other trainers' MFU), against a matmul measured here on CPUs (fake CPU devices share the same cores)."""
+    tokens = n_steps * batch_size * task.tokens_per_row
+    tok_s = tokens / seconds if seconds else 0.0
+    model_flops = _model_flops(task, tok_s)
+    peak = published_peak
+    against = "the chips' published bf16 peak"
+    if peak is None:
+        peak, against = measure_matmul_peak(), "the measured matmul peak"
+    report = (f"throughput: {tok_s:,.0f} tokens/s over {n_steps} steps (compile {compile_s:.1f} s); model "
+              f"{model_flops / 1e9:,.1f} GFLOP/s = MFU {model_flops / peak:.1%} of {against} "
+              f"({peak / 1e9:,.0f} GFLOP/s)")
+    return {"tokens_per_sec": tok_s, "model_flops_per_sec": model_flops, "mfu": model_flops / peak,
+            "peak_flops": peak, "compile_seconds": compile_s, "report": report}
