@@ -5,7 +5,7 @@
 
 Needs XLA's TPU compiler (libtpu: pip install "jax[tpu]"), which runs on CPU-only hosts. Prints memory
 per chip against HBM, the FLOP count (XLA's plus Pallas kernels') against the analytic one, the collectives
-of the compiled step, and a roofline bound on the step time over compute, HBM and ICI (see jaxgpt/aot.py).
+of the compiled step, and a roofline bound on the step time over compute, HBM and ICI (see jaxgpt/tools/aot.py).
 """
 
 from __future__ import annotations
