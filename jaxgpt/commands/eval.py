@@ -4,6 +4,8 @@
     jaxgpt eval --workdir runs/mine                                 # the run's dataset, whole validation split
     jaxgpt eval --workdir runs/mine --trainer_batches               # exactly the batches behind the logged val_loss
     jaxgpt eval --init_from hf:openai-community/gpt2 --text notes.txt
+    jaxgpt eval --workdir runs/mine --task hellaswag [--data hellaswag_val.jsonl] [--limit 1000]
+    jaxgpt eval --workdir runs/mine --task lambada [--data lambada_test.jsonl]
 
 Text files are tokenized with the model's tokenizer and joined as `jaxgpt data` joins them (end-of-text
 between files for GPT-2 BPE, which also starts the text, so that its first token is predicted). A text or
@@ -11,6 +13,9 @@ a split is covered by non-overlapping windows of the model's block_size, the las
 token is predicted exactly once. `--trainer_batches` instead rebuilds the trainer's fixed evaluation
 batches from the run's saved config (seed, batch size, eval_batches), so its loss is the trainer's
 `val_loss` (or `train_loss` with --split train). A progress bar runs on stderr; the result is one line.
+
+`--task hellaswag` / `--task lambada` score a benchmark instead (`jaxgpt.evals.benchmarks`): its JSONL is
+downloaded once into ~/.cache/jaxgpt, or given with --data on an offline machine.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from absl import flags
 from jaxgpt.commands import run_command
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
+from jaxgpt.evals import benchmarks
 from jaxgpt.io import weights
 from jaxgpt.tools import evaluate
 
@@ -44,6 +50,11 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_integer("batch_size", 8, "windows per forward pass", flag_values=flags_)
     flags.DEFINE_integer("block_size", None, "window length (default: the model's block_size; shorter windows "
                          "compare models of different contexts on equal terms)", flag_values=flags_)
+    flags.DEFINE_enum("task", "text", ("text", "hellaswag", "lambada"), "what to evaluate: loss on text or a "
+                      "dataset, or a benchmark", flag_values=flags_)
+    flags.DEFINE_string("data", None, "the benchmark's JSONL (default: downloaded into ~/.cache/jaxgpt)",
+                        flag_values=flags_)
+    flags.DEFINE_integer("limit", None, "score only the benchmark's first N examples", flag_values=flags_)
     flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE models", flag_values=flags_)
 
 
@@ -93,6 +104,18 @@ def dataset_rows(flags_: flags.FlagValues, loaded: weights.Weights,
     return rows, evaluate.stream_characters(ids, tokenizer), f"{data_dir} ({flags_.split})"
 
 
+def run_benchmark(flags_: flags.FlagValues, source: str, paths: list[str]) -> None:
+    if paths or flags_.data_dir or flags_.trainer_batches:
+        raise UserError(f"--task {flags_.task} scores its own data: leave out --text, --data_dir and "
+                        "--trainer_batches (give its JSONL with --data)")
+    data = benchmarks.data_file(flags_.task, flags_.data)  # before the model is read
+    loaded = weights.load(source, which=flags_.which)
+    cfg = weights.require_gpt(source, loaded.model, f"be evaluated on {flags_.task}")
+    result = benchmarks.evaluate(flags_.task, loaded.params, cfg, loaded.tokenizer(flags_.bpe_file), data,
+                                 flags_.batch_size, flags_.limit)
+    print(result.report())
+
+
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
     paths = [*flags_.text, *args]  # `--text a.txt b.txt`: the files after the first arrive as arguments
     if args and not flags_.text:
@@ -101,6 +124,8 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         raise UserError("--trainer_batches evaluates the run's own batches of a prepared dataset: leave out --text "
                         "and --block_size")
     source = f"workdir:{flags_.workdir}" if flags_.workdir is not None else flags_.init_from
+    if flags_.task != "text":
+        return run_benchmark(flags_, source, paths)
     texts = read_texts(paths)  # a wrong path fails before a model is read
     loaded = weights.load(source, which=flags_.which)
     weights.require_gpt(source, loaded.model, "be evaluated as a language model")

@@ -106,7 +106,7 @@ def wine_reviews(csv_path: str | os.PathLike[str]) -> tuple[list[str], str]:
     return reviews, description
 
 
-def _download(url: str, dest: Path, fallback_hint: str) -> Path:
+def download(url: str, dest: Path, fallback_hint: str) -> Path:
     """Fetch `url` to `dest` once (atomically: a partial download never sits at `dest`)."""
     if dest.is_file():
         return dest
@@ -197,7 +197,7 @@ def prepare_builtin(
     if name in ("shakespeare_char", "shakespeare"):
         kind = "char" if name == "shakespeare_char" else "gpt2"
         hint = f"fetch it elsewhere, then run `jaxgpt data --text input.txt --tokenizer {kind} --out {out}`"
-        path = _download(SHAKESPEARE_URL, out / "input.txt", hint)
+        path = download(SHAKESPEARE_URL, out / "input.txt", hint)
         tokenizer = None if kind == "char" else load_bpe("gpt2", bpe_file)
         return prepare_text([path], out, tokenizer, val_fraction, f"tiny shakespeare ({SHAKESPEARE_URL})",
                             overwrite)

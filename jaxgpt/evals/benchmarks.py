@@ -1,0 +1,134 @@
+"""HellaSwag and LAMBADA, the two benchmarks GPT-2-sized runs quote, scored with `jaxgpt.evals.loglik`.
+
+HellaSwag (validation, 10,042 examples): a context and four endings; the model picks the ending with the
+highest log-likelihood, summed (`accuracy`) or divided by the ending's token count (`accuracy_norm`, the
+number nanoGPT-derived runs and llm.c report: GPT-2 124M scores about 0.295). Each ending is scored as
+" " + ending after the context, as those evaluations do.
+
+LAMBADA (OpenAI's test split, 5,153 passages): the last word of each passage given the rest; accuracy is
+whether greedy decoding produces all of the word's tokens, perplexity exp(-mean log-likelihood of the word).
+
+The data files download on first use into ~/.cache/jaxgpt (or are given with a path, for offline machines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt.data.corpora import download
+from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.errors import UserError
+from jaxgpt.evals.loglik import Scorer
+from jaxgpt.model.config import ModelConfig
+
+CACHE = Path.home() / ".cache" / "jaxgpt"
+SOURCES = {
+    "hellaswag": "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl",
+    "lambada": "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    task: str
+    examples: int
+    accuracy: float
+    accuracy_norm: float | None = None  # HellaSwag
+    perplexity: float | None = None  # LAMBADA
+
+    def report(self) -> str:
+        extra = (f", acc_norm {self.accuracy_norm:.4f}" if self.accuracy_norm is not None
+                 else f", perplexity {self.perplexity:.3f}")
+        return f"{self.task}: {self.examples} examples, acc {self.accuracy:.4f}{extra}"
+
+
+def data_file(task: str, path: str | None) -> Path:
+    """The task's JSONL: `path` when given, else the cached download (fetched once when online)."""
+    if path:
+        if not Path(path).is_file():
+            raise UserError(f"--data {path} does not exist: give the {task} JSONL file ({SOURCES[task]})")
+        return Path(path)
+    name = SOURCES[task].rsplit("/", 1)[1]
+    return download(SOURCES[task], CACHE / name, f"offline, download {name} elsewhere and pass --data PATH "
+                    f"(or put it at {CACHE / name})")
+
+
+def _records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n} is not valid JSON ({e.msg}): one object per line") from None
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    context: str
+    endings: tuple[str, ...]
+    label: int
+
+
+def read(path: str | Path) -> list[Example]:
+    """HellaSwag examples from its JSONL (fields ctx, endings, label), each line checked."""
+    examples = []
+    for n, row in _records(Path(path)):
+        endings, label = row.get("endings"), row.get("label")
+        if not (isinstance(row.get("ctx"), str) and isinstance(endings, list) and endings
+                and all(isinstance(e, str) for e in endings)
+                and isinstance(label, int) and 0 <= label < len(endings)):
+            raise UserError(f"{path}:{n} is not a HellaSwag example: it needs a string ctx, a list of string "
+                            "endings and an integer label indexing them")
+        examples.append(Example(row["ctx"], tuple(endings), label))
+    return examples
+
+
+def hellaswag(scorer: Scorer, tokenizer: Tokenizer, examples: Sequence[Example]) -> Result:
+    requests = [(tokenizer.encode(ex.context), tokenizer.encode(" " + ending))
+                for ex in examples for ending in ex.endings]
+    scores = iter(scorer.score(requests))
+    hits = hits_norm = 0
+    for ex in examples:
+        mine = [next(scores) for _ in ex.endings]
+        hits += int(np.argmax([s.logprob for s in mine]) == ex.label)
+        hits_norm += int(np.argmax([s.logprob / s.tokens for s in mine]) == ex.label)
+    return Result("hellaswag", len(examples), hits / len(examples), accuracy_norm=hits_norm / len(examples))
+
+
+def lambada(scorer: Scorer, tokenizer: Tokenizer, records: Sequence[tuple[int, dict[str, Any]]], path: Path
+            ) -> Result:
+    requests = []
+    for n, row in records:
+        text = row.get("text")
+        if not isinstance(text, str) or " " not in text.strip():
+            raise UserError(f"{path}:{n} is not a LAMBADA passage: it needs a text field of several words")
+        context, word = text.strip().rsplit(" ", 1)
+        requests.append((tokenizer.encode(context), tokenizer.encode(" " + word)))
+    scores = scorer.score(requests)
+    mean_logprob = sum(s.logprob for s in scores) / len(scores)
+    return Result("lambada", len(scores), sum(s.greedy for s in scores) / len(scores),
+                  perplexity=math.exp(-mean_logprob))
+
+
+def evaluate(task: str, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, path: Path, batch_size: int = 8,
+             limit: int | None = None, progress: bool = True) -> Result:
+    """Run `task` ("hellaswag" or "lambada") on the JSONL at `path`, optionally its first `limit` examples."""
+    scorer = Scorer(params, cfg, batch_size, progress)
+    if task == "hellaswag":
+        examples = read(path)[:limit]
+        if not examples:
+            raise UserError(f"{path} holds no HellaSwag example")
+        return hellaswag(scorer, tokenizer, examples)
+    records = _records(path)[:limit]
+    if not records:
+        raise UserError(f"{path} holds no LAMBADA passage")
+    return lambada(scorer, tokenizer, records, path)
