@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxgpt.data.batches import batch_indices
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
@@ -126,8 +127,8 @@ def test_rows_are_truncated_then_left_padded_with_the_cls_token_last() -> None:
 
 def test_batches_are_a_pure_function_of_seed_and_step_and_cover_each_epoch() -> None:
     n, b = 10, 4
-    first = [classify_data.batch_indices(7, s, n, b) for s in range(5)]
-    assert all(np.array_equal(a, classify_data.batch_indices(7, s, n, b)) for s, a in enumerate(first))
+    first = [batch_indices(7, s, n, b) for s in range(5)]
+    assert all(np.array_equal(a, batch_indices(7, s, n, b)) for s, a in enumerate(first))
     flat = np.concatenate(first)  # 20 positions = two epochs
     assert sorted(flat[:10].tolist()) == list(range(10)) and sorted(flat[10:].tolist()) == list(range(10))
     assert not np.array_equal(flat[:10], flat[10:])

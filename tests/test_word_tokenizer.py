@@ -26,13 +26,14 @@ from jaxgpt.data.tokenizer import (
     WORD_UNK,
     WORD_UNK_ID,
     WordTokenizer,
+    describe_tokenizer,
+    same_tokenizer,
     standardize,
     tokenizer_from_meta,
 )
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.tasks.lm import describe_tokenizer, same_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WINE_CSV = ROOT / "tests" / "data" / "wine_tiny.csv"

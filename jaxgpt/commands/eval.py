@@ -82,7 +82,7 @@ def dataset_rows(flags_: flags.FlagValues, loaded: weights.Weights,
                  tokenizer: Tokenizer) -> tuple[evaluate.Rows, int, str]:
     """Rows of a prepared dataset's split (whole, or the trainer's batches), their characters, and a label."""
     from jaxgpt.data.dataset import load_dataset
-    from jaxgpt.tasks.lm import describe_tokenizer, same_tokenizer
+    from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer
 
     settings = loaded.meta.get("config") or {}
     data_dir = flags_.data_dir or settings.get("data", {}).get("dir")

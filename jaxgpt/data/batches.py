@@ -14,6 +14,8 @@ from jaxgpt.errors import UserError
 # Appended to the (seed, index) entropy of evaluation batches. It must be non-zero: SeedSequence pads
 # short entropy with zeros, so (seed, step) and (seed, step, 0) would be the same stream.
 EVAL_STREAM = 1
+# The shuffles of a set of examples (classification, seq2seq pairs); 2 is their train/val split's.
+EXAMPLE_STREAM = 3
 
 
 def check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) -> None:
@@ -25,7 +27,7 @@ def check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) ->
                         "use a smaller block_size or more data")
 
 
-def local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+def process_share(batch_size: int, process_index: int, process_count: int) -> slice:
     """This process's contiguous share of the global batch's rows."""
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
@@ -75,7 +77,7 @@ def batch_for_step(
     shape (batch_size // process_count, block_size). `split` only names the data in error messages.
     """
     check_shapes(len(tokens), batch_size, block_size, split)
-    rows = local_rows(batch_size, process_index, process_count)
+    rows = process_share(batch_size, process_index, process_count)
     starts = _global_starts([seed, step], len(tokens) - block_size, batch_size)[rows]
     return _windows(tokens, starts, block_size)
 
@@ -95,7 +97,25 @@ def eval_batches(
     comparable across a run and across resumes. Drawn from a stream separate from training batches;
     rows are split across processes exactly as in `batch_for_step`."""
     check_shapes(len(tokens), batch_size, block_size, split)
-    rows = local_rows(batch_size, process_index, process_count)
+    rows = process_share(batch_size, process_index, process_count)
     n_starts = len(tokens) - block_size
     return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)
             for i in range(n_batches)]
+
+def permutation(entropy: list[int], n: int) -> np.ndarray:
+    """A permutation of range(n) from PCG64's raw stream, which NumPy keeps stable across releases."""
+    if entropy[0] < 0:
+        raise UserError(f"seed {entropy[0]} is negative: use a seed >= 0")
+    return np.argsort(np.random.PCG64(entropy).random_raw(n), kind="stable")
+
+
+def batch_indices(seed: int, step: int, n: int, batch_size: int) -> np.ndarray:
+    """Example indices of the training batch of `step`: consecutive slices of one shuffle per epoch, a pure
+    function of (seed, step), so every example is seen once per epoch and a resumed run sees the same ones."""
+    positions = step * batch_size + np.arange(batch_size)
+    epochs, offsets = positions // n, positions % n
+    out = np.empty(batch_size, np.int64)
+    for epoch in np.unique(epochs):
+        sel = epochs == epoch
+        out[sel] = permutation([seed, EXAMPLE_STREAM, int(epoch)], n)[offsets[sel]]
+    return out

@@ -337,3 +337,18 @@ def tokenizer_from_meta(meta: dict[str, Any], bpe_file: str | os.PathLike[str] |
     raise UserError(
         f"unrecognized tokenizer description {str(meta)[:80]!r}: re-run data preparation for this dataset"
     )
+
+
+def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two tokenizer metas give the same ids ("gpt2" and "r50k_base" are one BPE under two names)."""
+    if a.get("type") == b.get("type") == "bpe":
+        return True
+    if a.get("type") == b.get("type") == "word":
+        return a.get("words") == b.get("words")
+    return a.get("type") == b.get("type") == "char" and a.get("chars") == b.get("chars")
+
+
+def describe_tokenizer(meta: dict[str, Any]) -> str:
+    if meta.get("type") == "word":
+        return f"a {meta.get('vocab_size')}-word vocabulary"
+    return "GPT-2 BPE" if meta.get("type") == "bpe" else f"a {meta.get('vocab_size')}-character vocabulary"

@@ -27,21 +27,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgpt.data.batches import local_rows
+from jaxgpt.data.batches import batch_indices, process_share
 from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.gpt import GPTClassifier, dummy_tokens
 from jaxgpt.tasks.classify_data import (
     Label,
-    batch_indices,
     cls_token_id,
     encode_task,
     encode_texts,
-    eval_batches,
     load_task,
     majority_baseline,
     make_batch,
+    padded_batches,
     spread_indices,
 )
 from jaxgpt.train.config import TrainConfig
@@ -141,11 +140,11 @@ class Classification:
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["x"]), self.cfg.batch_size)
-        return make_batch(self.data["train"], idx[local_rows(self.cfg.batch_size, process_index, process_count)])
+        return make_batch(self.data["train"], idx[process_share(self.cfg.batch_size, process_index, process_count)])
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
-        rows = local_rows(self.cfg.batch_size, process_index, process_count)
-        return {part: [{k: v[rows] for k, v in b.items()} for b in eval_batches(self.data[part], self.cfg.batch_size,
+        rows = process_share(self.cfg.batch_size, process_index, process_count)
+        return {part: [{k: v[rows] for k, v in b.items()} for b in padded_batches(self.data[part], self.cfg.batch_size,
                                                                                    idx)]
                 for part, idx in self.eval_idx.items()}
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxgpt.data.batches import permutation
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
@@ -38,7 +39,7 @@ SNIPPETS_PER_CLASS = 800
 CHAR_CLS_TOKEN = "\n"
 # Tags appended to the seed so that the split and the batch streams never coincide (SeedSequence pads
 # short entropy with zeros, so the tags must be non-zero).
-SPLIT_STREAM, BATCH_STREAM = 2, 3
+SPLIT_STREAM = 2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -150,20 +151,13 @@ def label_ids(labels: Sequence[Label], names: Sequence[Label]) -> np.ndarray:
     return np.array([index[label] for label in labels], np.int32)
 
 
-def _permutation(entropy: list[int], n: int) -> np.ndarray:
-    """A permutation of range(n) from PCG64's raw stream, which NumPy keeps stable across releases."""
-    if entropy[0] < 0:
-        raise UserError(f"seed {entropy[0]} is negative: use a seed >= 0")
-    return np.argsort(np.random.PCG64(entropy).random_raw(n), kind="stable")
-
-
 def stratified_split(ids: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) example indices holding out `val_fraction` of every class, so the held-out class balance
     (and hence the majority baseline) matches the data's; a class keeps at least one training example."""
     train, val = [], []
     for k in np.unique(ids):
         members = np.flatnonzero(ids == k)
-        members = members[_permutation([seed, SPLIT_STREAM, int(k)], len(members))]
+        members = members[permutation([seed, SPLIT_STREAM, int(k)], len(members))]
         n_val = min(round(val_fraction * len(members)), len(members) - 1)
         val.append(members[:n_val])
         train.append(members[n_val:])
@@ -325,18 +319,6 @@ def encode_texts(texts: Sequence[str], tokenizer: Tokenizer, cls_id: int, width:
 # Batches
 
 
-def batch_indices(seed: int, step: int, n: int, batch_size: int) -> np.ndarray:
-    """Example indices of the training batch of `step`: consecutive slices of one shuffle per epoch, a pure
-    function of (seed, step), so every example is seen once per epoch and a resumed run sees the same ones."""
-    positions = step * batch_size + np.arange(batch_size)
-    epochs, offsets = positions // n, positions % n
-    out = np.empty(batch_size, np.int64)
-    for epoch in np.unique(epochs):
-        sel = epochs == epoch
-        out[sel] = _permutation([seed, BATCH_STREAM, int(epoch)], n)[offsets[sel]]
-    return out
-
-
 def make_batch(data: dict[str, np.ndarray], idx: np.ndarray, n_real: int | None = None) -> dict[str, np.ndarray]:
     """Rows `idx` of the encoded data; rows past `n_real` are filler with weight 0 (a short last eval batch)."""
     weight = np.ones(len(idx), np.float32)
@@ -345,7 +327,7 @@ def make_batch(data: dict[str, np.ndarray], idx: np.ndarray, n_real: int | None 
     return {"x": data["x"][idx], "mask": data["mask"][idx], "label": data["label"][idx], "weight": weight}
 
 
-def eval_batches(data: dict[str, np.ndarray], batch_size: int,
+def padded_batches(data: dict[str, np.ndarray], batch_size: int,
                  idx: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
     """Examples `idx` (default all) in fixed-shape batches; the last one is padded with zero-weight rows."""
     idx = np.arange(len(data["x"])) if idx is None else idx

@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from jaxgpt.data.batches import batch_for_step, check_shapes, eval_batches
 from jaxgpt.data.corpora import prepare_builtin
 from jaxgpt.data.dataset import META_FILE, Dataset, load_dataset, unknown_summary
+from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
@@ -96,21 +97,6 @@ def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:
     for split in ("train", "val"):  # a block size the data cannot fill fails before anything is written
         check_shapes(len(getattr(dataset, split)), 1, model_cfg.block_size, split)
     return model_cfg
-
-
-def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two tokenizer metas give the same ids ("gpt2" and "r50k_base" are one BPE under two names)."""
-    if a.get("type") == b.get("type") == "bpe":
-        return True
-    if a.get("type") == b.get("type") == "word":
-        return a.get("words") == b.get("words")
-    return a.get("type") == b.get("type") == "char" and a.get("chars") == b.get("chars")
-
-
-def describe_tokenizer(meta: dict[str, Any]) -> str:
-    if meta.get("type") == "word":
-        return f"a {meta.get('vocab_size')}-word vocabulary"
-    return "GPT-2 BPE" if meta.get("type") == "bpe" else f"a {meta.get('vocab_size')}-character vocabulary"
 
 
 def token_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, label_smoothing: float = 0.0) -> jax.Array:

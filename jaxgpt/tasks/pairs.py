@@ -9,7 +9,7 @@
 - Model ids: one text tokenizer for sources and targets, with three specials placed before the text ids
   (`SPECIALS`: pad 0, bos 1, eos 2; text id t is model id t + 3). Sources are model ids right-padded with
   pad, without bos or eos (`encode_text`); the decoder reads [bos] + target and predicts target + [eos].
-- Batches: the training batch of step i is a pure function of (seed, i) (`classify_data.batch_indices`),
+- Batches: the training batch of step i is a pure function of (seed, i) (`jaxgpt.data.batches.batch_indices`),
   so a resumed run needs no iterator state; evaluation batches are fixed.
 """
 

@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import local_rows
+from jaxgpt.data.batches import batch_indices, process_share
 from jaxgpt.errors import UserError
 from jaxgpt.generate.seq2seq import greedy
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.model.encdec import EncoderDecoder, dummy_batch
-from jaxgpt.tasks.classify_data import batch_indices
 from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.tasks.pairs import (
     SPECIALS,
@@ -179,10 +178,10 @@ class Seq2Seq:
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["src"]), self.cfg.batch_size)
-        return rows(self.data["train"], idx[local_rows(self.cfg.batch_size, process_index, process_count)])
+        return rows(self.data["train"], idx[process_share(self.cfg.batch_size, process_index, process_count)])
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
-        part = local_rows(self.cfg.batch_size, process_index, process_count)
+        part = process_share(self.cfg.batch_size, process_index, process_count)
         return {split: [{k: v[part] for k, v in b.items()} for b in batches] for split, batches in self._evals.items()}
 
     def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
