@@ -127,3 +127,20 @@ def test_a_new_task_trains_on_the_loop_unchanged(tmp_path: Path) -> None:
     assert first["val_loss"] < 0.1, first["val_loss"]  # chance is log(16) = 2.77: it learned the rule
     again = train(cfg, CopyTask(cfg))  # resumes at the end: its checkpoint and meta are the task's
     assert again["steps"] == 0
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("def get_config(:\n    pass\n", "invalid syntax"),
+    ("def get_config():\n    return [1]\n", "get_config() returned a list"),
+    ("def get_config():\n    return None\n", "get_config() returned None"),
+    ("x = 1\n", "defines no get_config()"),
+])
+@pytest.mark.parametrize("command", ["train", "summary"])
+def test_every_command_loads_config_files_alike(command: str, body: str, message: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """train and summary load --config through one loader: each broken file is one line, never a traceback."""
+    path = tmp_path / f"{command}_config.py"
+    path.write_text(body)
+    assert commands.dispatch(["jaxgpt", command, f"--config={path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err

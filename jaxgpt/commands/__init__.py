@@ -72,23 +72,52 @@ def one_line(error: BaseException) -> str:
 
 def define_config(flags_: flags.FlagValues, argv: Sequence[str], example: str) -> None:
     """--config FILE with `--config.key=value` overrides (ml_collections), locked so unknown keys fail."""
+    # ml_collections loads the file as module "config_config" into an existing module of that name, so a file
+    # loaded earlier in this process would lend its names (its get_config) to one that lacks them.
+    sys.modules.pop("config_config", None)
     config_flags.DEFINE_config_file("config", None, f"config file, e.g. {example}", flag_values=flags_,
                                     lock_config=True, sys_argv=list(argv))
 
 
 def require_config(flags_: flags.FlagValues, example: str) -> ConfigDict:
     """The parsed --config; a missing, unloadable or wrongly typed config file is a UserError."""
-    config = flags_.config
-    if config is None:
+    if not flags_["config"].present:
         raise UserError(f"--config is required, e.g. --config {example}")
-    try:
-        config.keys()  # ml_collections defers a failed load: any use of the placeholder raises
-    except Exception as e:
-        raise UserError(f"cannot load the --config file: {one_line(e)}") from None
+    path, config = config_flags.get_config_filename(flags_["config"]), flags_.config
+    if config is None:
+        raise UserError(f"{path}: get_config() returned None: end it with `return c`, the ConfigDict it built "
+                        f"(see {example})")
+    if not isinstance(config, ConfigDict | list | tuple | dict | str | int | float):
+        try:
+            config.keys()  # ml_collections defers a failed load: any use of the placeholder raises
+        except Exception as e:
+            raise UserError(f"cannot load the --config file {path}: {one_line(e)}") from None
     if not isinstance(config, ConfigDict):
-        raise UserError(f"the --config file's get_config() returned a {type(config).__name__}, not an "
-                        f"ml_collections ConfigDict: start it from jaxgpt.train.config.base_config() (see {example})")
+        raise UserError(f"{path}: get_config() returned a {type(config).__name__}, not an ml_collections "
+                        f"ConfigDict: start it from jaxgpt.train.config.base_config() (see {example})")
     return config
+
+
+def load_config_file(path: str, example: str) -> ConfigDict:
+    """A config file loaded exactly as `--config FILE` loads it, for commands that take one without overrides."""
+    argv = ["jaxgpt", f"--config={path}"]
+    flags_ = flags.FlagValues()
+    define_config(flags_, argv, example)
+    try:
+        flags_(argv)
+    except Exception as e:  # a syntax error, or no get_config(): ml_collections raises at parse time
+        raise UserError(f"cannot load the --config file {path}: {parse_error(e)}") from None
+    return require_config(flags_, example)
+
+
+def parse_error(e: Exception) -> str:
+    """One line for a command line that did not parse: a bad flag, config override or config file."""
+    if "get_config" in str(e):
+        return "the --config file defines no get_config()"
+    if isinstance(e, KeyError | AttributeError) and e.args:
+        text = str(e.args[0]).replace("\\n", " ").translate(str.maketrans("", "", "\\'\""))
+        return "unknown config key " + " ".join(text.split())
+    return one_line(e)
 
 
 def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | None = None) -> int:
@@ -99,21 +128,17 @@ def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | 
     if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
         print(doc.strip() + "\n\nflags:\n" + flags_.get_help(include_special_flags=False))
         return 0
-    try:
-        args = flags_(argv)[1:]
-    except Exception as e:  # flags.Error, or the KeyError/AttributeError/TypeError of a bad config override
-        if isinstance(e, KeyError | AttributeError) and e.args:
-            text = str(e.args[0]).replace("\\n", " ").translate(str.maketrans("", "", "\\'\""))
-            what = "unknown config key " + " ".join(text.split())
-        else:
-            what = one_line(e)
-        print(f"error: bad command line: {what} (see {os.path.basename(argv[0])} --help)", file=sys.stderr)
-        return 2
     from absl import logging
 
     # orbax reports every file it writes, and logs (with tracebacks, from each of its threads) the failures that
-    # it also raises: what it raises is reported here, once, as one line.
+    # it also raises; ml_collections warns of a config that returned None, which require_config reports: what
+    # is raised is reported here, once, as one line.
     logging.set_verbosity(logging.FATAL)
+    try:
+        args = flags_(argv)[1:]
+    except Exception as e:  # flags.Error, or the KeyError/AttributeError/TypeError of a bad config override
+        print(f"error: bad command line: {parse_error(e)} (see {os.path.basename(argv[0])} --help)", file=sys.stderr)
+        return 2
     try:
         action(flags_, args)
     except InterruptError as e:  # a run that saved its state on SIGINT / SIGTERM

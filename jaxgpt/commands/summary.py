@@ -12,7 +12,6 @@ seconds without memory.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import Any
 
 from absl import flags
 
-from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.commands import load_config_file, no_arguments, run_command
 from jaxgpt.errors import UserError
 from jaxgpt.io.hf import hf_config_to_model_config, read_hf_config
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, model_config_from_dict
@@ -54,12 +53,7 @@ def model_fields(path: Path) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise UserError(f"{path} is not valid JSON: {e}") from None
     else:
-        spec = importlib.util.spec_from_file_location("_summary_config", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise UserError(f"{path} defines no get_config(): pass a configs/*.py training config")
-        values = module.get_config().to_dict()
+        values = load_config_file(str(path), "configs/stdlib_char.py").to_dict()
     values = values.get("model", values)
     if not isinstance(values, dict):
         raise UserError(f"{path}: the model config is not a mapping of fields")
