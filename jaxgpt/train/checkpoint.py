@@ -8,10 +8,13 @@ orbax recorded, and training passes the abstract state of its own layout (`jaxgp
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,14 @@ from jaxgpt.errors import UserError
 from jaxgpt.train.rundir import disk_error, free_bytes
 
 CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
+
+
+def _settle(stream: io.StringIO, quiet_polls: int = 4, poll_s: float = 0.05, limit_s: float = 3.0) -> None:
+    """Wait until nothing more is written to `stream` for `quiet_polls` polls in a row (at most `limit_s`)."""
+    size, quiet, deadline = -1, 0, time.monotonic() + limit_s
+    while quiet < quiet_polls and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        quiet, size = (quiet + 1, size) if stream.tell() == size else (0, stream.tell())
 
 
 class CheckpointReadError(UserError):
@@ -137,35 +148,47 @@ class Checkpointer:
                             "the same command to resume") from None
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        try:
-            return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-        except Exception as e:
-            raise CheckpointReadError(self.directory, step, e) from None
+        return dict(self._reading(step, lambda: self.manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"])
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
         """The state saved at `step`, placed on the shardings of `abstract_state` (ShapeDtypeStructs)."""
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_state["params"]),
-                opt_state=ocp.args.StandardRestore(abstract_state["opt_state"])))
-        except Exception as e:  # whatever the library's reason, this step cannot be read
-            raise CheckpointReadError(self.directory, step, e) from None
+        restored = self._reading(step, lambda: self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_state["params"]),
+            opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]))))
         return {"params": restored["params"], "opt_state": restored["opt_state"],
                 "step": jax.device_put(np.int32(step), abstract_state["step"].sharding)}
 
     def restore_params(self, step: int, abstract_params: Any = None) -> Any:
         """The parameters saved at `step`: placed as `abstract_params` says, or (None) as saved in shape
         and dtype but on the default device, whatever mesh wrote them."""
-        try:
-            if abstract_params is None:
+        def read() -> Any:
+            abstract = abstract_params
+            if abstract is None:
                 device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                abstract_params = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                                               self.manager.item_metadata(step)["params"].tree)
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_params)))
-        except Exception as e:
-            raise CheckpointReadError(self.directory, step, e) from None
-        return restored["params"]
+                abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                                        self.manager.item_metadata(step)["params"].tree)
+            return self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+
+        return self._reading(step, read)["params"]
+
+    def _reading(self, step: int, read: Callable[[], Any]) -> Any:
+        """`read()`, whatever the library's reason for failing turned into one CheckpointReadError.
+
+        When one array of a step cannot be read, orbax raises at once while tensorstore's reads of the other
+        arrays are still in flight; each then calls back into the event loop orbax has already closed, and
+        Python prints a traceback for every one. What the read writes to stderr is held back until the reads
+        have settled, and dropped when it failed: the error is the one line the caller reports.
+        """
+        held = io.StringIO()
+        with contextlib.redirect_stderr(held):
+            try:
+                result = read()
+            except Exception as e:
+                _settle(held)
+                raise CheckpointReadError(self.directory, step, e) from None
+        sys.stderr.write(held.getvalue())
+        return result
 
     def wait(self) -> None:
         """Block until the background save has committed (its tmp directory renamed into place)."""
