@@ -1,9 +1,12 @@
-"""The one exception type for mistakes a user can fix.
+"""The one exception type for mistakes a user can fix, and optional packages that raise it when missing.
 
 Command-line entry points catch `UserError` and print its message as a single line
 (`error: ...`) with a non-zero exit and no traceback; anything else is a bug and keeps
 its traceback.
 """
+
+import importlib
+from types import ModuleType
 
 
 class UserError(Exception):
@@ -16,3 +19,14 @@ class InterruptError(UserError):
     def __init__(self, message: str, status: int = 130) -> None:
         super().__init__(message)
         self.status = status
+
+
+def optional_import(module: str, needed_for: str, package: str | None = None, otherwise: str = "") -> ModuleType:
+    """`module`, imported; when it is missing, a UserError saying what needs it, how to install it and,
+    when there is one, the way to do without it (`otherwise`)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = package or module.split(".")[0]
+        raise UserError(f"{needed_for} needs {package}, which is not installed: pip install {package}"
+                        + (f"; or {otherwise}" if otherwise else "")) from None

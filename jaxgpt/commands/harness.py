@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from jaxgpt.errors import UserError, optional_import
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
@@ -21,12 +23,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
-        from lm_eval.__main__ import cli_evaluate
-
-        import jaxgpt.evals.harness  # noqa: F401  (registers the "jaxgpt" model)
-    except ImportError as e:
-        print(f"error: {e.name} is not installed: pip install 'jaxgpt[eval]'", file=sys.stderr)
+        optional_import("lm_eval", "jaxgpt harness (EleutherAI's lm-evaluation-harness)")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    from lm_eval.__main__ import cli_evaluate
+
+    import jaxgpt.evals.harness  # noqa: F401  (registers the "jaxgpt" model)
 
     model_given = any(a == "--model" or a.startswith("--model=") for a in argv[1:])
     sys.argv = ["lm_eval", "run", *([] if model_given else ["--model", "jaxgpt"]), *argv[1:]]

@@ -20,7 +20,7 @@ from absl import flags
 from flax import traverse_util
 
 from jaxgpt.commands import no_arguments, run_command
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import hf_tokenizer, weights
 from jaxgpt.io.hf import load_hf_gpt2, save_hf_gpt2, tensor_specs
 from jaxgpt.tools.summary import count_params
@@ -77,10 +77,7 @@ def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | 
 
 def push_to_hub(out: str, repo: str) -> str:
     """Upload an export directory to a Hub repository, creating it if needed."""
-    try:
-        from huggingface_hub import HfApi
-    except ImportError:
-        raise UserError("--push_to_hub needs huggingface_hub: pip install huggingface_hub") from None
+    HfApi = optional_import("huggingface_hub", "--push_to_hub").HfApi
     try:
         api = HfApi()
         api.create_repo(repo, exist_ok=True)

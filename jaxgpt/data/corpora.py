@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxgpt.data.dataset import META_FILE, document_chunks, prepare_text, write_dataset
 from jaxgpt.data.tokenizer import Tokenizer, WordTokenizer, load_bpe
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, optional_import
 
 BUILTIN_DATASETS = ("stdlib_char", "shakespeare_char", "shakespeare", "openwebtext", "wine_reviews")
 # Directories of the standard library that are not "library code": test suites, third-party packages and
@@ -124,14 +124,8 @@ def download(url: str, dest: Path, fallback_hint: str) -> Path:
 
 def _hub_documents(repo: str, config: str, max_documents: int | None) -> Iterator[str]:
     """Stream the `text` field of a Hugging Face Hub dataset, turning every failure into a UserError."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise UserError(
-            f"dataset openwebtext streams {repo} ({config}) with the Hugging Face `datasets` package, which "
-            "is not installed: pip install datasets (and allow access to huggingface.co), or prepare your "
-            "own text files with --text FILE... --tokenizer gpt2"
-        ) from e
+    datasets = optional_import("datasets", f"streaming {repo} ({config}) from the Hugging Face Hub",
+                               otherwise="prepare your own text files with --text FILE... --tokenizer gpt2")
     try:
         stream = datasets.load_dataset(repo, name=config, split="train", streaming=True)
         for i, row in enumerate(stream):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, optional_import
 from jaxgpt.model.config import RUNTIME_FIELDS, ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -267,11 +267,7 @@ def _weight_map(root: Path, index_name: str, single_name: str) -> dict[str, str]
 
 
 def _safetensors_reader(root: Path) -> TensorReader:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise UserError(f"reading {root / SAFETENSORS_FILE} needs the safetensors package: "
-                        "pip install safetensors") from None
+    safe_open = optional_import("safetensors", f"reading {root / SAFETENSORS_FILE}").safe_open
 
     weight_map = _weight_map(root, SAFETENSORS_INDEX, SAFETENSORS_FILE)
     files = sorted(set(weight_map.values())) if weight_map else [SAFETENSORS_FILE]
@@ -310,11 +306,8 @@ def read_bfloat16_tensor(file: Path, name: str) -> np.ndarray:
 
 
 def _torch_reader(root: Path) -> TensorReader:
-    try:
-        import torch
-    except ImportError:
-        raise UserError(f"{root} holds only {TORCH_FILE}-style weights, which need torch to read: install torch "
-                        f"(pip install torch), or convert the checkpoint to {SAFETENSORS_FILE}") from None
+    torch = optional_import("torch", f"reading {root}'s {TORCH_FILE}-style weights (they need torch to read)",
+                            otherwise=f"convert the checkpoint to {SAFETENSORS_FILE}")
     weight_map = _weight_map(root, TORCH_INDEX, TORCH_FILE)
     files = sorted(set(weight_map.values())) if weight_map else [TORCH_FILE]
     state: dict[str, Any] = {}
@@ -421,10 +414,7 @@ def save_hf_gpt2(params: Mapping, cfg: ModelConfig, path: str | os.PathLike[str]
     is not part of GPT-2 and is left out. An existing non-empty directory is only written into with
     `overwrite=True`, and then its old weight files are removed so that no stale shard shadows the new one.
     """
-    try:
-        from safetensors.numpy import save_file
-    except ImportError:
-        raise UserError("exporting to Hugging Face needs the safetensors package: pip install safetensors") from None
+    save_file = optional_import("safetensors.numpy", "exporting to Hugging Face").save_file
     hf_config = model_config_to_hf_config(cfg)
     tensors = params_to_hf_tensors(params, cfg)
     root = Path(path)

@@ -35,7 +35,7 @@ from jaxgpt.data.tokenizer import (
     WordTokenizer,
     standardize,
 )
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, optional_import
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -54,12 +54,8 @@ def require_transformers() -> None:
 
 
 def _need_transformers() -> Any:
-    try:
-        import tokenizers
-        import transformers
-    except ImportError:
-        raise UserError("exporting a tokenizer for Hugging Face needs transformers: pip install transformers") from None
-    return tokenizers, transformers
+    transformers = optional_import("transformers", "exporting a tokenizer for Hugging Face")
+    return optional_import("tokenizers", "exporting a tokenizer for Hugging Face"), transformers
 
 
 # ---------------------------------------------------------------------------------------------------

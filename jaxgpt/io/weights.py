@@ -29,7 +29,7 @@ from typing import Any
 import jax
 
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, optional_import
 from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
 from jaxgpt.model.presets import get_preset
@@ -99,11 +99,8 @@ def hf_directory(arg: str) -> Path:
         return path
     offline = (f"download it where there is network (hf download {arg} --local-dir DIR) and pass "
                "hf:/path/to/DIR")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise UserError(f"hf:{arg} is not a local directory, and fetching it from the Hugging Face Hub needs "
-                        f"huggingface_hub (pip install huggingface_hub); or {offline}") from None
+    snapshot_download = optional_import("huggingface_hub", f"hf:{arg} is not a local directory, and fetching it "
+                                        "from the Hugging Face Hub", otherwise=offline).snapshot_download
     try:
         root = Path(snapshot_download(arg, allow_patterns=HUB_FILES))
         if not any(root.glob("*.safetensors")):  # an older upload with only torch's pickle

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxgpt.errors import UserError
+from jaxgpt.errors import optional_import
 from jaxgpt.train.rundir import atomic_write_text
 
 # Periodic (training) values whose tag is not train/<name>.
@@ -46,12 +46,8 @@ def kept_records(path: Path, last_step: int) -> list[str]:
 
 def require_wandb(project: str) -> Any:
     """The wandb module when `project` asks for it (checked before compiling, not after)."""
-    try:
-        import wandb
-    except ImportError:
-        raise UserError(f"config.wandb.project={project!r} asks for Weights & Biases logging, but wandb is not "
-                        "installed: pip install wandb, or leave config.wandb.project empty") from None
-    return wandb
+    return optional_import("wandb", f"config.wandb.project={project!r} (Weights & Biases logging)",
+                           otherwise="leave config.wandb.project empty")
 
 
 def _wandb_run(project: str, name: str, workdir: Path, settings: dict[str, Any]) -> Any:
