@@ -85,98 +85,18 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
             n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
             print(f"model: {n_params:,} parameters; mesh {dict(mesh.shape)}; "
                   f"{'resuming at step ' + str(start) if start else 'starting from step 0'}", flush=True)
-        A = cfg.grad_accum
-        # Each process reads only the rows its devices hold (all of them if the batch is replicated over hosts).
-        train_spans = layout.local_rows(layout.batch_sharding(mesh, 1, leading=1), (A, cfg.batch_size // A), dim=1)
-        eval_spans = layout.local_rows(layout.batch_sharding(mesh, 1), (task.eval_rows_per_batch,), dim=0)
-
-        def to_global(shardings: dict, rows: dict[str, np.ndarray], n_rows: int, leading: tuple = ()) -> dict:
-            return {k: layout.global_array(shardings[k], v, (*leading, n_rows, *v.shape[1 + len(leading):]))
-                    for k, v in rows.items()}
-
-        def batch(step: int) -> dict[str, jax.Array]:
-            rows = layout.read_rows(lambda i, n: task.train_rows(step, i, n), train_spans, cfg.batch_size, unit=A)
-            return to_global(prog.batch_sh, {k: micro_batches(v, A) for k, v in rows.items()},
-                             cfg.batch_size // A, leading=(A,))
-
-        evals = {split: [to_global(prog.eval_sh, rows, task.eval_rows_per_batch) for rows in batches]
-                 for split, batches in layout.read_rows(task.eval_rows, eval_spans, task.eval_rows_per_batch).items()}
-
-        def evaluate(params: Any) -> dict[str, Any]:
-            return task.summarize({split: jax.device_get([prog.eval_step(params, b) for b in batches])
-                                   for split, batches in evals.items()})
-
+        feed = Feed(cfg, task, prog, mesh)
         t0 = time.perf_counter()
-        compiled = prog.train_step.lower(state, batch(start), dropout_key).compile()
+        compiled = prog.train_step.lower(state, feed.batch(start), dropout_key).compile()
         compile_s = time.perf_counter() - t0
-        log = MetricsLog(workdir, start, cfg.settings, cfg.wandb_project, cfg.wandb_name)
-        plain = is_main and not sys.stderr.isatty()  # a log file gets lines, not a progress bar's \r updates
-        bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main or plain, unit="step", dynamic_ncols=True)
-        pending: list[tuple[int, dict]] = []
-        last_eval: dict[str, Any] = {}
-        tokens_per_step = cfg.batch_size * task.tokens_per_row
-        t_start = t_log = time.perf_counter()
-        n_timed, t_train = 0, 0.0
-        published_peak = peak_flops_for(jax.devices())  # None on CPUs, which have no published peak
-
-        def flush(step: int) -> None:
-            """Fetch the queued step metrics; stop on a non-finite loss before anything is saved."""
-            nonlocal t_log, n_timed, t_train
-            if not pending:
-                return
-            fetched = jax.device_get([m for _, m in pending])
-            elapsed = time.perf_counter() - t_log
-            t_train += elapsed
-            tok_s = tokens_per_step * len(pending) / elapsed
-            for (s, _), m in zip(pending, fetched, strict=True):
-                if not np.isfinite(m["loss"]):
-                    raise UserError(f"loss is {m['loss']} at step {s}: training stopped; the last good checkpoint "
-                                    f"(step {ckpt.latest_step()}) is kept. Lower optim.lr or raise optim.warmup_steps")
-            n_timed += len(pending)
-            last = {k: float(v) for k, v in fetched[-1].items()}
-            terms = {f"train_{k}": v for k, v in last.items() if k not in ("loss", "lr", "grad_norm")}
-            mfu = None if published_peak is None else _model_flops(task, tok_s) / published_peak
-            record = {"train_loss": last["loss"], **terms, "lr": last["lr"], "grad_norm": last["grad_norm"],
-                      "tokens_per_sec": tok_s, **({"mfu": mfu} if mfu is not None else {})}
-            log.write(step, record)
-            bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{tok_s:,.0f}",
-                            **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
-            if plain:
-                print(progress_line(step, cfg.max_steps, record, time.perf_counter() - t_start), file=sys.stderr,
-                      flush=True)
-            pending.clear()
-            t_log = time.perf_counter()
-
+        meter = Meter(cfg, task, workdir, start, is_main)
         with GracefulStop() as stop:
             try:
-                for step in range(start, cfg.max_steps):
-                    state, metrics = compiled(state, batch(step), dropout_key)
-                    pending.append((step + 1, metrics))
-                    bar.update(1)
-                    done = step + 1
-                    is_eval = done % cfg.eval_interval == 0 or done == cfg.max_steps
-                    if done % cfg.log_interval == 0 or is_eval or done % cfg.ckpt_interval == 0:
-                        flush(done)
-                    if is_eval:
-                        t_eval = time.perf_counter()
-                        last_eval = evaluate(state["params"])
-                        log.write(done, last_eval, kind="eval")
-                        if is_main:
-                            bar.write(task.eval_line(done, last_eval))
-                        t_log += time.perf_counter() - t_eval  # keep evaluation out of tokens/s
-                    saved = is_eval or done % cfg.ckpt_interval == 0
-                    if saved:
-                        ckpt.save(state, {**meta, **({"val_loss": last_eval["val_loss"]} if is_eval else {})})
-                    if done < cfg.max_steps and _stop_agreed(stop, done, cfg.log_interval):
-                        flush(done)
-                        if not saved:
-                            ckpt.save(state, meta)
-                        ckpt.wait()
-                        raise stop.stopped(done, ckpt.directory)
-                flush(cfg.max_steps)
+                state, last_eval = _steps(cfg, task, compiled, state, start, dropout_key, feed, meter, ckpt, meta,
+                                          stop)
             finally:  # a save in flight must commit even when training stops early, or it is silently lost
-                _close(bar, ckpt, log)
-    summary = _throughput(task, cfg.batch_size, n_timed, t_train, compile_s, published_peak)
+                _close(meter, ckpt)
+    summary = _throughput(task, cfg.batch_size, meter.n_timed, meter.t_train, compile_s, meter.published_peak)
     if is_main:
         print(summary["report"], flush=True)
         if last_eval and task.final_line(last_eval):
@@ -185,6 +105,128 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
     multihost_utils.sync_global_devices("jaxgpt-train-end")
     return {**last_eval, **summary, "steps": cfg.max_steps - start, "state": state, "model_cfg": task.model_cfg,
             "tokenizer_meta": task.tokenizer_meta}
+
+
+def _steps(cfg: TrainConfig, task: tasks.Task, compiled: Any, state: dict, start: int, dropout_key: jax.Array,
+           feed: Feed, meter: Meter, ckpt: Checkpointer, meta: dict[str, Any], stop: GracefulStop
+           ) -> tuple[dict, dict[str, Any]]:
+    """Steps start..max_steps: train, log, evaluate, save; on a stop signal save and raise. Returns the final
+    state and the last evaluation."""
+    last_eval: dict[str, Any] = {}
+    for step in range(start, cfg.max_steps):
+        state, metrics = compiled(state, feed.batch(step), dropout_key)
+        done = step + 1
+        meter.queue(done, metrics)
+        is_eval = done % cfg.eval_interval == 0 or done == cfg.max_steps
+        if done % cfg.log_interval == 0 or is_eval or done % cfg.ckpt_interval == 0:
+            meter.flush(done, ckpt)
+        if is_eval:
+            with meter.paused():  # evaluation stays out of tokens/s
+                last_eval = feed.evaluate(state["params"])
+                meter.write_eval(done, last_eval, task.eval_line(done, last_eval))
+        saved = is_eval or done % cfg.ckpt_interval == 0
+        if saved:
+            ckpt.save(state, {**meta, **({"val_loss": last_eval["val_loss"]} if is_eval else {})})
+        if done < cfg.max_steps and _stop_agreed(stop, done, cfg.log_interval):
+            meter.flush(done, ckpt)
+            if not saved:
+                ckpt.save(state, meta)
+            ckpt.wait()
+            raise stop.stopped(done, ckpt.directory)
+    meter.flush(cfg.max_steps, ckpt)
+    return state, last_eval
+
+
+class Feed:
+    """The global batches of the run: each process reads only the rows its devices hold (all of them when the
+    batch is replicated over hosts) and assembles them into sharded arrays."""
+
+    def __init__(self, cfg: TrainConfig, task: tasks.Task, prog: layout.Program, mesh: jax.sharding.Mesh) -> None:
+        self.cfg, self.task, self.prog = cfg, task, prog
+        A = cfg.grad_accum
+        self.train_spans = layout.local_rows(layout.batch_sharding(mesh, 1, leading=1), (A, cfg.batch_size // A),
+                                             dim=1)
+        eval_spans = layout.local_rows(layout.batch_sharding(mesh, 1), (task.eval_rows_per_batch,), dim=0)
+        self.evals = {split: [self._global(prog.eval_sh, rows, task.eval_rows_per_batch) for rows in batches]
+                      for split, batches in layout.read_rows(task.eval_rows, eval_spans,
+                                                             task.eval_rows_per_batch).items()}
+
+    @staticmethod
+    def _global(shardings: dict, rows: dict[str, np.ndarray], n_rows: int, leading: tuple = ()) -> dict:
+        return {k: layout.global_array(shardings[k], v, (*leading, n_rows, *v.shape[1 + len(leading):]))
+                for k, v in rows.items()}
+
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """The batch of `step`, split into grad_accum micro-batches."""
+        A, B = self.cfg.grad_accum, self.cfg.batch_size
+        rows = layout.read_rows(lambda i, n: self.task.train_rows(step, i, n), self.train_spans, B, unit=A)
+        return self._global(self.prog.batch_sh, {k: micro_batches(v, A) for k, v in rows.items()}, B // A,
+                            leading=(A,))
+
+    def evaluate(self, params: Any) -> dict[str, Any]:
+        return self.task.summarize({split: jax.device_get([self.prog.eval_step(params, b) for b in batches])
+                                    for split, batches in self.evals.items()})
+
+
+class Meter:
+    """What the run reports while it trains: metrics.jsonl/TensorBoard rows, the progress bar (or plain lines in
+    a log file), tokens/s and MFU. Step metrics are queued and fetched from the devices once per log interval."""
+
+    def __init__(self, cfg: TrainConfig, task: tasks.Task, workdir: Path, start: int, is_main: bool) -> None:
+        self.cfg, self.task, self.is_main = cfg, task, is_main
+        self.log = MetricsLog(workdir, start, cfg.settings, cfg.wandb_project, cfg.wandb_name)
+        self.plain = is_main and not sys.stderr.isatty()  # a log file gets lines, not a bar's \r updates
+        self.bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main or self.plain, unit="step",
+                        dynamic_ncols=True)
+        self.pending: list[tuple[int, Any]] = []
+        self.tokens_per_step = cfg.batch_size * task.tokens_per_row
+        self.t_start = self.t_log = time.perf_counter()
+        self.n_timed, self.t_train = 0, 0.0
+        self.published_peak = peak_flops_for(jax.devices())  # None on CPUs, which have no published peak
+
+    def queue(self, step: int, metrics: Any) -> None:
+        self.pending.append((step, metrics))
+        self.bar.update(1)
+
+    @contextlib.contextmanager
+    def paused(self) -> Any:
+        t = time.perf_counter()
+        yield
+        self.t_log += time.perf_counter() - t
+
+    def flush(self, step: int, ckpt: Checkpointer) -> None:
+        """Fetch the queued step metrics and report them; stop on a non-finite loss before anything is saved."""
+        if not self.pending:
+            return
+        fetched = jax.device_get([m for _, m in self.pending])
+        elapsed = time.perf_counter() - self.t_log
+        self.t_train += elapsed
+        tok_s = self.tokens_per_step * len(self.pending) / elapsed
+        for (s, _), m in zip(self.pending, fetched, strict=True):
+            if not np.isfinite(m["loss"]):
+                raise UserError(f"loss is {m['loss']} at step {s}: training stopped; the last good checkpoint "
+                                f"(step {ckpt.latest_step()}) is kept. Lower optim.lr or raise optim.warmup_steps")
+        self.n_timed += len(self.pending)
+        self._report(step, {k: float(v) for k, v in fetched[-1].items()}, tok_s)
+        self.pending.clear()
+        self.t_log = time.perf_counter()
+
+    def _report(self, step: int, last: dict[str, float], tok_s: float) -> None:
+        terms = {f"train_{k}": v for k, v in last.items() if k not in ("loss", "lr", "grad_norm")}
+        mfu = None if self.published_peak is None else _model_flops(self.task, tok_s) / self.published_peak
+        record = {"train_loss": last["loss"], **terms, "lr": last["lr"], "grad_norm": last["grad_norm"],
+                  "tokens_per_sec": tok_s, **({"mfu": mfu} if mfu is not None else {})}
+        self.log.write(step, record)
+        self.bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{tok_s:,.0f}",
+                             **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+        if self.plain:
+            print(progress_line(step, self.cfg.max_steps, record, time.perf_counter() - self.t_start),
+                  file=sys.stderr, flush=True)
+
+    def write_eval(self, step: int, values: dict[str, Any], line: str) -> None:
+        self.log.write(step, values, kind="eval")
+        if self.is_main:
+            self.bar.write(line)
 
 
 def _stop_agreed(stop: GracefulStop, done: int, log_interval: int) -> bool:
@@ -197,15 +239,15 @@ def _stop_agreed(stop: GracefulStop, done: int, log_interval: int) -> bool:
     return bool(np.max(multihost_utils.process_allgather(np.int32(stop.requested))))
 
 
-def _close(bar: tqdm, ckpt: Checkpointer, log: MetricsLog) -> None:
+def _close(meter: Meter, ckpt: Checkpointer) -> None:
     """Wait for the last save to commit, then close everything, even when the wait failed (a full disk)."""
-    bar.close()
+    meter.bar.close()
     try:
         ckpt.wait()
     finally:
         with contextlib.suppress(Exception):  # after a failed wait, close raises the same error again
             ckpt.close()
-        log.close()
+        meter.log.close()
 
 
 def _check_space(ckpt: Checkpointer, abstract_state: dict[str, Any]) -> None:
