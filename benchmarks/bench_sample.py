@@ -63,8 +63,9 @@ import sampling_reference
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.generate import sampling
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import abstract_variables, init_params, output_major_kernels
+from jaxgpt.model.gpt import abstract_variables, init_params
 from jaxgpt.model.layers import EinsumDense
+from jaxgpt.ops.decode import output_major_kernels
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.runtime import use_cpu_devices
 

@@ -18,7 +18,7 @@ bf16 autocast (issue 16: at least 1.0x). Every program is compiled first and the
 (PyTorch's too) take two steps in turn, round after round, so load from other processes hits them alike;
 "step ms" is each row's fastest second step (the first re-faults memory the VM may have reclaimed while
 the other rows ran: see `interleaved`). The "one query block" row disables the causal query blocking of
-`jaxgpt.model.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
+`jaxgpt.ops.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
 The "2 CPU devices" row is the trainer's own sharded program (`jaxgpt.train.sharding.build_program`) on a
 data-parallel mesh of two XLA CPU devices (`config.cpu_devices=2`, what configs/stdlib_char.py uses).
 The "dense matmuls alone" row is a floor for any implementation that multiplies with XLA: the forward
@@ -42,10 +42,10 @@ import numpy as np
 import torch_reference
 
 from jaxgpt.commands import use_huge_pages
-from jaxgpt.model import attention
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
 from jaxgpt.model.presets import get_preset
+from jaxgpt.ops import attention
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.chips import peak_flops_for

@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.errors import UserError
-from jaxgpt.model.attention import Cache, CausalSelfAttention, attend, resolve_impl
+from jaxgpt.model.attention import Cache, CausalSelfAttention
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model.gpt import sinusoidal_table
 from jaxgpt.model.layers import MLP, EinsumDense, Norm, param_init
+from jaxgpt.ops.attention import attend
 
 Array = jax.Array
 
@@ -61,12 +62,12 @@ class Attention(nn.Module):
                              name="kv")(memory_BSC)
             k_BSHD, v_BSHD = kv[:, :, 0], kv[:, :, 1]
         drop = nn.Dropout(cfg.attn_dropout)
-        y, axes, probs = attend(q_BTHD, k_BSHD.transpose(0, 2, 1, 3), v_BSHD.transpose(0, 2, 1, 3), visible_BTS,
-                                impl=resolve_impl(cfg.attention_impl, cfg.dtype), dtype=cfg.dtype, causal=False,
-                                dropout=lambda p: drop(p, deterministic=deterministic))
+        y, probs, _ = attend(q_BTHD, k_BSHD.transpose(0, 2, 1, 3), v_BSHD.transpose(0, 2, 1, 3), visible_BTS,
+                             impl=cfg.attention_impl, dtype=cfg.dtype, causal=False,
+                             dropout=lambda p: drop(p, deterministic=deterministic))
         if probs is not None:
             self.sow("intermediates", "attn_weights", probs)  # dropped unless asked for
-        return EinsumDense(cfg, f"{axes},hdc->btc", (H, D, C), ("heads", "head_dim", "embed"), ("embed",),
+        return EinsumDense(cfg, "bthd,hdc->btc", (H, D, C), ("heads", "head_dim", "embed"), ("embed",),
                            residual=True, fans=(H * D, C), name="out")(y)
 
 
@@ -142,9 +143,9 @@ class CrossAttentionStep(nn.Module):
 
     def __call__(self, x_BTC: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array) -> Array:
         cfg = self.cfg
-        impl = resolve_impl(cfg.attention_impl, cfg.dtype)
-        y, axes, _ = attend(self.q(x_BTC), k_BHSD, v_BHSD, visible_BTS, impl=impl, dtype=cfg.dtype, causal=False)
-        return self.out(y if axes == "bthd" else y.transpose(0, 2, 1, 3))
+        y_BTHD, _, _ = attend(self.q(x_BTC), k_BHSD, v_BHSD, visible_BTS, impl=cfg.attention_impl, dtype=cfg.dtype,
+                              causal=False)
+        return self.out(y_BTHD)
 
 
 class DecoderBlockStep(nn.Module):

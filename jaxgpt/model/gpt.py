@@ -10,7 +10,6 @@ and returns the new cache, so generation state is a plain pytree the caller owns
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 from jaxgpt.model.attention import Cache, CausalSelfAttention
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.layers import MLP, EinsumDense, Norm, bias_init, param_init
+from jaxgpt.ops.projection import DECLARED
 
 Array = jax.Array
 
@@ -47,12 +47,14 @@ class Block(nn.Module):
     """
 
     cfg: ModelConfig
+    kernel_storage: str = DECLARED  # `EinsumDense.kernel_storage`
 
     @nn.compact
     def __call__(self, x_BTC: Array, cache: Cache | None, visible_BTS: Array, cache_index: Array | None,
                  deterministic: bool) -> tuple[Array, Cache | None]:
         cfg = self.cfg
-        attn, mlp = CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
+        attn = CausalSelfAttention(cfg, kernel_storage=self.kernel_storage, name="attn")
+        mlp = MLP(cfg, kernel_storage=self.kernel_storage, name="mlp")
         ln_1, ln_2 = Norm(cfg, name="ln_1"), Norm(cfg, name="ln_2")
         drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=deterministic)
         drop_attn = drop if cfg.attn_resid_dropout else lambda y: y  # seed 002 drops only the feed-forward's
@@ -76,9 +78,14 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
 
 
 class GPT(nn.Module):
-    """Decoder-only language model: tokens (B, T) -> next-token logits (B, T, V) in float32."""
+    """Decoder-only language model: tokens (B, T) -> next-token logits (B, T, V) in float32.
+
+    `kernel_storage` is how the projection kernels are stored (`jaxgpt.ops.projection`): as declared, except
+    in the weights `jaxgpt.ops.decode` prepares for batch-1 decoding on CPUs.
+    """
 
     cfg: ModelConfig
+    kernel_storage: str = DECLARED
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -94,14 +101,14 @@ class GPT(nn.Module):
             self.h = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                              split_rngs={"params": True, "dropout": True},
                              in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layer,
-                             metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+                             metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.kernel_storage)
         else:
-            self.blocks = [block(cfg, name=f"h_{i}") for i in range(cfg.n_layer)]
+            self.blocks = [block(cfg, self.kernel_storage, name=f"h_{i}") for i in range(cfg.n_layer)]
         if cfg.final_norm:
             self.ln_f = Norm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = EinsumDense(cfg, "btc,cv->btv", (cfg.n_embd, cfg.vocab_size), ("embed", "vocab"),
-                                       ("vocab",), role="head")
+                                       ("vocab",), role="head", kernel_storage=self.kernel_storage)
 
     def _is_pad(self, idx_BT: Array, mask_BT: Array | None) -> Array | None:
         """Padding from the config's pad_id, from an explicit mask (True = real token), or both."""
@@ -222,37 +229,6 @@ def init_params(cfg: ModelConfig, key: Array, model: nn.Module | None = None) ->
 def abstract_variables(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
     """`init`'s variables as boxed ShapeDtypeStructs: shapes and logical axis names, nothing allocated."""
     return jax.eval_shape((model or GPT(cfg)).init, jax.random.key(0), dummy_tokens(cfg))
-
-
-@functools.cache
-def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
-    """Each projection kernel's path -> its shape as a matrix: ([layers,] inputs, outputs).
-
-    Kernels keep a stacked-layers axis first, then their input axes, then their output axes, which are
-    the bias's axes: a model with biases tells each kernel's split, whatever `use_bias` says.
-    """
-    boxed = abstract_variables(cfg.replace(use_bias=True))["params"]
-    flat = dict(jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
-    shapes = {}
-    for path, kernel in flat.items():
-        bias = flat.get((*path[:-1], jax.tree_util.DictKey("bias")))
-        if path[-1] == jax.tree_util.DictKey("kernel") and bias is not None:
-            shape, lead = kernel.value.shape, int(kernel.names[0] == "layers")
-            split = len(shape) - bias.value.ndim + lead
-            shapes[path] = (*shape[:lead], math.prod(shape[lead:split]), math.prod(shape[split:]))
-    return shapes
-
-
-def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> dict:
-    """Every projection kernel as one (outputs, inputs) matrix (PyTorch's order), after any layers axis.
-
-    The layout `layers.kernels_output_major` reads: XLA:CPU's one-row products stream it faster, so
-    the sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
-    """
-    shapes = _kernel_shapes(cfg)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.swapaxes(a.reshape(shapes[path]), -1, -2).astype(dtype or a.dtype)
-        if path in shapes else a, params)
 
 
 def unstack_layers(params: dict, n_layer: int) -> dict:

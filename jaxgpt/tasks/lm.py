@@ -21,7 +21,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, dummy_tokens
-from jaxgpt.ops import kernels
+from jaxgpt.ops.loss import chunked_cross_entropy
 from jaxgpt.train.config import DataConfig, TrainConfig, base_config
 
 
@@ -159,7 +159,7 @@ class LanguageModelling:
             return cross_entropy(self.model.apply({"params": params}, batch["x"], **kwargs), batch["y"], smoothing)
         h_BTC = self.model.apply({"params": params}, batch["x"], method=GPT.hidden, **kwargs)
         head = lambda h: self.model.apply({"params": params}, h, method=GPT.logits)
-        return kernels.chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk)
+        return chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk)
 
     def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         return self._loss(params, batch, key), {}

@@ -14,7 +14,7 @@ shardings), so nothing is allocated. Printed per chip:
   same step, the gradient-accumulation loop is multiplied by its length, and FLOPs are counted from
   compiles without "windowed einsum" (matmuls that XLA splits into loops over FSDP shards);
 * Pallas kernels (splash attention) are custom calls that XLA's cost analysis counts as nearly nothing:
-  their FLOPs and bytes are added analytically (`jaxgpt.ops.kernels.splash_cost`), once per call the HLO makes;
+  their FLOPs and bytes are added analytically (`jaxgpt.ops.splash.splash_cost`), once per call the HLO makes;
 * collectives: all-gather, reduce-scatter and all-reduce bytes read from the compiled HLO (`jaxgpt.tools.hlo`,
   loop bodies times their trip counts) and the time they take over the chip's ICI bandwidth (ring
   algorithms, one mesh axis at a time);
@@ -38,7 +38,7 @@ from typing import Any
 import jax
 
 from jaxgpt.errors import UserError
-from jaxgpt.ops import kernels
+from jaxgpt.ops import splash
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.tools import hlo
 from jaxgpt.train import sharding as layout
@@ -275,7 +275,7 @@ def _kernel_cost(cfg: TrainConfig, report: dict[str, Any], text: str) -> tuple[f
     m, mesh = cfg.model, report["mesh"]
     rows = cfg.batch_size // cfg.grad_accum // (mesh["data"] * mesh["fsdp"])
     itemsize = 2 if m.dtype in ("bfloat16", "float16") else 4
-    flops, bytes_ = kernels.splash_cost(rows, m.n_head // mesh["tensor"], m.block_size, m.head_dim, itemsize,
+    flops, bytes_ = splash.splash_cost(rows, m.n_head // mesh["tensor"], m.block_size, m.head_dim, itemsize,
                                         forward_passes=1 if m.remat == "none" else 2)
     return flops * m.n_layer * cfg.grad_accum, bytes_ * m.n_layer * cfg.grad_accum, n_calls
 
