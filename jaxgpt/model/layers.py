@@ -8,11 +8,13 @@ Every parameter carries logical axis names (`nn.with_logical_partitioning`); the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.ops import projection
@@ -153,3 +155,71 @@ class MLP(nn.Module):
         h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "act_mlp"))
         h_BTF = nn.Dropout(cfg.ff_dropout)(h_BTF, deterministic=deterministic)
         return proj(h_BTF)
+
+
+def residual(cfg: ModelConfig, x_BTC: Array, f: Callable[[Array], Array], norm: Norm, deterministic: bool,
+             is_attention: bool = False) -> Array:
+    """One residual sub-layer: x + drop(f(norm(x))) pre-norm (GPT-2, seed 000), norm(x + drop(f(x))) post-norm.
+
+    An attention sub-layer's output skips the dropout unless attn_resid_dropout (seed 002's Keras layers drop
+    only the feed-forward's). Call it from a compact module: the dropout is created where it acts.
+    """
+    if cfg.attn_resid_dropout or not is_attention:
+        drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=deterministic)
+    else:
+        drop = lambda y: y
+    if cfg.norm_placement == "pre":
+        return x_BTC + drop(f(norm(x_BTC)))
+    return norm(x_BTC + drop(f(x_BTC)))
+
+
+def sinusoidal_table(n_pos: int, dim: int, kind: str) -> np.ndarray:
+    """Fixed position codes: seed 000 interleaves sin/cos per frequency, seed 002 concatenates them."""
+    pos = np.arange(n_pos, dtype=np.float64)[:, None]
+    half = dim // 2
+    if kind == "sinusoidal":
+        angle = pos * np.exp(-np.arange(0, dim, 2) * math.log(10000.0) / dim)
+        table = np.zeros((n_pos, dim))
+        table[:, 0::2], table[:, 1::2] = np.sin(angle), np.cos(angle)
+        return table
+    angle = pos / 10000.0 ** (np.arange(half) / half)
+    return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1)
+
+
+def embedding_table(cfg: ModelConfig, rows: int, names: tuple[str, str], role: str) -> nn.Embed:
+    """A token or learned-position table (`role` "token" or "position", for `param_init`)."""
+    return nn.Embed(rows, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                    embedding_init=param_init(cfg, names, role=role))
+
+
+def embed(cfg: ModelConfig, tokens: nn.Embed, positions: nn.Embed | None, drop: nn.Dropout, idx_BT: Array,
+          pos_BT: Array, n_positions: int, deterministic: bool) -> Array:
+    """Token embeddings (times sqrt(C) with scale_embeddings) plus positions `pos_BT`: learned (`positions`),
+    fixed (a sinusoidal table of `n_positions` rows) or none; embd_dropout on the sum, or (seed 001,
+    embd_dropout_site="tokens") on the tokens alone. The GPT's and both stacks of the encoder-decoder."""
+    tokens_only = cfg.embd_dropout_site == "tokens"
+    x_BTC = tokens(idx_BT)
+    if cfg.scale_embeddings:
+        x_BTC = x_BTC * math.sqrt(cfg.n_embd)
+    if tokens_only:
+        x_BTC = drop(x_BTC, deterministic=deterministic)
+    if positions is not None:
+        x_BTC = x_BTC + positions(pos_BT)
+    elif cfg.position != "none":
+        x_BTC = x_BTC + jnp.asarray(sinusoidal_table(n_positions, cfg.n_embd, cfg.position), cfg.dtype)[pos_BT]
+    x_BTC = nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed"))
+    return x_BTC if tokens_only else drop(x_BTC, deterministic=deterministic)
+
+
+def lm_head(cfg: ModelConfig, kernel_storage: str = projection.DECLARED) -> EinsumDense | None:
+    """The output projection (C, V), or None when tie_embeddings reads the logits off the token table."""
+    if cfg.tie_embeddings:
+        return None
+    return EinsumDense(cfg, "btc,cv->btv", (cfg.n_embd, cfg.vocab_size), ("embed", "vocab"), ("vocab",), role="head",
+                       kernel_storage=kernel_storage)
+
+
+def logits(tokens: nn.Embed, head: EinsumDense | None, h_BTC: Array) -> Array:
+    """Float32 next-token logits (B, T, V) of hidden states: the untied head's, or the token table's transpose."""
+    logits_BTV = tokens.attend(h_BTC) if head is None else head(h_BTC)
+    return logits_BTV.astype(jnp.float32)

@@ -145,8 +145,8 @@ class LanguageModelling:
         self.eval_rows_per_batch = cfg.batch_size // cfg.grad_accum
         self._dropout = any(getattr(model_cfg, f"{name}_dropout") > 0 for name in ("embd", "attn", "resid", "ff"))
 
-    def example_input(self) -> jax.Array:
-        return dummy_tokens(self.model_cfg)
+    def example_inputs(self) -> tuple[jax.Array]:
+        return (dummy_tokens(self.model_cfg),)
 
     def _loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         """Mean cross-entropy: from all logits at once, or `loss_chunk` positions at a time (same value).
