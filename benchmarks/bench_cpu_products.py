@@ -10,13 +10,13 @@ float32, and whether two cores can share a decode step, is decided here, below t
   decode step needs them, 16 steps inside one compiled loop, best of --repeats calls), for the 6x6x384
   model and the GPT-2 124M shape (without the tied head). Routes: float32 one row, with the kernel
   stored (K, N) as the model declares it and stored (N, K) as the sampler decodes one row from it
-  (`model.output_major_kernels`); bfloat16 one row;
+  (`ops.decode.output_major_kernels`); bfloat16 one row;
   bfloat16 padded to two rows (kernel stored (K, N) as the model stores it, and stored (N, K)); float32
   split by columns over two CPU devices with the all-gather each product then needs, and without it
   (the bound of splitting, not a correct program).
 * training products at the 6x6x384 fc layer's shape, 16 x 256 rows: float32; bfloat16 as written; for the
   weight gradient also bfloat16 with X^T materialized first, and as jaxgpt's bf16 projections compute it
-  (`layers._weight_gradient`: two products over halves of an explicit X^T).
+  (`ops.projection._weight_gradient`: two products over halves of an explicit X^T).
 
 Each row prints the time, the ratio to its float32 row, and what the compiled HLO holds: YNNPACK fusions
 (XLA:CPU's native bf16 x bf16 -> f32 products) and converts (bf16 upcast to f32 before a float32 product).
@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxgpt.model.layers import _weight_gradient
+from jaxgpt.ops.projection import _weight_gradient
 from jaxgpt.train.runtime import use_cpu_devices
 
 STEPS = 16  # chain rounds inside one compiled loop

@@ -1,5 +1,14 @@
 """Generation speed with and without the KV cache, measured in one run (issue 4's benchmark).
 
+Measured when the decoding paths were written (2-core CPU; rerun for today's): output-major kernels
+(`ops.decode.output_major_kernels`) took the GPT-2-shaped products per token from 150 to 130 us (qkv), 215 to 176
+(fc) and 243 to 199 (proj), its MLP products 6.0 to 4.2 ms, while at 4 rows the declared order won (6.2 vs
+10.6 ms); contracting in the kernel's order removed a copy that added a sixth to the weight traffic
+(`ops.projection.einsum_in_kernel_order`); one stacked cache buffer for listed layers cost 30% tokens/s on
+4x4x128 (`model.attention`); argmax's reduction took 215 us over 50,304 logits, 2% of a step, against 28 us
+for a max and a min (`generate.strategies.first_argmax`); preparing decode weights copies GPT-2 124M in about
+0.1 s (`ops.decode.decoding_weights` keeps one prepared copy).
+
     python benchmarks/bench_sample.py                 # both char models, cached and uncached
     python benchmarks/bench_sample.py --skip_uncached # the cached loop only (the uncached larger model takes ~1 min)
     python benchmarks/bench_sample.py --routes_only   # only the batch-1 decoding routes and the transformers peer
@@ -63,8 +72,9 @@ import sampling_reference
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.generate import sampling
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import abstract_variables, init_params, output_major_kernels
+from jaxgpt.model.gpt import abstract_variables, init_params
 from jaxgpt.model.layers import EinsumDense
+from jaxgpt.ops.decode import output_major_kernels
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.runtime import use_cpu_devices
 
@@ -250,7 +260,7 @@ def route_program(params, cfg: ModelConfig, route: str, new_tokens: int) -> Call
     placed = contextlib.nullcontext
     if r.tensor > 1:
         mesh = layout.make_mesh((1, 1, r.tensor), jax.devices()[:r.tensor])
-        rules = layout.rules_for(cfg, mesh)
+        rules = layout.rules_for(layout.model_sizes(cfg), mesh)
         params = jax.device_put(params, layout.logical_to_sharding(
             nn.get_partition_spec(abstract_variables(cfg)["params"]), mesh, rules))
         placed = functools.partial(layout.activate, mesh, rules)

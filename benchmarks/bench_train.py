@@ -18,12 +18,21 @@ bf16 autocast (issue 16: at least 1.0x). Every program is compiled first and the
 (PyTorch's too) take two steps in turn, round after round, so load from other processes hits them alike;
 "step ms" is each row's fastest second step (the first re-faults memory the VM may have reclaimed while
 the other rows ran: see `interleaved`). The "one query block" row disables the causal query blocking of
-`jaxgpt.model.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
+`jaxgpt.ops.attention.query_blocks` (attention over the full T x T square) to show what that blocking buys.
 The "2 CPU devices" row is the trainer's own sharded program (`jaxgpt.train.sharding.build_program`) on a
 data-parallel mesh of two XLA CPU devices (`config.cpu_devices=2`, what configs/stdlib_char.py uses).
 The "dense matmuls alone" row is a floor for any implementation that multiplies with XLA: the forward
 and backward products of every weight matrix (X W, dY W^T, X^T dY) at the model's shapes, and nothing
 else (no attention, norms, activations, loss or optimizer), as tokens/s.
+
+Measured when the CPU paths were written (2-core CPU; XLA of that time; rerun this script for today's):
+the causal query blocks skip about 40% of the attention FLOPs and (T, S) traffic (`ops.attention.query_blocks`);
+float32 attention products made a bf16 6x6x384 step about 10% faster (`ops.attention.work_dtype`); autodiff's
+backward of the query blocks cost 12 ms per layer of that step before the hand-written one (`_blocked`); a bf16
+bias gradient as a plain sum took 25 ms for the fc bias at 16 x 256 tokens, well under 1 ms as a product
+(`ops.projection.add_bias`); a float32 GELU rounded once took a bf16 (b) step from 652 to 587 ms
+(`model.layers.MLP`); slices of an explicit X^T make the bf16 weight gradient about 2x faster than float32
+(`ops.projection._weight_gradient`, benchmarks/bench_cpu_products.py).
 """
 
 from __future__ import annotations
@@ -42,10 +51,10 @@ import numpy as np
 import torch_reference
 
 from jaxgpt.commands import use_huge_pages
-from jaxgpt.model import attention
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
 from jaxgpt.model.presets import get_preset
+from jaxgpt.ops import attention
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.chips import peak_flops_for

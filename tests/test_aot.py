@@ -69,7 +69,7 @@ def test_cli_compiles_a_small_model_for_a_v5e_slice(tmp_path: Path) -> None:
 def test_splash_and_the_chunked_loss_compile_for_a_v5e_slice() -> None:
     """A GPT-shaped step (T = 512, 4 heads of 64) with splash attention and the chunked loss, data parallel over
     v5e:2x2: the kernels are in the program, their FLOPs are added analytically, the gradient all-reduce is seen."""
-    from jaxgpt.ops import kernels
+    from jaxgpt.ops import splash
     from jaxgpt.tools import aot
 
     c = config(TINY, **{"model.vocab_size": 512, "model.block_size": 512, "model.n_embd": 256, "model.n_head": 4,
@@ -77,7 +77,7 @@ def test_splash_and_the_chunked_loss_compile_for_a_v5e_slice() -> None:
                         "mesh.data": 4, "batch_size": 8})
     r = aot.analyze(c, "v5e:2x2")
     assert r["fits"] and r["kernel_flops"] > 0, r["notes"]
-    expected, _ = kernels.splash_cost(2, 4, 512, 64, 2)
+    expected, _ = splash.splash_cost(2, 4, 512, 64, 2)
     assert r["kernel_flops"] == pytest.approx(2 * expected)  # 2 layers, 2 rows per chip, no remat
     assert any("Pallas kernel calls" in n for n in r["notes"]) and any("loss in one chunk" in n for n in r["notes"])
     # Every gradient is all-reduced over the 4 chips (ring: 2 x 3/4 of it sent), in bf16 where XLA reduces before

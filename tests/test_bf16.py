@@ -12,7 +12,7 @@ from tests_helpers import load_tiny
 
 from jaxgpt.data.dataset import load_dataset
 from jaxgpt.model.gpt import init_params
-from jaxgpt.model.layers import add_bias, projection_dot_general
+from jaxgpt.ops.projection import add_bias, projection_dot_general
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.optim import make_optimizer

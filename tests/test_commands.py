@@ -73,8 +73,8 @@ class CopyTask:
         self.tokenizer_meta, self.meta = {}, {"task": "copy"}
         self.tokens_per_row, self.eval_rows_per_batch = self.model_cfg.block_size, cfg.batch_size
 
-    def example_input(self) -> jax.Array:
-        return jnp.zeros((1, 8), jnp.int32)
+    def example_inputs(self) -> tuple[jax.Array]:
+        return (jnp.zeros((1, 8), jnp.int32),)
 
     def _rows(self, seed: list[int], n: int) -> dict[str, np.ndarray]:
         x = np.random.default_rng(seed).integers(0, 16, (n, self.model_cfg.block_size), dtype=np.int32)

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.model.attention import attend, resolve_impl
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
-from jaxgpt.ops import kernels
+from jaxgpt.ops import splash
+from jaxgpt.ops.attention import attend, resolve_impl
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.config import base_config, from_config_dict, model_fields
@@ -44,8 +44,7 @@ def _visible(B: int, T: int, pad_BT: np.ndarray | None) -> jax.Array:
 def _outputs_and_grads(impl: str, q, k, v, visible, weight_BTHD):
     """y (B, T, H, D) and the gradients of sum(weight * y) with respect to q, k, v."""
     def f(q, k, v):
-        y, axes, _ = attend(q, k, v, visible, impl=impl, dtype="float32", causal=True)
-        y_BTHD = y.transpose(0, 2, 1, 3) if axes == "bhtd" else y
+        y_BTHD = attend(q, k, v, visible, impl=impl, dtype="float32", causal=True)[0]
         return jnp.sum(weight_BTHD * y_BTHD), y_BTHD
     (_, y), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return y, grads
@@ -64,7 +63,7 @@ def test_splash_equals_einsum_forward_and_gradients(H: int, T: int, padded: bool
         pad[1, -150:] = True  # right padding, across a tile boundary
     visible = _visible(B, T, pad)
     real_BT = np.ones((B, T), bool) if pad is None else ~pad
-    # Padding queries' outputs are not defined alike (see kernels.padding_segments): nothing may read them.
+    # Padding queries' outputs are not defined alike (see splash.padding_segments): nothing may read them.
     weight = jax.random.normal(jax.random.key(1), (B, T, H, D)) * jnp.asarray(real_BT)[:, :, None, None]
     y_ref, g_ref = _outputs_and_grads("einsum", q, k, v, visible, weight)
     y, g = _outputs_and_grads("splash", q, k, v, visible, weight)
@@ -91,9 +90,9 @@ def test_splash_falls_back_where_it_does_not_tile() -> None:
     """A model's one-row init (8 positions) takes the XLA path: same numbers, no kernel."""
     q, k, v = _qkv(1, 2, 8, 8)
     visible = _visible(1, 8, None)
-    assert not kernels.splash_fits(1, 2, 8)
+    assert not splash.splash_fits(1, 2, 8)
     y = attend(q, k, v, visible, impl="splash", dtype="float32", causal=True)[0]
-    y_ref = attend(q, k, v, visible, impl="einsum", dtype="float32", causal=True)[0].transpose(0, 2, 1, 3)
+    y_ref = attend(q, k, v, visible, impl="einsum", dtype="float32", causal=True)[0]
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=1e-5)
 
 

@@ -95,7 +95,7 @@ def test_bf16_matmuls_in_the_compiled_step() -> None:
     """The trainer's own train step, lowered: bf16 projection products, fp32 parameters in and out."""
     from tests_helpers import load_tiny
 
-    from jaxgpt.model.attention import work_dtype
+    from jaxgpt.ops.attention import work_dtype
     from jaxgpt.tasks.lm import LanguageModelling
     from jaxgpt.train import sharding as layout
     from jaxgpt.train.config import from_config_dict

@@ -11,10 +11,10 @@ import numpy_reference as ref
 import pytest
 
 from jaxgpt.errors import UserError
-from jaxgpt.model.attention import attend, query_blocks
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, GPTClassifier, init_params, stack_layers, unstack_layers
 from jaxgpt.model.presets import PRESETS, get_preset
+from jaxgpt.ops.attention import attend, query_blocks
 from jaxgpt.tools.summary import count_params, param_shapes, summary
 
 TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=48)
@@ -98,7 +98,7 @@ def test_query_blocked_attention_matches_reference(name: str) -> None:
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_blocked_attention_gradients_equal_dense_attention(padded: bool) -> None:
-    """The einsum path's hand-written backward (per query block, `attention._blocked`) against autodiff
+    """The einsum path's hand-written backward (per query block, `ops.attention._blocked`) against autodiff
     of one dense masked softmax over all keys, at 256 tokens (four blocks), with and without padding."""
     B, T, H, D = 2, 256, 2, 8
     kq, kk, kv, kc = jax.random.split(jax.random.key(3), 4)
@@ -110,7 +110,7 @@ def test_blocked_attention_gradients_equal_dense_attention(padded: bool) -> None
         cot = cot * visible.any(-1)[:, None, :, None]  # a query that sees no key has no defined output
 
     def blocked(q, k, v):
-        return attend(q, k, v, visible, impl="einsum", dtype="float32", causal=True)[0]
+        return attend(q, k, v, visible, impl="einsum", dtype="float32", causal=True)[0].transpose(0, 2, 1, 3)
 
     def dense(q, k, v):
         att = jnp.einsum("bthd,bhsd->bhts", q, k) / np.sqrt(D)

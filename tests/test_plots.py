@@ -18,7 +18,8 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model import encdec as seq2seq
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import init_params, sinusoidal_table, stack_layers
+from jaxgpt.model.gpt import init_params, stack_layers
+from jaxgpt.model.layers import sinusoidal_table
 from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
 from jaxgpt.tools import plots
 

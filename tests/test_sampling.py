@@ -598,7 +598,7 @@ def test_bfloat16_decoding_follows_float32() -> None:
     np.testing.assert_array_equal(want[0], expected[3:])  # and the model learned the rule
     chunks = list(stream(params, cfg, prompt, max_new_tokens=40, temperature=0, chunk_size=40, dtype="bfloat16"))
     np.testing.assert_array_equal(np.concatenate(chunks, axis=1), got)
-    # one row: output-major float32 images of the bf16 kernels on CPUs (`decode_weights.decoding_weights`)
+    # one row: output-major float32 images of the bf16 kernels on CPUs (`ops.decode.decoding_weights`)
     one, one_logits = generate(params, cfg, prompt[:1], max_new_tokens=40, temperature=0, return_logits=True,
                                dtype="bfloat16")
     np.testing.assert_allclose(one_logits, want_logits[:1], rtol=0, atol=tolerance)

@@ -19,7 +19,8 @@ from flax import traverse_util
 from jaxgpt.errors import UserError
 from jaxgpt.model import encdec as seq2seq
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
-from jaxgpt.model.gpt import GPT, GPTClassifier, init_params, sinusoidal_table
+from jaxgpt.model.gpt import GPT, GPTClassifier, init_params
+from jaxgpt.model.layers import sinusoidal_table
 from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
 
 SMALL = dict(vocab_size=512, block_size=16, n_layer=2, n_embd=64, n_head=4, head_dim=16, d_ff=256)
@@ -95,7 +96,7 @@ def test_encoder_decoder_uses_the_same_embedding_dropout_site(site: str) -> None
     model, params = seq2seq.EncoderDecoder(cfg), seq2seq.init_params(cfg, jax.random.key(0))
     src_BS = jax.random.randint(jax.random.key(1), (2, 10), 1, cfg.src_vocab_size)
     out = np.asarray(jax.jit(lambda p: model.apply({"params": p}, src_BS, method=lambda m, s: m._embed(
-        m.src_wte, None, s, cfg.src_block_size, False), rngs={"dropout": jax.random.key(2)}))(params))
+        m.src_wte, None, s, jnp.arange(10), cfg.src_block_size, False), rngs={"dropout": jax.random.key(2)}))(params))
     pos = sinusoidal_table(10, cfg.model.n_embd, cfg.model.position)[None]
     dropped = np.isclose(out, pos, atol=1e-6) if site == "tokens" else out == 0
     assert 0.4 < dropped.mean() < 0.6

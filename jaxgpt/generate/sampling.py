@@ -59,8 +59,7 @@ from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
-from jaxgpt.model.layers import kernels_output_major
-from jaxgpt.ops.decode_weights import decoding_weights, output_major_for
+from jaxgpt.ops.decode import decoding_weights, kernel_storage, output_major_for
 
 Array = jax.Array
 PromptLike = Sequence[int] | Sequence[Sequence[int]] | np.ndarray | Array
@@ -219,8 +218,8 @@ class DecodeState(NamedTuple):
 def _decode(cfg: ModelConfig, params: Any, idx_BT: Array, cache: Any, index: Array | int,
             output_major: bool) -> tuple[Array, Any]:
     """Logits of the last position only: that is all any caller samples from (`params`: `decoding_weights`)."""
-    with kernels_output_major(output_major):
-        return GPT(cfg).apply({"params": params}, idx_BT, cache, index, True, method=GPT.decode)
+    model = GPT(cfg, kernel_storage=kernel_storage(output_major))
+    return model.apply({"params": params}, idx_BT, cache, index, True, method=GPT.decode)
 
 
 SHORTEST_CACHE = 128  # `cache_slots` rounds a generation's cache up to a power of two, at least this

@@ -6,9 +6,10 @@ D head_dim, V target vocabulary.
 The encoder reads the whole source at once (no causal mask); each decoder layer attends causally to the
 target prefix, then to the encoder's output ("memory", B x S x C), then applies the feed-forward. Training
 feeds the target shifted right (teacher forcing), so position t predicts target t + 1 from targets <= t.
-Projections, norms and the MLP are `jaxgpt.model.layers`; every attention goes through `jaxgpt.model.attention.attend`,
-and the decoder's self-attention is the GPT's own `CausalSelfAttention`, so both stacks shard by the same
-logical axis names as the GPT.
+It is built from the GPT's pieces: the embedding, the output head and the residual sub-layer
+(`jaxgpt.model.layers`), the GPT's `Block` as the encoder layer (with every key visible), and one attention
+module (`jaxgpt.model.attention.Attention`) for the decoder's causal self-attention and its cross-attention
+over the memory, so both stacks shard by the same logical axis names as the GPT.
 
 Padding: tokens equal to `pad_id`, or masked out by an explicit mask (True = real token), are hidden as
 keys: source padding from the encoder's self-attention and from every cross-attention, target padding
@@ -18,162 +19,46 @@ needs at least one real token: cross-attention has nothing else to look at.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxgpt.errors import UserError
-from jaxgpt.model.attention import Cache, CausalSelfAttention, attend, resolve_impl
+from jaxgpt.model.attention import Attention, Cache
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.model.gpt import sinusoidal_table
-from jaxgpt.model.layers import MLP, EinsumDense, Norm, param_init
+from jaxgpt.model.gpt import Block
+from jaxgpt.model.layers import MLP, Norm, embed, embedding_table, lm_head, logits, residual
 
 Array = jax.Array
 
 
-class Attention(nn.Module):
-    """Multi-head attention whose keys are not a causal subset: the encoder's, and cross-attention.
-
-    Self-attention (no `memory_BSC`) fuses its three projections into one (C, 3, H, D) kernel, the GPT's
-    layout. Cross-attention projects queries (C, H, D) from the decoder stream and keys and values with one
-    (C, 2, H, D) kernel from the memory, which decoding can then compute once per source. `attend` runs with
-    causal=False: its causal shortcuts (skipped upper triangle, splash) would drop visible keys here.
-    """
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x_BTC: Array, memory_BSC: Array | None, visible_BTS: Array, deterministic: bool) -> Array:
-        cfg = self.cfg
-        H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
-        fused_names, fused_bias = ("embed", None, "heads", "head_dim"), (None, "heads", "head_dim")
-        if memory_BSC is None:
-            qkv = EinsumDense(cfg, "btc,ckhd->btkhd", (C, 3, H, D), fused_names, fused_bias, fans=(C, H * D),
-                              name="qkv")(x_BTC)
-            q_BTHD, k_BSHD, v_BSHD = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        else:
-            q_BTHD = EinsumDense(cfg, "btc,chd->bthd", (C, H, D), ("embed", "heads", "head_dim"),
-                                 ("heads", "head_dim"), fans=(C, H * D), name="q")(x_BTC)
-            kv = EinsumDense(cfg, "bsc,ckhd->bskhd", (C, 2, H, D), fused_names, fused_bias, fans=(C, H * D),
-                             name="kv")(memory_BSC)
-            k_BSHD, v_BSHD = kv[:, :, 0], kv[:, :, 1]
-        drop = nn.Dropout(cfg.attn_dropout)
-        y, axes, probs = attend(q_BTHD, k_BSHD.transpose(0, 2, 1, 3), v_BSHD.transpose(0, 2, 1, 3), visible_BTS,
-                                impl=resolve_impl(cfg.attention_impl, cfg.dtype), dtype=cfg.dtype, causal=False,
-                                dropout=lambda p: drop(p, deterministic=deterministic))
-        if probs is not None:
-            self.sow("intermediates", "attn_weights", probs)  # dropped unless asked for
-        return EinsumDense(cfg, f"{axes},hdc->btc", (H, D, C), ("heads", "head_dim", "embed"), ("embed",),
-                           residual=True, fans=(H * D, C), name="out")(y)
-
-
-def sublayer(cfg: ModelConfig, x_BTC: Array, f: Callable[[Array], Array], norm: Norm, deterministic: bool,
-             is_attention: bool = False) -> Array:
-    """One residual sub-layer: x + drop(f(norm(x))) pre-norm (seed 000), norm(x + drop(f(x))) post-norm (seed 002).
-
-    An attention sub-layer's output skips the dropout unless attn_resid_dropout (seed 002's Keras layers drop
-    only the feed-forward's).
-    """
-    drop = nn.Dropout(cfg.resid_dropout if cfg.attn_resid_dropout or not is_attention else 0.0)
-    if cfg.norm_placement == "pre":
-        return x_BTC + drop(f(norm(x_BTC)), deterministic=deterministic)
-    return norm(x_BTC + drop(f(x_BTC), deterministic=deterministic))
-
-
-class EncoderBlock(nn.Module):
-    """Self-attention over the whole source, then the feed-forward: the GPT block without its causal mask."""
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x_BSC: Array, visible_BSS: Array, deterministic: bool) -> Array:
-        cfg = self.cfg
-        attn, mlp = Attention(cfg, name="attn"), MLP(cfg, name="mlp")
-        x_BSC = sublayer(cfg, x_BSC, lambda h: attn(h, None, visible_BSS, deterministic), Norm(cfg, name="ln_1"),
-                         deterministic, is_attention=True)
-        x_BSC = sublayer(cfg, x_BSC, lambda h: mlp(h, deterministic), Norm(cfg, name="ln_2"), deterministic)
-        return nn.with_logical_constraint(x_BSC, ("batch", "length", "act_embed"))
-
-
 class DecoderBlock(nn.Module):
-    """Causal self-attention (ln_1), cross-attention on the memory (ln_2), feed-forward (ln_3)."""
+    """Causal self-attention (ln_1), cross-attention on the memory (ln_2), feed-forward (ln_3).
 
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x_BTC: Array, memory_BSC: Array, visible_BTT: Array, visible_BTS: Array,
-                 deterministic: bool) -> Array:
-        cfg = self.cfg
-        attn, cross, mlp = CausalSelfAttention(cfg, name="attn"), Attention(cfg, name="cross"), MLP(cfg, name="mlp")
-        x_BTC = sublayer(cfg, x_BTC, lambda h: attn(h, visible_BTT, deterministic)[0], Norm(cfg, name="ln_1"),
-                         deterministic, is_attention=True)
-        x_BTC = sublayer(cfg, x_BTC, lambda h: cross(h, memory_BSC, visible_BTS, deterministic),
-                         Norm(cfg, name="ln_2"), deterministic, is_attention=True)
-        x_BTC = sublayer(cfg, x_BTC, lambda h: mlp(h, deterministic), Norm(cfg, name="ln_3"), deterministic)
-        return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed"))
-
-
-class CrossAttentionStep(nn.Module):
-    """`Attention`'s cross-attention parameters (q, kv, out), split for decoding into two calls.
-
-    `memory_kv` projects the memory into keys and values once per source; `__call__` attends new
-    queries to them. Applied to a decoder layer's `cross` parameters it computes what `Attention` does.
-    """
-
-    cfg: ModelConfig
-
-    def setup(self) -> None:
-        cfg = self.cfg
-        H, D, C = cfg.n_head, cfg.head_dim, cfg.n_embd
-        self.q = EinsumDense(cfg, "btc,chd->bthd", (C, H, D), ("embed", "heads", "head_dim"), ("heads", "head_dim"),
-                             fans=(C, H * D))
-        self.kv = EinsumDense(cfg, "bsc,ckhd->bskhd", (C, 2, H, D), ("embed", None, "heads", "head_dim"),
-                              (None, "heads", "head_dim"), fans=(C, H * D))
-        self.out = EinsumDense(cfg, "bthd,hdc->btc", (H, D, C), ("heads", "head_dim", "embed"), ("embed",),
-                               residual=True, fans=(H * D, C))
-
-    def memory_kv(self, memory_BSC: Array) -> tuple[Array, Array]:
-        """Head-major keys and values (B, H, S, D) of the memory."""
-        kv = self.kv(memory_BSC)
-        return kv[:, :, 0].transpose(0, 2, 1, 3), kv[:, :, 1].transpose(0, 2, 1, 3)
-
-    def __call__(self, x_BTC: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array) -> Array:
-        cfg = self.cfg
-        impl = resolve_impl(cfg.attention_impl, cfg.dtype)
-        y, axes, _ = attend(self.q(x_BTC), k_BHSD, v_BHSD, visible_BTS, impl=impl, dtype=cfg.dtype, causal=False)
-        return self.out(y if axes == "bthd" else y.transpose(0, 2, 1, 3))
-
-
-class DecoderBlockStep(nn.Module):
-    """`DecoderBlock` for generation: new tokens against a self-attention KV cache and precomputed cross K/V.
-
-    DecoderBlock's single compact `__call__` projects the memory again on every call; a decoder emitting
-    one token at a time needs that once per source (`CrossAttentionStep.memory_kv`). This module gives its
-    parts DecoderBlock's names, so it runs on a `dec_i` parameter subtree unchanged (`EncoderDecoder.decode_step`
-    binds it).
+    The memory is the encoder's output (B, S, C), or every layer's cross-attention keys and values
+    (`EncoderDecoder.memory_kv`) when generating, which also passes the self-attention's KV cache.
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTC: Array, cache: Cache, cache_index: Array, kv: tuple[Array, Array], visible_BTS: Array,
-                 cross_visible_BTS: Array) -> tuple[Array, Cache]:
+    def __call__(self, x_BTC: Array, memory: Array | tuple[Array, Array], visible_BTT: Array, visible_BTS: Array,
+                 deterministic: bool, cache: Cache | None = None, cache_index: Array | None = None
+                 ) -> tuple[Array, Cache | None]:
         cfg = self.cfg
-        attn, cross = CausalSelfAttention(cfg, name="attn"), CrossAttentionStep(cfg, name="cross")
+        attn, cross = Attention(cfg, name="attn"), Attention(cfg, causal=False, cross=True, name="cross")
         mlp = MLP(cfg, name="mlp")
         written = {}
 
         def self_attention(h_BTC: Array) -> Array:
-            y_BTC, written["cache"] = attn(h_BTC, visible_BTS, True, cache, cache_index)
+            y_BTC, written["cache"] = attn(h_BTC, visible_BTT, deterministic, cache, cache_index)
             return y_BTC
 
-        x_BTC = sublayer(cfg, x_BTC, self_attention, Norm(cfg, name="ln_1"), True)
-        x_BTC = sublayer(cfg, x_BTC, lambda h: cross(h, *kv, cross_visible_BTS), Norm(cfg, name="ln_2"), True)
-        x_BTC = sublayer(cfg, x_BTC, lambda h: mlp(h, True), Norm(cfg, name="ln_3"), True)
-        return x_BTC, written["cache"]
+        x_BTC = residual(cfg, x_BTC, self_attention, Norm(cfg, name="ln_1"), deterministic, is_attention=True)
+        x_BTC = residual(cfg, x_BTC, lambda h: cross(h, visible_BTS, deterministic, memory=memory)[0],
+                         Norm(cfg, name="ln_2"), deterministic, is_attention=True)
+        x_BTC = residual(cfg, x_BTC, lambda h: mlp(h, deterministic), Norm(cfg, name="ln_3"), deterministic)
+        return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), written["cache"]
 
 
 class EncoderDecoder(nn.Module):
@@ -188,43 +73,28 @@ class EncoderDecoder(nn.Module):
 
     def setup(self) -> None:
         cfg, mc = self.cfg, self.cfg.model
-        embed = lambda rows, names, role: nn.Embed(rows, mc.n_embd, dtype=mc.dtype, param_dtype=mc.param_dtype,
-                                                   embedding_init=param_init(mc, names, role=role))
-        self.wte = embed(mc.vocab_size, ("vocab", "embed"), "token")
-        self.src_wte = self.wte if cfg.share_embeddings else embed(cfg.src_vocab_size, ("vocab", "embed"), "token")
-        if mc.position == "learned":
-            self.wpe = embed(mc.block_size, ("position", "embed"), "position")
-            self.src_wpe = embed(cfg.src_block_size, ("position", "embed"), "position")
+        self.wte = embedding_table(mc, mc.vocab_size, ("vocab", "embed"), "token")
+        self.src_wte = self.wte if cfg.share_embeddings else \
+            embedding_table(mc, cfg.src_vocab_size, ("vocab", "embed"), "token")
+        learned = mc.position == "learned"
+        self.wpe = embedding_table(mc, mc.block_size, ("position", "embed"), "position") if learned else None
+        self.src_wpe = embedding_table(mc, cfg.src_block_size, ("position", "embed"), "position") if learned else None
         self.drop = nn.Dropout(mc.embd_dropout)
-        self.encoder = [EncoderBlock(mc, name=f"enc_{i}") for i in range(cfg.n_encoder_layer)]
+        self.encoder = [Block(mc, causal=False, name=f"enc_{i}") for i in range(cfg.n_encoder_layer)]
         self.decoder = [DecoderBlock(mc, name=f"dec_{i}") for i in range(mc.n_layer)]
         if mc.final_norm:
             self.enc_ln_f, self.ln_f = Norm(mc), Norm(mc)
-        if not mc.tie_embeddings:
-            self.lm_head = EinsumDense(mc, "btc,cv->btv", (mc.n_embd, mc.vocab_size), ("embed", "vocab"), ("vocab",),
-                                       role="head")
+        self.lm_head = lm_head(mc)
 
-    def _embed(self, table: nn.Embed, positions: nn.Embed | None, idx_BT: Array, limit: int,
+    def _embed(self, table: nn.Embed, positions: nn.Embed | None, idx_BT: Array, pos_T: Array, limit: int,
                deterministic: bool) -> Array:
-        """Token embeddings (times sqrt(C) with scale_embeddings) plus positions 0..T-1; dropout on the sum, or
-        on the tokens alone (embd_dropout_site="tokens")."""
-        mc = self.cfg.model
+        """`layers.embed` of a source or target at positions `pos_T`, after checking it fits the model (`limit`)."""
         T = idx_BT.shape[1]
         if limit < T:
             raise UserError(f"a sequence of {T} tokens is longer than the model's {limit}: raise block_size "
                             "(targets) or src_block_size (sources)")
-        tokens_only = mc.embd_dropout_site == "tokens"
-        x_BTC = table(idx_BT)
-        if mc.scale_embeddings:
-            x_BTC = x_BTC * math.sqrt(mc.n_embd)
-        if tokens_only:
-            x_BTC = self.drop(x_BTC, deterministic=deterministic)
-        if positions is not None:
-            x_BTC = x_BTC + positions(jnp.arange(T))[None]
-        elif mc.position != "none":
-            x_BTC = x_BTC + jnp.asarray(sinusoidal_table(T, mc.n_embd, mc.position), mc.dtype)[None]
-        x_BTC = nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed"))
-        return x_BTC if tokens_only else self.drop(x_BTC, deterministic=deterministic)
+        pos_BT = jnp.broadcast_to(pos_T, idx_BT.shape)
+        return embed(self.cfg.model, table, positions, self.drop, idx_BT, pos_BT, limit, deterministic)
 
     def _real(self, idx_BT: Array, mask_BT: Array | None) -> Array:
         """True at real tokens: not the pad id, and not masked out by `mask_BT` (True = real)."""
@@ -240,10 +110,9 @@ class EncoderDecoder(nn.Module):
         """The memory (B, S, C): every source position sees every real source token."""
         S = src_BS.shape[1]
         visible_BSS = jnp.broadcast_to(self.source_mask(src_BS, src_mask_BS)[:, None, :], (src_BS.shape[0], S, S))
-        x_BSC = self._embed(self.src_wte, getattr(self, "src_wpe", None), src_BS, self.cfg.src_block_size,
-                            deterministic)
+        x_BSC = self._embed(self.src_wte, self.src_wpe, src_BS, jnp.arange(S), self.cfg.src_block_size, deterministic)
         for block in self.encoder:
-            x_BSC = block(x_BSC, visible_BSS, deterministic)
+            x_BSC, _ = block(x_BSC, None, visible_BSS, None, deterministic)
         return self.enc_ln_f(x_BSC) if self.cfg.model.final_norm else x_BSC
 
     def decode(self, tgt_BT: Array, memory_BSC: Array, src_mask_BS: Array, tgt_mask_BT: Array | None = None,
@@ -257,12 +126,10 @@ class EncoderDecoder(nn.Module):
         causal_1TT = jnp.tril(jnp.ones((1, T, T), bool))
         visible_BTT = causal_1TT & (real_BT[:, None, :] | jnp.eye(T, dtype=bool)[None])
         visible_BTS = jnp.broadcast_to(src_mask_BS.astype(bool)[:, None, :], (B, T, src_mask_BS.shape[1]))
-        x_BTC = self._embed(self.wte, getattr(self, "wpe", None), tgt_BT, self.cfg.model.block_size, deterministic)
+        x_BTC = self._embed(self.wte, self.wpe, tgt_BT, jnp.arange(T), self.cfg.model.block_size, deterministic)
         for block in self.decoder:
-            x_BTC = block(x_BTC, memory_BSC, visible_BTT, visible_BTS, deterministic)
-        h_BTC = self.ln_f(x_BTC) if self.cfg.model.final_norm else x_BTC
-        logits_BTV = self.wte.attend(h_BTC) if self.cfg.model.tie_embeddings else self.lm_head(h_BTC)
-        return logits_BTV.astype(jnp.float32)
+            x_BTC, _ = block(x_BTC, memory_BSC, visible_BTT, visible_BTS, deterministic)
+        return logits(self.wte, self.lm_head, self.ln_f(x_BTC) if self.cfg.model.final_norm else x_BTC)
 
     def __call__(self, src_BS: Array, tgt_BT: Array, src_mask_BS: Array | None = None,
                  tgt_mask_BT: Array | None = None, deterministic: bool = True) -> Array:
@@ -273,8 +140,9 @@ class EncoderDecoder(nn.Module):
     def memory_kv(self, memory_BSC: Array) -> list[tuple[Array, Array]]:
         """Every decoder layer's cross-attention keys and values (B, H, S, D): all decoding needs of the memory."""
         params = self.variables["params"]
-        return [CrossAttentionStep(self.cfg.model, parent=None).bind({"params": params[f"dec_{i}"]["cross"]})
-                .memory_kv(memory_BSC) for i in range(self.cfg.model.n_layer)]
+        return [Attention(self.cfg.model, causal=False, cross=True, parent=None)
+                .bind({"params": params[f"dec_{i}"]["cross"]}).memory_kv(memory_BSC)
+                for i in range(self.cfg.model.n_layer)]
 
     def decode_step(self, tgt_BT: Array, cache: list[Cache], cache_index: Array, memory_kv: list[tuple[Array, Array]],
                     src_mask_BS: Array) -> tuple[Array, list[Cache]]:
@@ -289,25 +157,12 @@ class EncoderDecoder(nn.Module):
         q_pos_T = cache_index + jnp.arange(T)
         visible_1TS = (jnp.arange(cache[0]["k"].shape[-2])[None, :] <= q_pos_T[:, None])[None]
         cross_visible_BTS = jnp.broadcast_to(src_mask_BS.astype(bool)[:, None, :], (B, T, src_mask_BS.shape[1]))
-        x_BTC = self.wte(tgt_BT)
-        if mc.scale_embeddings:
-            x_BTC = x_BTC * math.sqrt(mc.n_embd)
-        if mc.position == "learned":
-            x_BTC = x_BTC + self.wpe(q_pos_T)[None]
-        elif mc.position != "none":
-            table_LC = jnp.asarray(sinusoidal_table(mc.block_size, mc.n_embd, mc.position), mc.dtype)
-            x_BTC = x_BTC + table_LC[q_pos_T][None]
+        x_BTC = self._embed(self.wte, self.wpe, tgt_BT, q_pos_T, mc.block_size, deterministic=True)
         new_cache = []
-        for i, kv in enumerate(memory_kv):
-            x_BTC, layer_cache = self._step_block(i)(x_BTC, cache[i], cache_index, kv, visible_1TS, cross_visible_BTS)
+        for block, kv, layer_cache in zip(self.decoder, memory_kv, cache, strict=True):
+            x_BTC, layer_cache = block(x_BTC, kv, visible_1TS, cross_visible_BTS, True, layer_cache, cache_index)
             new_cache.append(layer_cache)
-        h_BTC = self.ln_f(x_BTC) if mc.final_norm else x_BTC
-        logits_BTV = self.wte.attend(h_BTC) if mc.tie_embeddings else self.lm_head(h_BTC)
-        return logits_BTV.astype(jnp.float32), new_cache
-
-    def _step_block(self, i: int) -> DecoderBlockStep:
-        """Decoder layer i's parameters in their decoding form (a module created outside `setup`, bound to them)."""
-        return DecoderBlockStep(self.cfg.model, parent=None).bind({"params": self.variables["params"][f"dec_{i}"]})
+        return logits(self.wte, self.lm_head, self.ln_f(x_BTC) if mc.final_norm else x_BTC), new_cache
 
 
 def dummy_batch(cfg: Seq2SeqConfig) -> tuple[Array, Array]:

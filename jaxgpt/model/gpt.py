@@ -10,33 +10,18 @@ and returns the new cache, so generation state is a plain pytree the caller owns
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxgpt.model.attention import Cache, CausalSelfAttention
+from jaxgpt.model.attention import Attention, Cache
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.layers import MLP, EinsumDense, Norm, bias_init, param_init
+from jaxgpt.model.layers import MLP, Norm, bias_init, embed, embedding_table, lm_head, logits, param_init, residual
+from jaxgpt.ops.projection import DECLARED
 
 Array = jax.Array
-
-
-def sinusoidal_table(n_pos: int, dim: int, kind: str) -> np.ndarray:
-    """Fixed position codes: seed 000 interleaves sin/cos per frequency, seed 002 concatenates them."""
-    pos = np.arange(n_pos, dtype=np.float64)[:, None]
-    half = dim // 2
-    if kind == "sinusoidal":
-        angle = pos * np.exp(-np.arange(0, dim, 2) * math.log(10000.0) / dim)
-        table = np.zeros((n_pos, dim))
-        table[:, 0::2], table[:, 1::2] = np.sin(angle), np.cos(angle)
-        return table
-    angle = pos / 10000.0 ** (np.arange(half) / half)
-    return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1)
 
 
 class Block(nn.Module):
@@ -47,24 +32,25 @@ class Block(nn.Module):
     """
 
     cfg: ModelConfig
+    kernel_storage: str = DECLARED  # `EinsumDense.kernel_storage`
+    causal: bool = True  # False: the encoder-decoder's encoder layer (every key visible)
 
     @nn.compact
     def __call__(self, x_BTC: Array, cache: Cache | None, visible_BTS: Array, cache_index: Array | None,
                  deterministic: bool) -> tuple[Array, Cache | None]:
         cfg = self.cfg
-        attn, mlp = CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
+        attn = Attention(cfg, causal=self.causal, kernel_storage=self.kernel_storage, name="attn")
+        mlp = MLP(cfg, kernel_storage=self.kernel_storage, name="mlp")
         ln_1, ln_2 = Norm(cfg, name="ln_1"), Norm(cfg, name="ln_2")
-        drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=deterministic)
-        drop_attn = drop if cfg.attn_resid_dropout else lambda y: y  # seed 002 drops only the feed-forward's
-        if cfg.norm_placement == "pre":
-            y, cache = attn(ln_1(x_BTC), visible_BTS, deterministic, cache, cache_index)
-            x_BTC = x_BTC + drop_attn(y)
-            x_BTC = x_BTC + drop(mlp(ln_2(x_BTC), deterministic))
-        else:
-            y, cache = attn(x_BTC, visible_BTS, deterministic, cache, cache_index)
-            x_BTC = ln_1(x_BTC + drop_attn(y))
-            x_BTC = ln_2(x_BTC + drop(mlp(x_BTC, deterministic)))
-        return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), cache
+        written = {}
+
+        def self_attention(h_BTC: Array) -> Array:
+            y_BTC, written["cache"] = attn(h_BTC, visible_BTS, deterministic, cache, cache_index)
+            return y_BTC
+
+        x_BTC = residual(cfg, x_BTC, self_attention, ln_1, deterministic, is_attention=True)
+        x_BTC = residual(cfg, x_BTC, lambda h: mlp(h, deterministic), ln_2, deterministic)
+        return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), written["cache"]
 
 
 def _block_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -76,32 +62,32 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
 
 
 class GPT(nn.Module):
-    """Decoder-only language model: tokens (B, T) -> next-token logits (B, T, V) in float32."""
+    """Decoder-only language model: tokens (B, T) -> next-token logits (B, T, V) in float32.
+
+    `kernel_storage` is how the projection kernels are stored (`jaxgpt.ops.projection`): as declared, except
+    in the weights `jaxgpt.ops.decode` prepares for batch-1 decoding on CPUs.
+    """
 
     cfg: ModelConfig
+    kernel_storage: str = DECLARED
 
     def setup(self) -> None:
         cfg = self.cfg
-        embed_init = param_init(cfg, ("vocab", "embed"), role="token")
-        self.wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                            embedding_init=embed_init)
-        if cfg.position == "learned":
-            self.wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                                embedding_init=param_init(cfg, ("position", "embed"), role="position"))
+        self.wte = embedding_table(cfg, cfg.vocab_size, ("vocab", "embed"), "token")
+        self.wpe = embedding_table(cfg, cfg.n_positions, ("position", "embed"), "position") \
+            if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.embd_dropout)
         block = _block_class(cfg)
         if cfg.scan_layers:
             self.h = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                              split_rngs={"params": True, "dropout": True},
                              in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layer,
-                             metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+                             metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.kernel_storage)
         else:
-            self.blocks = [block(cfg, name=f"h_{i}") for i in range(cfg.n_layer)]
+            self.blocks = [block(cfg, self.kernel_storage, name=f"h_{i}") for i in range(cfg.n_layer)]
         if cfg.final_norm:
             self.ln_f = Norm(cfg)
-        if not cfg.tie_embeddings:
-            self.lm_head = EinsumDense(cfg, "btc,cv->btv", (cfg.n_embd, cfg.vocab_size), ("embed", "vocab"),
-                                       ("vocab",), role="head")
+        self.lm_head = lm_head(cfg, self.kernel_storage)
 
     def _is_pad(self, idx_BT: Array, mask_BT: Array | None) -> Array | None:
         """Padding from the config's pad_id, from an explicit mask (True = real token), or both."""
@@ -111,20 +97,7 @@ class GPT(nn.Module):
         return pad
 
     def _embed(self, idx_BT: Array, pos_BT: Array, deterministic: bool) -> Array:
-        """Token embeddings plus positions; embd_dropout on the sum, or (seed 001) on the tokens alone."""
-        cfg = self.cfg
-        tokens_only = cfg.embd_dropout_site == "tokens"
-        x_BTC = self.wte(idx_BT)
-        if cfg.scale_embeddings:
-            x_BTC = x_BTC * math.sqrt(cfg.n_embd)
-        if tokens_only:
-            x_BTC = self.drop(x_BTC, deterministic=deterministic)
-        if cfg.position == "learned":
-            x_BTC = x_BTC + self.wpe(pos_BT)
-        elif cfg.position != "none":
-            table = jnp.asarray(sinusoidal_table(cfg.n_positions, cfg.n_embd, cfg.position), cfg.dtype)
-            x_BTC = x_BTC + table[pos_BT]
-        return x_BTC if tokens_only else self.drop(x_BTC, deterministic=deterministic)
+        return embed(self.cfg, self.wte, self.wpe, self.drop, idx_BT, pos_BT, self.cfg.n_positions, deterministic)
 
     def _layers(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
                 cache_index: Array | None = None) -> tuple[Array, Any]:
@@ -152,8 +125,7 @@ class GPT(nn.Module):
         return self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC
 
     def logits(self, h_BTC: Array) -> Array:
-        logits_BTV = self.wte.attend(h_BTC) if self.cfg.tie_embeddings else self.lm_head(h_BTC)
-        return logits_BTV.astype(jnp.float32)
+        return logits(self.wte, self.lm_head, h_BTC)
 
     def __call__(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
         return self.logits(self.hidden(idx_BT, mask_BT, deterministic))
@@ -222,37 +194,6 @@ def init_params(cfg: ModelConfig, key: Array, model: nn.Module | None = None) ->
 def abstract_variables(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
     """`init`'s variables as boxed ShapeDtypeStructs: shapes and logical axis names, nothing allocated."""
     return jax.eval_shape((model or GPT(cfg)).init, jax.random.key(0), dummy_tokens(cfg))
-
-
-@functools.cache
-def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
-    """Each projection kernel's path -> its shape as a matrix: ([layers,] inputs, outputs).
-
-    Kernels keep a stacked-layers axis first, then their input axes, then their output axes, which are
-    the bias's axes: a model with biases tells each kernel's split, whatever `use_bias` says.
-    """
-    boxed = abstract_variables(cfg.replace(use_bias=True))["params"]
-    flat = dict(jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
-    shapes = {}
-    for path, kernel in flat.items():
-        bias = flat.get((*path[:-1], jax.tree_util.DictKey("bias")))
-        if path[-1] == jax.tree_util.DictKey("kernel") and bias is not None:
-            shape, lead = kernel.value.shape, int(kernel.names[0] == "layers")
-            split = len(shape) - bias.value.ndim + lead
-            shapes[path] = (*shape[:lead], math.prod(shape[lead:split]), math.prod(shape[split:]))
-    return shapes
-
-
-def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> dict:
-    """Every projection kernel as one (outputs, inputs) matrix (PyTorch's order), after any layers axis.
-
-    The layout `layers.kernels_output_major` reads: XLA:CPU's one-row products stream it faster, so
-    the sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
-    """
-    shapes = _kernel_shapes(cfg)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.swapaxes(a.reshape(shapes[path]), -1, -2).astype(dtype or a.dtype)
-        if path in shapes else a, params)
 
 
 def unstack_layers(params: dict, n_layer: int) -> dict:

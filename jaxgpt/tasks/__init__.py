@@ -22,16 +22,16 @@ Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf h
 
 class Task(Protocol):
     model: nn.Module
-    model_cfg: ModelConfig | Seq2SeqConfig  # an encoder-decoder's also answers layout's questions (tasks.seq2seq)
+    model_cfg: ModelConfig | Seq2SeqConfig
     tokenizer_meta: dict[str, Any]
     meta: dict[str, Any]  # saved with every checkpoint beside the model config and tokenizer
     batch_ndims: dict[str, int]  # every batch leaf and its number of axes (rows first)
     tokens_per_row: int  # for tokens/s and model FLOP/s
     eval_rows_per_batch: int
 
-    def example_input(self) -> Any:
-        """The smallest input `model.init` needs (an array; a (source, target) pair for seq2seq): parameter
-        shapes do not depend on it."""
+    def example_inputs(self) -> tuple[Any, ...]:
+        """The smallest positional inputs `model.init` needs (tokens; the (source, target) pair for seq2seq):
+        parameter shapes do not depend on them."""
 
     def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         """(mean loss, {term: value}) of one micro-batch in training mode (dropout from `key`)."""

@@ -111,8 +111,8 @@ class Classification:
                              f"held-out examples, {task.width} tokens per row; majority-class baseline "
                              f"{self.baseline:.3f} ({task.names[self.majority]!r})")
 
-    def example_input(self) -> jax.Array:
-        return dummy_tokens(self.model_cfg)
+    def example_inputs(self) -> tuple[jax.Array]:
+        return (dummy_tokens(self.model_cfg),)
 
     def loss(self, params: Any, batch: Batch, key: jax.Array) -> tuple[jax.Array, dict]:
         lm, cls = self.model.apply({"params": params}, batch["x"], batch["mask"], deterministic=False,

@@ -22,7 +22,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, dummy_tokens
-from jaxgpt.ops import kernels
+from jaxgpt.ops.loss import chunked_cross_entropy
 from jaxgpt.train.config import DataConfig, TrainConfig, base_config
 
 
@@ -131,8 +131,8 @@ class LanguageModelling:
         self.eval_rows_per_batch = cfg.batch_size // cfg.grad_accum
         self._dropout = any(getattr(model_cfg, f"{name}_dropout") > 0 for name in ("embd", "attn", "resid", "ff"))
 
-    def example_input(self) -> jax.Array:
-        return dummy_tokens(self.model_cfg)
+    def example_inputs(self) -> tuple[jax.Array]:
+        return (dummy_tokens(self.model_cfg),)
 
     def _loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         """Mean cross-entropy: from all logits at once, or `loss_chunk` positions at a time (same value).
@@ -145,7 +145,7 @@ class LanguageModelling:
             return cross_entropy(self.model.apply({"params": params}, batch["x"], **kwargs), batch["y"], smoothing)
         h_BTC = self.model.apply({"params": params}, batch["x"], method=GPT.hidden, **kwargs)
         head = lambda h: self.model.apply({"params": params}, h, method=GPT.logits)
-        return kernels.chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk)
+        return chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk)
 
     def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         return self._loss(params, batch, key), {}

@@ -17,7 +17,6 @@ and the longest target + 1, of the pairs that fit `model.block_size` (longer pai
 from __future__ import annotations
 
 import hashlib
-import math
 import shlex
 from typing import Any, ClassVar
 
@@ -46,41 +45,6 @@ from jaxgpt.tasks.pairs import (
 from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # src (B, S), tgt_in / tgt_out (B, T) int32, weight (B,) float32
-
-
-class LaidOutSeq2SeqConfig(Seq2SeqConfig):
-    """A Seq2SeqConfig that also answers what the loop's layout asks a model config (`layout.build_program`:
-    attention path, sizes that must split over the mesh, vocabulary) with the values both stacks share."""
-
-    @property
-    def attention_impl(self) -> str:
-        return self.model.attention_impl
-
-    @property
-    def n_head(self) -> int:
-        return self.model.n_head
-
-    @property
-    def d_ff(self) -> int:
-        return self.model.d_ff
-
-    @property
-    def n_embd(self) -> int:
-        return self.model.n_embd
-
-    @property
-    def vocab_size(self) -> int:
-        """Divisible by the tensor axis exactly when both vocabularies are (both tables shard as "vocab")."""
-        return math.gcd(self.model.vocab_size, self.src_vocab_size)
-
-
-class TeacherForced(EncoderDecoder):
-    """The encoder-decoder called with one argument, the (source, decoder input) pair: the form in which the
-    loop initializes a task's model. Parameters are EncoderDecoder's, name for name."""
-
-    def __call__(self, pair: tuple[jax.Array, jax.Array], deterministic: bool = True) -> jax.Array:
-        src_BS, tgt_BT = pair
-        return super().__call__(src_BS, tgt_BT, deterministic=deterministic)
 
 
 def seq2seq_loss(logits_BTV: jax.Array, batch: Batch, label_smoothing: float = 0.0) -> jax.Array:
@@ -121,14 +85,14 @@ class Seq2Seq:
             raise UserError(f"no {'training' if not train_kept else 'held-out'} pair fits model.block_size={limit} "
                             "tokens (target + 1 for eos): raise config.model.block_size")
         src_len, tgt_len = max(src_tr, src_val), max(tgt_tr, tgt_val)
-        self.model_cfg = LaidOutSeq2SeqConfig(
+        self.model_cfg = Seq2SeqConfig(
             cfg.model.replace(vocab_size=vocab if cfg.vocab_from_data else cfg.model.vocab_size, block_size=tgt_len,
                               pad_id=SPECIALS["pad_id"]),
             n_encoder_layer=s.n_encoder_layer, src_block_size=src_len, share_embeddings=s.share_embeddings)
         self.cfg, self.tokenizer, self.val_pairs = cfg, tokenizer, [val[i] for i in val_kept]
         self.data = {split: encode_pairs([ids[split][i] for i in kept], src_len, tgt_len)
                      for split, kept in (("train", train_kept), ("val", val_kept))}
-        self.model = TeacherForced(self.model_cfg)
+        self.model = EncoderDecoder(self.model_cfg)
         self.tokenizer_meta = tokenizer.to_meta()
         self.tokens_per_row = src_len + tgt_len
         self.eval_rows_per_batch = cfg.batch_size
@@ -143,12 +107,12 @@ class Seq2Seq:
             "n_train": len(train_kept), "n_val": len(val_kept), "train_sha256": _sha256(self.data["train"]),
             "val_sha256": _sha256(self.data["val"])}}
 
-    def example_input(self) -> tuple[jax.Array, jax.Array]:
+    def example_inputs(self) -> tuple[jax.Array, jax.Array]:
         return dummy_batch(self.model_cfg)
 
     def _logits(self, params: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
         dropout = self._dropout and key is not None
-        return self.model.apply({"params": params}, (batch["src"], batch["tgt_in"]), deterministic=not dropout,
+        return self.model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=not dropout,
                                 rngs={"dropout": key} if dropout else None)
 
     def loss(self, params: Any, batch: Batch, key: jax.Array) -> tuple[jax.Array, dict]:

@@ -14,7 +14,7 @@ shardings), so nothing is allocated. Printed per chip:
   same step, the gradient-accumulation loop is multiplied by its length, and FLOPs are counted from
   compiles without "windowed einsum" (matmuls that XLA splits into loops over FSDP shards);
 * Pallas kernels (splash attention) are custom calls that XLA's cost analysis counts as nearly nothing:
-  their FLOPs and bytes are added analytically (`jaxgpt.ops.kernels.splash_cost`), once per call the HLO makes;
+  their FLOPs and bytes are added analytically (`jaxgpt.ops.splash.splash_cost`), once per call the HLO makes;
 * collectives: all-gather, reduce-scatter and all-reduce bytes read from the compiled HLO (`jaxgpt.tools.hlo`,
   loop bodies times their trip counts) and the time they take over the chip's ICI bandwidth (ring
   algorithms, one mesh axis at a time);
@@ -38,7 +38,7 @@ from typing import Any
 import jax
 
 from jaxgpt.errors import UserError
-from jaxgpt.ops import kernels
+from jaxgpt.ops import splash
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.tools import hlo
 from jaxgpt.train import sharding as layout
@@ -180,17 +180,7 @@ def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> d
     chip, _ = parse_topology(topology)  # a bad topology is reported before anything else
     cfg = _resolved(cfg)
     devices = topology_devices(topology)
-    n_chips = len(devices)
-    tokens = cfg.batch_size * cfg.model.block_size
-    report: dict[str, Any] = {
-        "topology": topology, "chip": chip.name, "n_chips": n_chips, "hbm_bytes": chip.hbm_bytes,
-        "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
-        "mesh": dict(zip(layout.MESH_AXES, layout.resolve_mesh_shape(cfg.runtime.mesh, n_chips), strict=True)),
-        "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.model.block_size,
-        "loss_chunk": cfg.loss_chunk,
-        "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "dtype",
-                                                     "param_dtype", "remat", "scan_layers", "attention_impl")},
-    }
+    report = _setup(cfg, topology, chip, len(devices))
     t0 = time.perf_counter()
     try:
         prog, compiled = _compile(cfg, devices)
@@ -205,16 +195,40 @@ def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> d
         return report
     report["compile_seconds"] = time.perf_counter() - t0
     report["n_params"] = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
+    report.update(_memory(prog, compiled, chip))
+    flops, bytes_accessed, notes = _step_cost(cfg, compiled, devices, report, extrapolate_scan)
+    report.update(_roofline(cfg, chip, compiled.as_text(), flops, bytes_accessed, report["n_chips"]), notes=notes)
+    return report
 
+
+def _setup(cfg: TrainConfig, topology: str, chip: Any, n_chips: int) -> dict[str, Any]:
+    """The report's description of the run: topology, chip, mesh, batch and model."""
+    return {
+        "topology": topology, "chip": chip.name, "n_chips": n_chips, "hbm_bytes": chip.hbm_bytes,
+        "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
+        "mesh": dict(zip(layout.MESH_AXES, layout.resolve_mesh_shape(cfg.runtime.mesh, n_chips), strict=True)),
+        "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.model.block_size,
+        "loss_chunk": cfg.loss_chunk,
+        "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "dtype",
+                                                     "param_dtype", "remat", "scan_layers", "attention_impl")},
+    }
+
+
+def _memory(prog: Any, compiled: Any, chip: Any) -> dict[str, Any]:
+    """Bytes per chip: parameters, optimizer state, other inputs, temporaries, outputs, code; whether they fit."""
     mem = compiled.memory_analysis()
     params_b = _bytes_per_chip(prog.abstract_state["params"])
     opt_b = _bytes_per_chip(prog.abstract_state["opt_state"])
     args_b, out_b, alias_b = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
     total = args_b + out_b - alias_b + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes
-    report.update(param_bytes=params_b, opt_bytes=opt_b, other_input_bytes=max(args_b - params_b - opt_b, 0),
-                  temp_bytes=mem.temp_size_in_bytes, unaliased_output_bytes=out_b - alias_b,
-                  code_bytes=mem.generated_code_size_in_bytes, total_bytes=total, fits=total <= chip.hbm_bytes)
+    return dict(param_bytes=params_b, opt_bytes=opt_b, other_input_bytes=max(args_b - params_b - opt_b, 0),
+                temp_bytes=mem.temp_size_in_bytes, unaliased_output_bytes=out_b - alias_b,
+                code_bytes=mem.generated_code_size_in_bytes, total_bytes=total, fits=total <= chip.hbm_bytes)
 
+
+def _step_cost(cfg: TrainConfig, compiled: Any, devices: list, report: dict[str, Any],
+               extrapolate_scan: bool) -> tuple[float, float, list[str]]:
+    """XLA's (FLOPs, bytes) per chip of one whole step, corrected for the loops it counts once, and notes saying how."""
     flops, bytes_accessed = _cost(compiled)
     report.update(xla_flops_raw=flops, xla_bytes_raw=bytes_accessed)
     notes = []
@@ -236,29 +250,32 @@ def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> d
         flops, bytes_accessed = flops * cfg.grad_accum, bytes_accessed * cfg.grad_accum
         notes.append(f"gradient accumulation: XLA counts the micro-batch loop once; multiplied by {cfg.grad_accum} "
                      "(which overcounts the small optimizer update)")
-    text = compiled.as_text()
-    kernel_flops, kernel_bytes, n_kernels = _kernel_cost(cfg, report, text)
+    kernel_flops, kernel_bytes, n_kernels = _kernel_cost(cfg, report, compiled.as_text())
     if n_kernels:
         notes.append(f"{n_kernels} Pallas kernel calls per step (splash attention): {kernel_flops:.3g} FLOPs and "
                      f"{kernel_bytes:.3g} bytes added analytically (XLA counts custom calls as ~0)")
-    flops, bytes_accessed = flops + kernel_flops, bytes_accessed + kernel_bytes
+    report.update(kernel_flops=kernel_flops, kernel_bytes=kernel_bytes)
+    return flops + kernel_flops, bytes_accessed + kernel_bytes, notes
+
+
+def _roofline(cfg: TrainConfig, chip: Any, text: str, flops: float, bytes_accessed: float,
+              n_chips: int) -> dict[str, Any]:
+    """The step time each of compute, memory and collectives would take alone, the bound, and what follows."""
+    tokens = cfg.batch_size * cfg.model.block_size
     comms = hlo.collectives(text, n_chips)
     by_source = hlo.bytes_by_source(text)
     moved = sum(by_source.values()) or 1.0
     traffic = sum(c["traffic"] for c in comms.values())
     analytic = flops_per_token(cfg.model) * tokens / n_chips
-    t_compute, t_memory = flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth
-    t_collective = traffic / chip.ici_bandwidth
-    times = {"compute": t_compute, "memory": t_memory, "collectives": t_collective}
+    times = {"compute": flops / chip.peak_flops, "memory": bytes_accessed / chip.hbm_bandwidth,
+             "collectives": traffic / chip.ici_bandwidth}
     bound = max(times, key=times.get)
     step = times[bound]
-    report.update(xla_flops=flops, xla_bytes=bytes_accessed, analytic_flops=analytic, flops_ratio=flops / analytic,
-                  kernel_flops=kernel_flops, kernel_bytes=kernel_bytes, ici_bandwidth=chip.ici_bandwidth,
-                  collectives={k: v for k, v in comms.items() if v["count"]}, collective_traffic=traffic,
-                  bytes_by_source={k: v / moved for k, v in by_source.items()},
-                  t_compute=t_compute, t_memory=t_memory, t_collective=t_collective, bound=bound, step_time=step,
-                  tokens_per_sec=tokens / step, mfu=analytic / (step * chip.peak_flops), notes=notes)
-    return report
+    return dict(xla_flops=flops, xla_bytes=bytes_accessed, analytic_flops=analytic, flops_ratio=flops / analytic,
+                ici_bandwidth=chip.ici_bandwidth, collectives={k: v for k, v in comms.items() if v["count"]},
+                collective_traffic=traffic, bytes_by_source={k: v / moved for k, v in by_source.items()},
+                t_compute=times["compute"], t_memory=times["memory"], t_collective=times["collectives"],
+                bound=bound, step_time=step, tokens_per_sec=tokens / step, mfu=analytic / (step * chip.peak_flops))
 
 
 def _kernel_cost(cfg: TrainConfig, report: dict[str, Any], text: str) -> tuple[float, float, int]:
@@ -275,7 +292,7 @@ def _kernel_cost(cfg: TrainConfig, report: dict[str, Any], text: str) -> tuple[f
     m, mesh = cfg.model, report["mesh"]
     rows = cfg.batch_size // cfg.grad_accum // (mesh["data"] * mesh["fsdp"])
     itemsize = 2 if m.dtype in ("bfloat16", "float16") else 4
-    flops, bytes_ = kernels.splash_cost(rows, m.n_head // mesh["tensor"], m.block_size, m.head_dim, itemsize,
+    flops, bytes_ = splash.splash_cost(rows, m.n_head // mesh["tensor"], m.block_size, m.head_dim, itemsize,
                                         forward_passes=1 if m.remat == "none" else 2)
     return flops * m.n_layer * cfg.grad_accum, bytes_ * m.n_layer * cfg.grad_accum, n_calls
 

@@ -295,7 +295,7 @@ def position_panels(length: int, width: int, layouts: Sequence[str] = LAYOUTS, f
 
     No frequencies: i = width/32 and width/8, wavelengths of about 11 and 63 positions whatever the width.
     """
-    from jaxgpt.model.gpt import sinusoidal_table
+    from jaxgpt.model.layers import sinusoidal_table
 
     if length < 1 or width < 2 or width % 2:
         raise UserError(f"position codes need length >= 1 and an even width >= 2, got length {length}, width {width}")

@@ -296,9 +296,9 @@ def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog:
 
         return resume.restore_readable(cfg, ckpt, prog.abstract_state, check)
     param_sh = prog.state_sh["params"]
-    example = task.example_input()
+    example = task.example_inputs()
     missing = sorted(set(param_sh) - set(pretrained or {})) if pretrained is not None else sorted(param_sh)
-    fresh = jax.jit(lambda k: {name: nn.unbox(task.model.init(k, example)["params"])[name] for name in missing},
+    fresh = jax.jit(lambda k: {name: nn.unbox(task.model.init(k, *example)["params"])[name] for name in missing},
                     out_shardings={name: param_sh[name] for name in missing})(key)
     params = {**fresh, **(jax.device_put({k: v for k, v in pretrained.items() if k in param_sh},
                                          {k: param_sh[k] for k in pretrained if k in param_sh})

@@ -29,6 +29,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxgpt.errors import UserError
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.train.optim import make_optimizer
 from jaxgpt.train.step import make_train_step
 
@@ -101,9 +102,27 @@ def activate(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Iterator[None]:
         yield
 
 
-def rules_for(model_cfg: Any, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    """What the layout asks of a model: its attention path and the sizes that must split over the mesh."""
+
+    attention_impl: str
+    n_head: int
+    d_ff: int
+    n_embd: int
+    vocab_sizes: tuple[int, ...]  # the rows of every token table: all shard as "vocab"
+
+
+def model_sizes(cfg: ModelConfig | Seq2SeqConfig) -> ModelSizes:
+    """A GPT's sizes, or an encoder-decoder's: both stacks share the width and heads, not the vocabularies."""
+    mc = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
+    vocabs = (mc.vocab_size, cfg.src_vocab_size) if isinstance(cfg, Seq2SeqConfig) else (mc.vocab_size,)
+    return ModelSizes(mc.attention_impl, mc.n_head, mc.d_ff, mc.n_embd, vocabs)
+
+
+def rules_for(sizes: ModelSizes, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
     """The rules table, except that a vocabulary the tensor axis does not divide (GPT-2's 50257) is replicated."""
-    if model_cfg.vocab_size % mesh.shape["tensor"] == 0:
+    if all(v % mesh.shape["tensor"] == 0 for v in sizes.vocab_sizes):
         return LOGICAL_RULES
     return tuple((name, None if name == "vocab" else axes) for name, axes in LOGICAL_RULES)
 
@@ -122,7 +141,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def check_divisibility(model_cfg: Any, mesh: Mesh, global_batch: int, grad_accum: int = 1) -> None:
+def check_divisibility(sizes: ModelSizes, mesh: Mesh, global_batch: int, grad_accum: int = 1) -> None:
     """Fail early, with the fix, when a size does not split over its mesh axis."""
     tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
     batch_ways = mesh.shape["data"] * fsdp
@@ -132,10 +151,10 @@ def check_divisibility(model_cfg: Any, mesh: Mesh, global_batch: int, grad_accum
             f"micro-batch batch_size/grad_accum = {global_batch // grad_accum}")
         problems.append(f"{what} over data*fsdp={batch_ways}")
     for name in ("n_head", "d_ff"):
-        if getattr(model_cfg, name) % tensor:
-            problems.append(f"model.{name}={getattr(model_cfg, name)} over tensor={tensor}")
-    if model_cfg.n_embd % fsdp:
-        problems.append(f"model.n_embd={model_cfg.n_embd} over fsdp={fsdp}")
+        if getattr(sizes, name) % tensor:
+            problems.append(f"model.{name}={getattr(sizes, name)} over tensor={tensor}")
+    if sizes.n_embd % fsdp:
+        problems.append(f"model.n_embd={sizes.n_embd} over fsdp={fsdp}")
     if problems:
         raise UserError("sizes do not divide the mesh: " + "; ".join(problems) + ": change the mesh or the sizes")
 
@@ -182,7 +201,7 @@ def abstract_opt_state(tx: optax.GradientTransformation, abstract: Any, param_sh
 
 def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum: int = 1) -> Program:
     """The sharded train/eval program of a task (`jaxgpt.tasks.Task`) on `mesh` (real or a TPU topology's)."""
-    cfg = task.model_cfg
+    cfg = model_sizes(task.model_cfg)
     platform = mesh.devices.flat[0].platform
     if cfg.attention_impl == "cudnn" and platform != "gpu":
         raise UserError(f"model.attention_impl='cudnn' needs NVIDIA GPUs, but the devices are {platform}: "
@@ -193,7 +212,7 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
     check_divisibility(cfg, mesh, batch_size, grad_accum)
     tx = make_optimizer(optim, d_model=cfg.n_embd)
     rules = rules_for(cfg, mesh)
-    boxed = jax.eval_shape(task.model.init, jax.random.key(0), task.example_input())["params"]  # nothing allocated
+    boxed = jax.eval_shape(task.model.init, jax.random.key(0), *task.example_inputs())["params"]  # nothing allocated
     param_sh = logical_to_sharding(nn.get_partition_spec(boxed), mesh, rules)
     repl = replicated(mesh)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), param_sh)

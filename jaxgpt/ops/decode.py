@@ -1,13 +1,16 @@
 """The weights as the sampler's decode loop reads them: cast to the decoding dtype, and laid out for one row.
 
 Batch-1 decoding reads every weight once per token, so their layout decides its speed on a CPU
-(`output_major_for`, `layers.kernels_output_major`). The prepared copy is kept while the caller holds
-the weights it came from, so generating again from the same weights does not copy them again.
+(`output_major_for`, `jaxgpt.ops.projection`). The sampler asks here for the weights and for the kernel
+storage the model then declares (`kernel_storage`); the model itself has no decoding-only code. The
+prepared copy is kept while the caller holds the weights it came from, so generating again from the same
+weights does not copy them again.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import Any
 
@@ -16,17 +19,55 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import output_major_kernels
+from jaxgpt.model.gpt import abstract_variables
+from jaxgpt.ops.platform import current_platform
+from jaxgpt.ops.projection import DECLARED, OUTPUT_MAJOR
 
 
 def output_major_for(batch: int) -> bool:
-    """Whether the decode loop reads output-major kernels (`model.output_major_kernels`): batch 1 on CPUs.
+    """Whether the decode loop reads output-major kernels (`output_major_kernels`): batch 1 on CPUs.
 
-    XLA:CPU's one-row product streams them faster (the GPT-2 shape's MLP products: 4.2 vs 6.0 ms per
-    token); from a few rows on, its matrix products prefer the declared order (4 rows: 10.6 vs 6.2 ms).
-    Accelerators choose their own layouts.
+    XLA:CPU's one-row product streams them faster; from a few rows on, its matrix products prefer the
+    declared order (benchmarks/bench_sample.py prints both). Accelerators choose their own layouts.
     """
-    return batch == 1 and jax.default_backend() == "cpu"
+    return batch == 1 and current_platform() == "cpu"
+
+
+def kernel_storage(output_major: bool) -> str:
+    """The storage the model declares its kernels in (`EinsumDense.kernel_storage`) for `decoding_weights`'s
+    weights."""
+    return OUTPUT_MAJOR if output_major else DECLARED
+
+
+@functools.cache
+def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+    """Each projection kernel's path -> its shape as a matrix: ([layers,] inputs, outputs).
+
+    Kernels keep a stacked-layers axis first, then their input axes, then their output axes, which are
+    the bias's axes: a model with biases tells each kernel's split, whatever `use_bias` says.
+    """
+    boxed = abstract_variables(cfg.replace(use_bias=True))["params"]
+    flat = dict(jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
+    shapes = {}
+    for path, kernel in flat.items():
+        bias = flat.get((*path[:-1], jax.tree_util.DictKey("bias")))
+        if path[-1] == jax.tree_util.DictKey("kernel") and bias is not None:
+            shape, lead = kernel.value.shape, int(kernel.names[0] == "layers")
+            split = len(shape) - bias.value.ndim + lead
+            shapes[path] = (*shape[:lead], math.prod(shape[lead:split]), math.prod(shape[split:]))
+    return shapes
+
+
+def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> dict:
+    """Every projection kernel as one (outputs, inputs) matrix (PyTorch's order), after any layers axis.
+
+    The storage `projection.OUTPUT_MAJOR` names: XLA:CPU's one-row products stream it faster, so the
+    sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
+    """
+    shapes = _kernel_shapes(cfg)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.swapaxes(a.reshape(shapes[path]), -1, -2).astype(dtype or a.dtype)
+        if path in shapes else a, params)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "output_major"))
@@ -34,11 +75,11 @@ def _prepare(params: Any, *, cfg: ModelConfig, dtype: str | None, output_major: 
     params = nn.unbox(params)  # output_major_kernels finds kernels by their paths: without the logical-axes boxes
     if dtype is not None:
         params = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
-    return output_major_kernels(params, cfg, jnp.float32) if output_major else params  # see kernels_output_major
+    return output_major_kernels(params, cfg, jnp.float32) if output_major else params  # see `jaxgpt.ops.projection`
 
 
 # The last weights prepared, while the caller still holds them: generating again from the same params (a
-# chat loop, a benchmark, an evaluation) should not copy them again (GPT-2 124M: ~0.1 s per copy on CPU).
+# chat loop, a benchmark, an evaluation) should not copy them again (a copy of every weight per call).
 _prepared: list[tuple[list[weakref.ref], tuple, tuple[Any, ModelConfig]]] = []
 
 

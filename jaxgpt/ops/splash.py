@@ -1,38 +1,27 @@
-"""Computations that never hold their largest intermediate: splash attention and a chunked cross-entropy.
+"""Splash attention: TPU flash attention, and its cost for the ahead-of-time analysis.
 
-Shapes: B batch, H heads, T sequence, D head_dim, C n_embd, V vocabulary.
+Shapes: B batch, H heads, T sequence, D head_dim.
 
-* Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, in jax itself) is TPU flash
-  attention: causal tiles above the diagonal are skipped and the (B, H, T, T) scores never reach HBM. It
-  runs per device under `jax.shard_map`, rows split like the batch and heads like the "heads" logical axis,
-  so the same code serves one chip and a pod. On a CPU it runs in Pallas interpret mode (slow, exact),
-  which is how the tests prove its numbers.
-* The chunked cross-entropy computes the loss `chunk` positions at a time in a `lax.scan` whose body is
-  rematerialized: the float32 logits of one chunk exist at a time, forward and backward, instead of the
-  whole (B, T, V) tensor (1.6 GB per pass for GPT-2 at 8 x 1024 tokens per chip).
+Splash (`jax.experimental.pallas.ops.tpu.splash_attention`, in jax itself) skips the causal tiles above the
+diagonal and never writes the (B, H, T, T) scores to HBM. It runs per device under `jax.shard_map`, rows
+split like the batch and heads like the "heads" logical axis, so the same code serves one chip and a pod.
+On a CPU it runs in Pallas interpret mode (slow, exact), which is how the tests prove its numbers.
+`jaxgpt.ops.attention.attend` decides when it runs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec
+
+from jaxgpt.ops.platform import current_platform
 
 Array = jax.Array
 SPLASH_BLOCKS = (512, 256, 128)  # TPU tiles are multiples of 128 lanes; 512 is MaxText's default tile
-
-
-def current_platform() -> str:
-    """The platform a traced program is for: the mesh's (`jax.set_mesh`, also a TPU topology's abstract
-    devices when compiling ahead of time), else the default backend's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
 
 
 def splash_block(T: int) -> int | None:
@@ -138,28 +127,3 @@ def splash_cost(B: int, H: int, T: int, D: int, itemsize: int, forward_passes: i
     forward_bytes = 2 * size + 2 * size * rereads + stats  # q read, o written, k and v per tile row, logsumexp
     backward_bytes = 5 * size + rereads * (2 * size + 2 * stats)  # k, v, dk, dv, dq once; q, dO, stats per row
     return (2 * forward_passes + 5) * product, forward_passes * forward_bytes + backward_bytes
-
-
-def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, targets_BT: Array,
-                          chunk: int) -> Array:
-    """Mean next-token cross-entropy of hidden states, `chunk` positions at a time (chunk divides T).
-
-    `logits_fn` is the model's head (hidden (B, t, C) -> float32 logits (B, t, V)), so tied and untied
-    heads and their dtypes are exactly the dense path's. Chunks run along the sequence, keeping each
-    chunk's rows split over the batch axes like the rest of the step; the scan body is rematerialized,
-    so its backward pass recomputes one chunk's logits instead of storing all of them.
-    """
-    B, T, C = h_BTC.shape
-    n = T // chunk
-    h_NBtC = h_BTC.reshape(B, n, chunk, C).swapaxes(0, 1)
-    y_NBt = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def chunk_sum(h_BtC: Array, y_Bt: Array) -> Array:
-        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(h_BtC), y_Bt).sum()
-
-    def body(total: Array, xs: tuple[Array, Array]) -> tuple[Array, None]:
-        return total + chunk_sum(*xs), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NBtC, y_NBt))
-    return total / (B * T)
