@@ -295,22 +295,43 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
     been donated to the next call.
     """
     B, V = state.logits_BV.shape
-    S = cfg.block_size
     fill = 0 if spec.eot_token is None else spec.eot_token
     tokens_BN = jnp.full((B, num_steps), fill, jnp.int32)
     logits_BNV = jnp.zeros((B, num_steps, V), jnp.float32) if spec.return_logits else None
-    block = 0 if spec.greedy else max(1, min(num_steps, S, NOISE_BLOCK_ELEMENTS // (B * V)))
-    first = state.step
+    block = 0 if spec.greedy else max(1, min(num_steps, cfg.block_size, NOISE_BLOCK_ELEMENTS // (B * V)))
+    loop = _Loop(cfg, spec, params, total, temperature, top_p, state.step, num_steps, block)
+    state, tokens_BN, logits_BNV = jax.lax.while_loop(lambda c: loop.may_sample(c[0]), loop.segment,
+                                                      (state, tokens_BN, logits_BNV))
+    progress = jnp.stack([state.step, jnp.all(state.done_B).astype(jnp.int32)])
+    return state, tokens_BN, logits_BNV, progress
 
-    def may_sample(st: DecodeState) -> Array:
-        return (st.step - first < num_steps) & (st.step < total) & ~jnp.all(st.done_B)
 
-    def take(carry: tuple, gumbel_BV: Array | None, commit: Array | bool = True) -> tuple[tuple, Array]:
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What the while loops of `_run` close over (traced values included: it lives inside one trace).
+
+    Their carry is (state, tokens (B, num_steps), logits (B, num_steps, V) or None).
+    """
+
+    cfg: ModelConfig
+    spec: SamplerSpec
+    params: Any
+    total: Array
+    temperature: Array
+    top_p: Array
+    first: Array  # the step the call started at
+    num_steps: int
+    block: int  # steps of noise drawn at once (0 when greedy)
+
+    def may_sample(self, st: DecodeState) -> Array:
+        return (st.step - self.first < self.num_steps) & (st.step < self.total) & ~jnp.all(st.done_B)
+
+    def take(self, carry: tuple, gumbel_BV: Array | None, commit: Array | bool = True) -> tuple[tuple, Array]:
         """Sample the token of step `st.step` and record it (only where `commit`)."""
         st, tokens_BN, logits_BNV = carry
-        i = st.step - first
-        tok_B = spec.pick(st.logits_BV, gumbel_BV, temperature, top_p, cfg.pad_id)
-        tok_B, done_B = finish_rows(tok_B, st.done_B, spec.eot_token)
+        i = st.step - self.first
+        tok_B = self.spec.pick(st.logits_BV, gumbel_BV, self.temperature, self.top_p, self.cfg.pad_id)
+        tok_B, done_B = finish_rows(tok_B, st.done_B, self.spec.eot_token)
         logits_BV = st.logits_BV
         if commit is not True:  # write back what is there (the index may be one past the end: it clamps)
             tok_B = jnp.where(commit, tok_B, jax.lax.dynamic_index_in_dim(tokens_BN, i, 1, keepdims=False))
@@ -323,38 +344,35 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
         st = st._replace(done_B=done_B, step=st.step + jnp.int32(commit))
         return (st, tokens_BN, logits_BNV), tok_B
 
-    def segment(carry: tuple) -> tuple:
+    def segment(self, carry: tuple) -> tuple:
+        """Tokens while the cache has room (the inner loop), then the one that fills the window or ends the
+        call, and the re-prefill a full window needs."""
+        cfg, spec, S = self.cfg, self.spec, self.cfg.block_size
         step0 = carry[0].step
+        B, V = carry[0].logits_BV.shape
         # block + 1 rows: the token after the inner loop (at most `block` steps later) uses the last one.
-        noise_nBV = None if spec.greedy else _noise_block(carry[0].key, step0, block + 1, (B, V))
+        noise_nBV = None if spec.greedy else _noise_block(carry[0].key, step0, self.block + 1, (B, V))
 
         def room(carry: tuple) -> Array:  # another token fits, and a next one will be needed
             st = carry[0]
-            more = may_sample(st) & (st.step + 1 < total) & (st.length < S)
-            return more if spec.greedy else more & (st.step - step0 < block)
+            more = self.may_sample(st) & (st.step + 1 < self.total) & (st.length < S)
+            return more if spec.greedy else more & (st.step - step0 < self.block)
 
         def append_one(carry: tuple) -> tuple:
-            gumbel_BV = None if spec.greedy else noise_nBV[carry[0].step - step0]
-            carry, tok_B = take(carry, gumbel_BV)
+            carry, tok_B = self.take(carry, None if spec.greedy else noise_nBV[carry[0].step - step0])
             st, *rest = carry
-            return (_append(cfg, spec, params, st, tok_B), *rest)
+            return (_append(cfg, spec, self.params, st, tok_B), *rest)
 
         carry = jax.lax.while_loop(room, append_one, carry)
         # The token that fills the window, or the last one; nothing if the block of noise ran out.
         st = carry[0]
-        commit = may_sample(st) & ((st.length == S) | (st.step + 1 >= total))
-        gumbel_BV = None if spec.greedy else noise_nBV[st.step - step0]
-        carry, tok_B = take(carry, gumbel_BV, commit)
+        commit = self.may_sample(st) & ((st.length == S) | (st.step + 1 >= self.total))
+        carry, tok_B = self.take(carry, None if spec.greedy else noise_nBV[st.step - step0], commit)
         st, *rest = carry
         if jax.tree.leaves(st.cache)[0].shape[-2] == S:  # a shorter cache (`cache_slots`) never fills up
-            need_slide = commit & (st.step < total) & ~jnp.all(st.done_B)
-            st = jax.lax.cond(need_slide, lambda st: _slide(cfg, spec, params, st, tok_B), lambda st: st, st)
+            need_slide = commit & (st.step < self.total) & ~jnp.all(st.done_B)
+            st = jax.lax.cond(need_slide, lambda st: _slide(cfg, spec, self.params, st, tok_B), lambda st: st, st)
         return (st, *rest)
-
-    state, tokens_BN, logits_BNV = jax.lax.while_loop(lambda c: may_sample(c[0]), segment,
-                                                      (state, tokens_BN, logits_BNV))
-    progress = jnp.stack([state.step, jnp.all(state.done_B).astype(jnp.int32)])
-    return state, tokens_BN, logits_BNV, progress
 
 
 def _start(params: Any, cfg: ModelConfig, req: _Request, dtype: str | None) -> tuple[Any, ModelConfig, DecodeState]:
