@@ -28,7 +28,7 @@ class Chip:
     ici_bandwidth: float  # bytes/s one ring collective can use per chip (0: not known)
 
 
-# Google Cloud's TPU pages (bf16 peak; HBM; bidirectional ICI per chip 600 / 400 / 1200 / 800 GB/s).
+# Google Cloud's TPU pages: bf16 peak, HBM, and ICI as half the bidirectional per-chip figure (one ring).
 TPUS: dict[str, Chip] = {
     "v4": Chip("v4", "TPU v4", 32 * GiB, 275e12, 1228e9, 300e9),
     "v5e": Chip("v5e", "TPU v5 lite", 16 * GiB, 197e12, 819e9, 200e9),

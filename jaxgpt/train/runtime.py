@@ -23,7 +23,7 @@ def use_cpu_devices(n: int) -> None:
     XLA:CPU runs the ops of one device largely one after another, and the small ones (norms, softmax,
     the attention of a 128-wide model) on a single thread; a second device working on its own half of
     the batch keeps the other core busy. It pays off for small models only (benchmarks/bench_train.py
-    times both: +20-25% on 4 x 128, nothing on 6 x 384). Only the CPU backend is affected: on GPUs and
+    times both; the README has the numbers). Only the CPU backend is affected: on GPUs and
     TPUs the mesh is made of those. JAX fixes the device count when it starts computing, hence the check.
     """
     if n < 0:
