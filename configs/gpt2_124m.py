@@ -8,7 +8,7 @@ The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over t
 """
 
 from jaxgpt.model.presets import get_preset
-from jaxgpt.train.config import base_config, model_fields
+from jaxgpt.train.config import base_config, model_fields, schedule
 
 
 def get_config():
@@ -16,19 +16,23 @@ def get_config():
     c.workdir = "runs/gpt2_124m"
     c.data.name = "openwebtext"
     c.data.dir = "data/openwebtext"
-    c.model = model_fields(get_preset("gpt2"), vocab_size=50304, dtype="bfloat16", param_dtype="float32",
-                           attention_impl="auto")
+    c.model = model_fields(
+        get_preset("gpt2"), vocab_size=50304, dtype="bfloat16", param_dtype="float32", attention_impl="auto"
+    )
     c.loss_chunk = 128
     c.batch_size = 480
     c.grad_accum = 8
-    c.max_steps = 600_000
-    c.optim.lr = 6e-4
-    c.optim.min_lr = 6e-5
-    c.optim.warmup_steps = 2000
-    c.optim.weight_decay = 0.1
-    c.optim.b2 = 0.95
-    c.eval_interval = 1000
-    c.eval_batches = 100
+    schedule(
+        c,
+        max_steps=600_000,
+        lr=6e-4,
+        min_lr=6e-5,
+        warmup_steps=2000,
+        weight_decay=0.1,
+        b2=0.95,
+        eval_interval=1000,
+        eval_batches=100,
+    )
     c.ckpt_interval = 1000
     c.log_interval = 10
     return c

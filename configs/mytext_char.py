@@ -10,7 +10,7 @@ sampling, evaluation and export.
 """
 
 from jaxgpt.model.presets import get_preset
-from jaxgpt.train.config import base_config, model_fields
+from jaxgpt.train.config import base_config, model_fields, schedule
 
 
 def get_config():
@@ -21,13 +21,16 @@ def get_config():
     c.model = model_fields(get_preset("gpt2"), vocab_size=None, block_size=256, n_layer=4, n_head=4, n_embd=128)
     c.batch_size = 32
     c.cpu_devices = 2
-    c.max_steps = 1000
-    c.optim.lr = 3e-3
-    c.optim.min_lr = 3e-4
-    c.optim.warmup_steps = 50
-    c.optim.weight_decay = 0.1
-    c.optim.b2 = 0.99
-    c.eval_interval = 250
-    c.eval_batches = 10
+    schedule(
+        c,
+        max_steps=1000,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=50,
+        weight_decay=0.1,
+        b2=0.99,
+        eval_interval=250,
+        eval_batches=10,
+    )
     c.sample.max_new_tokens = 300
     return c

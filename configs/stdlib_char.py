@@ -5,7 +5,7 @@ parallel over two CPU devices. See README.md for the time and validation loss me
 """
 
 from jaxgpt.model.presets import get_preset
-from jaxgpt.train.config import base_config, model_fields
+from jaxgpt.train.config import base_config, model_fields, schedule
 
 
 def get_config():
@@ -16,13 +16,16 @@ def get_config():
     c.model = model_fields(get_preset("gpt2"), vocab_size=None, block_size=256, n_layer=4, n_head=4, n_embd=128)
     c.batch_size = 32
     c.cpu_devices = 2  # on a CPU host, two data-parallel XLA devices: ~20% faster for a model this small
-    c.max_steps = 700
-    c.optim.lr = 3e-3
-    c.optim.min_lr = 3e-4
-    c.optim.warmup_steps = 50
-    c.optim.weight_decay = 0.1
-    c.optim.b2 = 0.99
-    c.eval_interval = 350
-    c.eval_batches = 10
+    schedule(
+        c,
+        max_steps=700,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=50,
+        weight_decay=0.1,
+        b2=0.99,
+        eval_interval=350,
+        eval_batches=10,
+    )
     c.sample.max_new_tokens = 500
     return c

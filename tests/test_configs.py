@@ -37,3 +37,22 @@ def test_config_resolves_and_builds(path: Path) -> None:
     else:
         shapes = jax.eval_shape(GPT(cfg.model).init, jax.random.key(0), idx)
     assert shapes["params"]
+
+
+def test_the_config_dict_is_derived_from_the_dataclasses_and_converted_back() -> None:
+    """base_config() holds exactly TrainConfig's keys; a key a config file invents is one error with a suggestion."""
+    import dataclasses
+
+    import pytest
+
+    from jaxgpt.errors import UserError
+    from jaxgpt.train.config import TrainConfig, base_config, from_config_dict
+
+    c = base_config()
+    keys = {f.name for f in dataclasses.fields(TrainConfig) if not f.metadata.get("derived")}
+    assert set(c.keys()) == keys
+    c.workdir = "runs/x"
+    assert from_config_dict(c).optim.decay_steps == c.max_steps  # unset: the run's length
+    c.optim.lrr = 1.0  # a config file may add keys to its (unlocked) ConfigDict
+    with pytest.raises(UserError, match=r"config.optim.lrr is not a config key: did you mean optim.lr\?"):
+        from_config_dict(c)

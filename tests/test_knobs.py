@@ -103,7 +103,7 @@ def test_bf16_matmuls_in_the_compiled_step() -> None:
     c = load_tiny(workdir="w", batch_size=4)
     c.model.vocab_size, c.model.block_size, c.model.dtype, c.model.param_dtype = 256, 64, "bfloat16", "float32"
     cfg = from_config_dict(c)
-    prog = layout.build_program(LanguageModelling(cfg, None), cfg.optim, layout.make_mesh(cfg.runtime.mesh), 4)
+    prog = layout.build_program(LanguageModelling(cfg, None), cfg.optim, layout.make_mesh(cfg.mesh.shape), 4)
     shape = (1, 4, 64)
     with prog.activate():
         hlo = prog.train_step.lower(prog.abstract_state, prog.abstract_batch({"x": shape, "y": shape}),

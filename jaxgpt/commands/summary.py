@@ -40,7 +40,7 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_integer("depth", 2, "path components that name a module row", lower_bound=1, flag_values=flags_)
 
 
-def model_fields(path: Path) -> dict[str, Any]:
+def model_settings_in(path: Path) -> dict[str, Any]:
     """The model fields of a config file: a whole training config's `model`, or just the model's fields.
 
     A plain file path rather than an ml_collections config flag, because a JSON file of fields is accepted too.
@@ -69,7 +69,7 @@ def model_config(flags_: flags.FlagValues) -> ModelConfig | Seq2SeqConfig:
     elif flags_.hf:
         cfg = hf_config_to_model_config(read_hf_config(flags_.hf), where=flags_.hf)
     else:
-        fields = model_fields(Path(flags_.config))
+        fields = model_settings_in(Path(flags_.config))
         if flags_.vocab_size is not None:
             fields["vocab_size"] = flags_.vocab_size
         elif fields.get("vocab_size") is None:

@@ -119,7 +119,7 @@ COUNTING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
 
 def program(cfg: TrainConfig, devices: list[Any]) -> layout.Program:
     """The trainer's language-model program on `devices` (a TPU topology's compile-only ones)."""
-    mesh = layout.make_mesh(cfg.runtime.mesh, devices)
+    mesh = layout.make_mesh(cfg.mesh.shape, devices)
     return layout.build_program(LanguageModelling(cfg, None), cfg.optim, mesh, cfg.batch_size, cfg.grad_accum)
 
 
@@ -206,7 +206,7 @@ def _setup(cfg: TrainConfig, topology: str, chip: Any, n_chips: int) -> dict[str
     return {
         "topology": topology, "chip": chip.name, "n_chips": n_chips, "hbm_bytes": chip.hbm_bytes,
         "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
-        "mesh": dict(zip(layout.MESH_AXES, layout.resolve_mesh_shape(cfg.runtime.mesh, n_chips), strict=True)),
+        "mesh": dict(zip(layout.MESH_AXES, layout.resolve_mesh_shape(cfg.mesh.shape, n_chips), strict=True)),
         "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.model.block_size,
         "loss_chunk": cfg.loss_chunk,
         "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "dtype",

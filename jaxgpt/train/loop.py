@@ -45,9 +45,9 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
     The task is `cfg.task`'s (`tasks.build`) unless one is given: any object with the `tasks.Task` methods
     trains here unchanged. The run owns its work directory while it trains (`rundir.WorkdirLock`).
     """
-    runtime.setup(cfg.runtime)
-    if cfg.wandb_project and jax.process_index() == 0:
-        require_wandb(cfg.wandb_project)
+    runtime.setup(cfg)
+    if cfg.wandb.project and jax.process_index() == 0:
+        require_wandb(cfg.wandb.project)
     task = task or tasks.build(cfg)
     workdir = runtime.check_workdir(cfg.workdir)
     rundir.check_not_foreign(workdir)
@@ -62,7 +62,7 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
 def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.WorkdirLock | None) -> dict[str, Any]:
     """`train` once the work directory is this run's: nothing in it changes before every check has passed."""
     is_main = jax.process_index() == 0
-    mesh = layout.make_mesh(cfg.runtime.mesh)
+    mesh = layout.make_mesh(cfg.mesh.shape)
     prog = layout.build_program(task, cfg.optim, mesh, cfg.batch_size, cfg.grad_accum)
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
     ckpt = Checkpointer(workdir, keep=cfg.keep_checkpoints)
@@ -174,7 +174,7 @@ class Meter:
 
     def __init__(self, cfg: TrainConfig, task: tasks.Task, workdir: Path, start: int, is_main: bool) -> None:
         self.cfg, self.task, self.is_main = cfg, task, is_main
-        self.log = MetricsLog(workdir, start, cfg.settings, cfg.wandb_project, cfg.wandb_name)
+        self.log = MetricsLog(workdir, start, cfg.settings, cfg.wandb.project, cfg.wandb.name)
         self.plain = is_main and not sys.stderr.isatty()  # a log file gets lines, not a bar's \r updates
         self.bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main or self.plain, unit="step",
                         dynamic_ncols=True)

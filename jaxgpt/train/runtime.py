@@ -1,7 +1,7 @@
 """What a process sets up before its first computation, and the checks on where a run writes.
 
 CPU devices, the persistent compile cache and `jax.distributed` must all be configured before JAX
-starts computing: `setup(cfg.runtime)` does them in that order. Vocabulary: what used to be `pjit` is
+starts computing: `setup(cfg)` does them in that order. Vocabulary: what used to be `pjit` is
 `jax.jit` with `NamedSharding`s on a `Mesh` (`jaxgpt.train.sharding`); `pmap` is not used. See docs/scaling.md.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from jaxgpt.errors import UserError
-from jaxgpt.train.config import DistributedConfig, RuntimeConfig
+from jaxgpt.train.config import DistributedConfig, TrainConfig
 
 
 def use_cpu_devices(n: int) -> None:
@@ -64,7 +64,7 @@ def initialize_distributed(d: DistributedConfig) -> None:
                         "num_processes and process_id, or launch on a TPU VM / under SLURM") from None
 
 
-def setup(cfg: RuntimeConfig) -> None:
+def setup(cfg: TrainConfig) -> None:
     """CPU devices, persistent compile cache and multi-host initialization: all must precede any computation."""
     use_cpu_devices(cfg.cpu_devices)
     if cfg.compilation_cache_dir:
