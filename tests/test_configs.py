@@ -56,3 +56,13 @@ def test_the_config_dict_is_derived_from_the_dataclasses_and_converted_back() ->
     c.optim.lrr = 1.0  # a config file may add keys to its (unlocked) ConfigDict
     with pytest.raises(UserError, match=r"config.optim.lrr is not a config key: did you mean optim.lr\?"):
         from_config_dict(c)
+
+
+def test_seed_names_stay_aliases_of_the_descriptive_presets() -> None:
+    """Old configs and commands that name a preset by its seed keep working; listings show the new names."""
+    from jaxgpt.model.presets import ALIASES, PRESETS, SEQ2SEQ_PRESETS, get_preset, get_seq2seq_preset
+
+    for old, new in ALIASES.items():
+        table, get = (SEQ2SEQ_PRESETS, get_seq2seq_preset) if old.endswith("-encdec") else (PRESETS, get_preset)
+        assert old not in list(table) and new in list(table) and old in table
+        assert get(old) is table[new] is table[old]

@@ -4,14 +4,14 @@
     jaxgpt plots attention --workdir DIR --prompt "Hello there" --layer 0 --out attn.png [--which best]
     jaxgpt plots attention --hf PATH --prompt "Hello there" --layer 5 --out attn.png [--bpe_file gpt2.tiktoken]
     jaxgpt plots attention --hf PATH --ids 464,2068,7586 --layer -1 --out attn.png
-    jaxgpt plots attention --preset seed000 --prompt "A long time ago" --layer 0 --out attn.png   (untrained)
-    jaxgpt plots attention --preset seed002-encdec --ids 5,6,7,8 --target_ids 1,5,6 --layer 0 --out attn.png
+    jaxgpt plots attention --preset annotated-transformer-decoder --prompt "A long time ago" --layer 0 --out attn.png   (untrained)
+    jaxgpt plots attention --preset keras-transformer --ids 5,6,7,8 --target_ids 1,5,6 --layer 0 --out attn.png
     jaxgpt plots positions --out positions.png [--length 100 --width 128 --layout sinusoidal --frequencies 4,16]
 
 The sub-command comes first; `jaxgpt plots SUBCOMMAND --help` lists its flags. A run's tokenizer labels
 the tokens; a Hugging Face directory or a preset with GPT-2's vocabulary is read with GPT-2's BPE, and --ids
 are shown as numbers when there is no tokenizer. An encoder-decoder (a seq2seq run, or a preset such as
-seed002-encdec) reads --prompt / --ids as the source and --target / --target_ids as the decoder's input
+keras-transformer) reads --prompt / --ids as the source and --target / --target_ids as the decoder's input
 (default: the source's tokens), and draws its encoder self-attention, decoder self-attention and
 cross-attention, one row each. `positions` draws the position-code matrix of seed 000's interleaved and
 seed 002's concatenated layouts, and the sine and cosine of a few frequencies over position.

@@ -1,7 +1,7 @@
 """Parameter table of a model: shapes and counts per module.
 
     jaxgpt summary --preset gpt2
-    jaxgpt summary --preset seed002-encdec  # an encoder-decoder preset (jaxgpt.model.presets.SEQ2SEQ_PRESETS)
+    jaxgpt summary --preset keras-transformer  # an encoder-decoder preset (jaxgpt.model.presets.SEQ2SEQ_PRESETS)
     jaxgpt summary --config configs/stdlib_char.py --vocab_size 100 [--depth 3]
     jaxgpt summary --hf path/to/gpt2        # only its config.json is read
 

@@ -6,17 +6,37 @@ configs override sizes (vocabulary, block size) to fit a dataset.
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+
+# The seed articles' models were first named after the articles; those names stay valid everywhere a preset
+# is named (configs, --preset, old configs in run directories).
+ALIASES = {"seed000": "annotated-transformer-decoder", "seed001": "gpt1", "seed002": "keras-transformer-decoder",
+           "seed004": "keras-mini-gpt", "seed000-encdec": "annotated-transformer",
+           "seed002-encdec": "keras-transformer"}
+
+
+class _Named(dict):
+    """Presets by name, answering to the old seed names too (listing only the descriptive ones)."""
+
+    def __missing__(self, key: str) -> Any:
+        if key in ALIASES and ALIASES[key] in self:
+            return self[ALIASES[key]]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(ALIASES.get(key, key) if isinstance(key, str) else key)
 
 _GPT2 = dict(vocab_size=50257, block_size=1024, activation="gelu_tanh", norm_placement="pre", final_norm=True,
              tie_embeddings=True, use_bias=True, norm_eps=1e-5, init="gpt2")
 
-PRESETS: dict[str, ModelConfig] = {
+PRESETS: dict[str, ModelConfig] = _Named({
     # Seed 000: the Annotated Transformer's decoder stack as a GPT (`make_model`), with tiktoken's r50k vocabulary.
     # Dropout on the embedding + position sum, inside attention and the feed-forward, and on each sub-layer's
     # output; Xavier-uniform matrices with PyTorch's default nn.Linear biases.
-    "seed000": ModelConfig(
+    "annotated-transformer-decoder": ModelConfig(
         vocab_size=50257, block_size=1024, n_layer=6, n_embd=512, n_head=8, d_ff=2048,
         position="sinusoidal", scale_embeddings=True, norm_placement="pre", final_norm=True,
         norm="unbiased_std", norm_eps=1e-6, activation="relu", use_bias=True, tie_embeddings=False,
@@ -25,7 +45,7 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-1's published vocabulary (40,478 BPE tokens); the padding id is 0 as in the seed. Its embedding dropout
     # acts on the token embedding before the positions are added; its modules keep PyTorch's default init except
     # the explicit normal(0.02) token table and feed-forward weights (init="gpt1_torch").
-    "seed001": ModelConfig(
+    "gpt1": ModelConfig(
         vocab_size=40478, block_size=512, n_layer=12, n_embd=768, n_head=12, d_ff=3072,
         position="learned", pad_positions=True, pad_id=0, norm_placement="post", final_norm=False,
         norm="layernorm", norm_eps=1e-5, activation="gelu", use_bias=True, tie_embeddings=True,
@@ -34,14 +54,14 @@ PRESETS: dict[str, ModelConfig] = {
     # embeddings, post-norm "Add & Norm" with Keras' eps 1e-3, per-head key_dim = d_model, 2048-token vocab.
     # Keras' `mask_zero=True` embedding: token 0 is padding, hidden as a key. Dropout inside attention and after
     # the feed-forward only (its attention layers add their output to the residual undropped).
-    "seed002": ModelConfig(
+    "keras-transformer-decoder": ModelConfig(
         vocab_size=2048, block_size=2048, n_layer=6, n_embd=512, n_head=8, head_dim=512, d_ff=2048,
         position="sinusoidal_concat", scale_embeddings=True, norm_placement="post", final_norm=False,
         norm="layernorm", norm_eps=1e-3, activation="relu", use_bias=True, tie_embeddings=False,
         pad_id=0, attn_dropout=0.1, resid_dropout=0.1, attn_resid_dropout=False, init="xavier"),
     # Seed 004: the one-block Keras GPT of "Generative Deep Learning" (10k vocab, 80 tokens, 256 wide,
     # 2 heads with key_dim 256, feed-forward 256), post-norm with eps 1e-6, softmax head untied.
-    "seed004": ModelConfig(
+    "keras-mini-gpt": ModelConfig(
         vocab_size=10000, block_size=80, n_layer=1, n_embd=256, n_head=2, head_dim=256, d_ff=256,
         position="learned", norm_placement="post", final_norm=False, norm="layernorm", norm_eps=1e-6,
         activation="relu", use_bias=True, tie_embeddings=False, resid_dropout=0.1, init="xavier"),
@@ -51,11 +71,11 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2-xl": ModelConfig(n_layer=48, n_embd=1600, n_head=25, **_GPT2),
     # A GPT-3-family 6.7B shape (32 x 4096, 2048 context) for pod-scale planning.
     "gpt-6.7b": ModelConfig(n_layer=32, n_embd=4096, n_head=32, **{**_GPT2, "block_size": 2048}),
-}
+})
 
 
 # Encoder-decoder models (`jaxgpt.model.encdec`): `model` holds the decoder and the choices both stacks share.
-SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = {
+SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = _Named({
     # Seed 002's Keras Transformer: 6 + 6 post-norm layers, 512 wide, 8 heads of key_dim = value_dim = 512,
     # feed-forward 2048, src_size = tgt_size = 2048 with mask_zero (pad id 0), concatenated sin/cos positions
     # over a table of vocab_size rows (so at most 2048 tokens), untied softmax head with bias. Its summary:
@@ -67,7 +87,7 @@ SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = {
     # Keras applies dropout inside attention and after the feed-forward only (attn_resid_dropout=False), and
     # masks token 0 (pad_id) in every attention. (The article sizes the decoder's embedding by src_size too; with
     # both vocabularies 2048 that changes nothing, here it is the target's.)
-    "seed002-encdec": Seq2SeqConfig(
+    "keras-transformer": Seq2SeqConfig(
         model=PRESETS["seed002"], n_encoder_layer=6, src_vocab_size=2048, src_block_size=2048),
     # Seed 000's source, the Annotated Transformer, `make_model(src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048,
     # h=8, dropout=0.1)`: pre-norm sub-layers with its unbiased-std LayerNorm (eps 1e-6) and a final norm after
@@ -75,9 +95,9 @@ SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = {
     # dropout 0.1 everywhere. Its code keeps the source and target embeddings and the Generator's biased Linear
     # separate (the paper's sharing is share_embeddings / tie_embeddings); both vocabularies are seed 000's r50k
     # (50,257 tokens).
-    "seed000-encdec": Seq2SeqConfig(
+    "annotated-transformer": Seq2SeqConfig(
         model=PRESETS["seed000"].replace(block_size=5000), n_encoder_layer=6, src_vocab_size=50257),
-}
+})
 
 
 def get_seq2seq_preset(name: str) -> Seq2SeqConfig:
