@@ -4,7 +4,8 @@
     jaxgpt plots attention --workdir DIR --prompt "Hello there" --layer 0 --out attn.png [--which best]
     jaxgpt plots attention --hf PATH --prompt "Hello there" --layer 5 --out attn.png [--bpe_file gpt2.tiktoken]
     jaxgpt plots attention --hf PATH --ids 464,2068,7586 --layer -1 --out attn.png
-    jaxgpt plots attention --preset annotated-transformer-decoder --prompt "A long time ago" --layer 0 --out attn.png   (untrained)
+    jaxgpt plots attention --preset annotated-transformer-decoder --prompt "A long time ago" --layer 0 \
+        --out attn.png   (untrained)
     jaxgpt plots attention --preset keras-transformer --ids 5,6,7,8 --target_ids 1,5,6 --layer 0 --out attn.png
     jaxgpt plots positions --out positions.png [--length 100 --width 128 --layout sinusoidal --frequencies 4,16]
 

@@ -6,7 +6,8 @@ tokenizer (GPT-2's BPE, or the character vocabulary of a jaxgpt export). `--pres
 samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which exercises the whole
 pipeline without training (seed 000's demo; the text is nonsense):
 
-    jaxgpt sample --preset annotated-transformer-decoder --prompt "A long time ago" --max_new_tokens 10 --temperature 0 --num_samples 2
+    jaxgpt sample --preset annotated-transformer-decoder --prompt "A long time ago" --max_new_tokens 10 \
+        --temperature 0 --num_samples 2
     python sample.py --workdir runs/stdlib_char --prompt "def " --temperature 0.8 --top_k 20   (from a checkout)
 
 An encoder-decoder run (task seq2seq) decodes `--source TEXT`, or `--source_file PATH` (one source per line,
@@ -56,7 +57,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: sample from a Hugging Face GPT-2 directory or "
                         "Hub repository, with its tokenizer", flag_values=flags_)
     flags.DEFINE_string("preset", None, "sample from a randomly initialized preset with the GPT-2 vocabulary "
-                        "(e.g. annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed", flag_values=flags_)
+                        "(e.g. annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed",
+                        flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["workdir", "init_from", "preset"], required=True, flag_values=flags_)
     flags.DEFINE_enum("which", "latest", ("latest", "best"), "which checkpoint of --workdir", flag_values=flags_)
     flags.DEFINE_string("prompt", None, "text to continue (default: empty, see above)", flag_values=flags_)
