@@ -205,3 +205,40 @@ def test_eval_and_harness_commands(exported: Path, task_dir: Path, tmp_path: Pat
     assert harness.main(["jaxgpt harness", "--model_args", f"init_from=hf:{exported}", "--tasks", "tiny_mc",
                          "--include_path", str(task_dir), "--limit", "4", "--device", "cpu"]) == 0
     assert "tiny_mc" in capsys.readouterr().out
+
+
+def test_hellaswag_during_training_equals_the_eval_of_its_checkpoint(tmp_path: Path, data_dir: Path) -> None:
+    """`eval.hellaswag` scores the run's own sharded parameters (rows split over two devices) at each evaluation
+    and logs eval/hellaswag_acc_norm; its numbers equal the one-device evaluation of the checkpoint saved there."""
+    from test_train import run_train, train_cmd
+
+    from jaxgpt.io import weights
+
+    rng = np.random.default_rng(8)
+    words = ["def", "self", "return", "import", "class", "value", "None", "for", "in", "if", "else", "list"]
+    phrase = lambda n: " ".join(rng.choice(words, n))  # characters the run's vocabulary has
+    examples = [{"ctx": phrase(4), "endings": [phrase(int(rng.integers(1, 3))) for _ in range(4)],
+                 "label": int(rng.integers(0, 4))} for _ in range(12)]
+    path = tmp_path / "hellaswag_val.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    workdir = tmp_path / "run"
+    proc = run_train(*train_cmd(workdir, data_dir, str(tmp_path / "xla"), "--config.max_steps=20",
+                                "--config.cpu_devices=2", "--config.eval.hellaswag=True",
+                                f"--config.eval.hellaswag_data={path}"))
+    assert "mesh {'data': 2," in proc.stdout and "hellaswag acc_norm" in proc.stdout
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "hellaswag_acc_norm" in r]
+    assert [r["step"] for r in logged] == [20]
+
+    loaded = weights.load(f"workdir:{workdir}")
+    alone = benchmarks.evaluate("hellaswag", loaded.params, loaded.model, loaded.tokenizer(), path, batch_size=4,
+                                progress=False)
+    assert (logged[0]["hellaswag_acc"], logged[0]["hellaswag_acc_norm"]) == (alone.accuracy, alone.accuracy_norm)
+
+
+def test_hellaswag_during_training_is_for_language_models() -> None:
+    from jaxgpt.errors import UserError
+    from jaxgpt.train.config import EvalConfig, TrainConfig
+
+    with pytest.raises(UserError, match=r"eval\.hellaswag scores a language model"):
+        TrainConfig(workdir="w", task="classify", eval=EvalConfig(hellaswag=True))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxgpt.data.corpora import download
@@ -27,6 +28,7 @@ from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.evals.loglik import Scorer
 from jaxgpt.model.config import ModelConfig
+from jaxgpt.train.config import EvalConfig
 
 CACHE = Path.home() / ".cache" / "jaxgpt"
 SOURCES = {
@@ -92,9 +94,14 @@ def read(path: str | Path) -> list[Example]:
     return examples
 
 
-def hellaswag(scorer: Scorer, tokenizer: Tokenizer, examples: Sequence[Example]) -> Result:
-    requests = [(tokenizer.encode(ex.context), tokenizer.encode(" " + ending))
-                for ex in examples for ending in ex.endings]
+def hellaswag_requests(tokenizer: Tokenizer, examples: Sequence[Example]) -> list[tuple[list[int], list[int]]]:
+    """The (context, " " + ending) token pairs to score, example by example, ending by ending."""
+    return [(tokenizer.encode(ex.context), tokenizer.encode(" " + ending)) for ex in examples for ending in ex.endings]
+
+
+def hellaswag(scorer: Scorer, examples: Sequence[Example], requests: Sequence[tuple[list[int], list[int]]]
+              ) -> Result:
+    """Accuracy over `examples` by summed and by per-token log-likelihood of their `hellaswag_requests`."""
     scores = iter(scorer.score(requests))
     hits = hits_norm = 0
     for ex in examples:
@@ -119,6 +126,27 @@ def lambada(scorer: Scorer, tokenizer: Tokenizer, records: Sequence[tuple[int, d
                   perplexity=math.exp(-mean_logprob))
 
 
+class DuringTraining:
+    """HellaSwag scored on a training run's sharded parameters at each of its evaluations (`config.eval`).
+
+    The file is read and tokenized once, when the run starts (a missing file stops it before it trains).
+    """
+
+    def __init__(self, settings: EvalConfig, cfg: ModelConfig, tokenizer: Tokenizer, batch_size: int,
+                 rows_sharding: jax.sharding.NamedSharding) -> None:
+        path = data_file("hellaswag", settings.hellaswag_data)
+        self.examples = read(path)[:settings.hellaswag_examples or None]
+        if not self.examples:
+            raise UserError(f"{path} holds no HellaSwag example")
+        self.requests = hellaswag_requests(tokenizer, self.examples)
+        self.cfg, self.batch_size, self.rows_sharding = cfg, batch_size, rows_sharding
+
+    def __call__(self, params: Any) -> dict[str, float]:
+        scorer = Scorer(params, self.cfg, self.batch_size, progress=False, rows_sharding=self.rows_sharding)
+        result = hellaswag(scorer, self.examples, self.requests)
+        return {"hellaswag_acc": result.accuracy, "hellaswag_acc_norm": result.accuracy_norm}
+
+
 def evaluate(task: str, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, path: Path, batch_size: int = 8,
              limit: int | None = None, progress: bool = True) -> Result:
     """Run `task` ("hellaswag" or "lambada") on the JSONL at `path`, optionally its first `limit` examples."""
@@ -127,7 +155,7 @@ def evaluate(task: str, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, pat
         examples = read(path)[:limit]
         if not examples:
             raise UserError(f"{path} holds no HellaSwag example")
-        return hellaswag(scorer, tokenizer, examples)
+        return hellaswag(scorer, examples, hellaswag_requests(tokenizer, examples))
     records = _records(path)[:limit]
     if not records:
         raise UserError(f"{path} holds no LAMBADA passage")

@@ -18,11 +18,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
+from jaxgpt.train.sharding import global_array, local_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +36,6 @@ class Score:
     tokens: int
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
 def _token_logprobs(params: Any, inputs_BT: jax.Array, targets_BT: jax.Array, *, cfg: ModelConfig
                     ) -> tuple[jax.Array, jax.Array]:
     """Per position: log p(target | inputs so far) and whether the target is the argmax."""
@@ -42,6 +43,12 @@ def _token_logprobs(params: Any, inputs_BT: jax.Array, targets_BT: jax.Array, *,
     logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
     picked_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
     return picked_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
+
+
+@functools.cache
+def _compiled(cfg: ModelConfig, out_sharding: NamedSharding | None) -> Any:
+    """One jitted scorer per model and placement, so a new Scorer (each evaluation of a run) compiles nothing."""
+    return jax.jit(functools.partial(_token_logprobs, cfg=cfg), out_shardings=out_sharding)
 
 
 def bucket(length: int, block_size: int) -> int:
@@ -64,12 +71,27 @@ def window(context: Sequence[int], continuation: Sequence[int], block_size: int)
 
 
 class Scorer:
-    """Scores (context, continuation) token-id pairs with one model; see the module docstring."""
+    """Scores (context, continuation) token-id pairs with one model; see the module docstring.
 
-    def __init__(self, params: Any, cfg: ModelConfig, batch_size: int = 8, progress: bool = True) -> None:
+    With `rows_sharding` (a training run's evaluation batch sharding), each batch is assembled from the rows this
+    process's devices hold, the model runs on the run's sharded parameters, and the results come back replicated,
+    so every process of a multi-host run gets the same scores.
+    """
+
+    def __init__(self, params: Any, cfg: ModelConfig, batch_size: int = 8, progress: bool = True,
+                 rows_sharding: jax.sharding.NamedSharding | None = None) -> None:
         if batch_size < 1:
             raise UserError(f"batch_size={batch_size} must be at least 1")
         self.params, self.cfg, self.batch_size, self.progress = params, cfg, batch_size, progress
+        self.rows_sharding = rows_sharding
+        replicated = None if rows_sharding is None else NamedSharding(rows_sharding.mesh, PartitionSpec())
+        self._logprobs = _compiled(cfg, replicated)
+
+    def _place(self, rows_BT: np.ndarray) -> Any:
+        if self.rows_sharding is None:
+            return rows_BT
+        spans = local_rows(self.rows_sharding, rows_BT.shape, dim=0)
+        return global_array(self.rows_sharding, np.concatenate([rows_BT[a:b] for a, b in spans]), rows_BT.shape)
 
     def score(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Score]:
         rows = [window(ctx, cont, self.cfg.block_size) for ctx, cont in requests]
@@ -87,7 +109,7 @@ class Scorer:
         targets = np.zeros((self.batch_size, T), np.int32)
         for r, (tokens, _) in enumerate(rows):
             inputs[r, :len(tokens) - 1], targets[r, :len(tokens) - 1] = tokens[:-1], tokens[1:]
-        logp, hit = jax.device_get(_token_logprobs(self.params, inputs, targets, cfg=self.cfg))
+        logp, hit = jax.device_get(self._logprobs(self.params, self._place(inputs), self._place(targets)))
         scores = []
         for r, (tokens, n) in enumerate(rows):
             span = slice(len(tokens) - 1 - n, len(tokens) - 1)

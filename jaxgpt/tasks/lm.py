@@ -184,7 +184,9 @@ class LanguageModelling:
         return ""
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        return f"step {step}: train loss {metrics['train_loss']:.4f}, val loss {metrics['val_loss']:.4f}"
+        line = f"step {step}: train loss {metrics['train_loss']:.4f}, val loss {metrics['val_loss']:.4f}"
+        return line + (f", hellaswag acc_norm {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics
+                       else "")
 
     def final_line(self, metrics: dict[str, Any]) -> str | None:
         return None

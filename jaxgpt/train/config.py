@@ -114,6 +114,19 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Benchmarks scored at every evaluation of a language-modelling run (`jaxgpt.evals.benchmarks`)."""
+
+    hellaswag: bool = False  # HellaSwag accuracy, logged as eval/hellaswag_acc_norm and eval/hellaswag_acc
+    hellaswag_data: str = ""  # its validation JSONL ("": downloaded once into ~/.cache/jaxgpt)
+    hellaswag_examples: int = 0  # the first N examples (0: all of them)
+
+    def __post_init__(self) -> None:
+        if self.hellaswag_examples < 0:
+            raise UserError(f"config.eval.hellaswag_examples={self.hellaswag_examples} must be >= 0 (0: all)")
+
+
+@dataclasses.dataclass(frozen=True)
 class SampleConfig:
     """The sample printed when a language-model run ends."""
 
@@ -166,6 +179,7 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 250
     eval_batches: int = 20  # language modelling: batches per evaluation (classification uses all held-out rows)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     ckpt_interval: int = 500  # also saved after every evaluation and at the end
     keep_checkpoints: int = 2  # the last N, plus the best by validation loss
     resume: bool = True  # continue from the work directory's latest checkpoint when it has one
@@ -202,6 +216,8 @@ class TrainConfig:
             raise UserError(f"config.label_smoothing={self.label_smoothing} must be in [0, 1) (the paper's is 0.1)")
         if self.label_smoothing and self.task == "classify":
             raise UserError("config.label_smoothing applies to tasks lm and seq2seq: set it to 0 for classify")
+        if self.eval.hellaswag and self.task != "lm":
+            raise UserError(f"config.eval.hellaswag scores a language model: leave it False for task {self.task!r}")
         if self.label_smoothing and self.loss_chunk:
             raise UserError("config.label_smoothing needs the dense loss: set config.loss_chunk=0")
 

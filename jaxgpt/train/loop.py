@@ -22,7 +22,9 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxgpt import tasks
+from jaxgpt.data.tokenizer import tokenizer_from_meta
 from jaxgpt.errors import UserError
+from jaxgpt.evals.benchmarks import DuringTraining
 from jaxgpt.train import resume, rundir, runtime
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.checkpoint import Checkpointer, state_bytes
@@ -79,13 +81,13 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
             ckpt.close()
             return _finished(cfg, task, workdir, state, start)
         _check_space(ckpt, prog.abstract_state)
+        feed = Feed(cfg, task, prog, mesh)
         if is_main:
             lock.record_holder()
             rundir.record_start(workdir, cfg.settings, start)
             n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
             print(f"model: {n_params:,} parameters; mesh {dict(mesh.shape)}; "
                   f"{'resuming at step ' + str(start) if start else 'starting from step 0'}", flush=True)
-        feed = Feed(cfg, task, prog, mesh)
         t0 = time.perf_counter()
         compiled = prog.train_step.lower(state, feed.batch(start), dropout_key).compile()
         compile_s = time.perf_counter() - t0
@@ -150,6 +152,10 @@ class Feed:
         self.evals = {split: [self._global(prog.eval_sh, rows, task.eval_rows_per_batch) for rows in batches]
                       for split, batches in layout.read_rows(task.eval_rows, eval_spans,
                                                              task.eval_rows_per_batch).items()}
+        self.hellaswag = (DuringTraining(cfg.eval, task.model_cfg, tokenizer_from_meta(task.tokenizer_meta,
+                                                                                       cfg.data.bpe_file or None),
+                                         task.eval_rows_per_batch, layout.batch_sharding(mesh, 2))
+                          if cfg.eval.hellaswag else None)
 
     @staticmethod
     def _global(shardings: dict, rows: dict[str, np.ndarray], n_rows: int, leading: tuple = ()) -> dict:
@@ -164,8 +170,9 @@ class Feed:
                             leading=(A,))
 
     def evaluate(self, params: Any) -> dict[str, Any]:
-        return self.task.summarize({split: jax.device_get([self.prog.eval_step(params, b) for b in batches])
-                                    for split, batches in self.evals.items()})
+        metrics = self.task.summarize({split: jax.device_get([self.prog.eval_step(params, b) for b in batches])
+                                       for split, batches in self.evals.items()})
+        return metrics | (self.hellaswag(params) if self.hellaswag is not None else {})
 
 
 class Meter:
