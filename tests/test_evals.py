@@ -22,6 +22,7 @@ if not os.environ.get("JAXGPT_BPE_FILE"):
 
 import numpy_reference as ref
 from test_hf import random_params
+from tests_helpers import logged_eval, write_hellaswag_fixture
 
 from jaxgpt.data.tokenizer import load_bpe
 from jaxgpt.evals import benchmarks
@@ -214,26 +215,19 @@ def test_hellaswag_during_training_equals_the_eval_of_its_checkpoint(tmp_path: P
 
     from jaxgpt.io import weights
 
-    rng = np.random.default_rng(8)
-    words = ["def", "self", "return", "import", "class", "value", "None", "for", "in", "if", "else", "list"]
-    phrase = lambda n: " ".join(rng.choice(words, n))  # characters the run's vocabulary has
-    examples = [{"ctx": phrase(4), "endings": [phrase(int(rng.integers(1, 3))) for _ in range(4)],
-                 "label": int(rng.integers(0, 4))} for _ in range(12)]
-    path = tmp_path / "hellaswag_val.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    path = write_hellaswag_fixture(tmp_path / "hellaswag_val.jsonl", 12)
     workdir = tmp_path / "run"
     proc = run_train(*train_cmd(workdir, data_dir, str(tmp_path / "xla"), "--config.max_steps=20",
                                 "--config.cpu_devices=2", "--config.eval.hellaswag=True",
                                 f"--config.eval.hellaswag_data={path}"))
     assert "mesh {'data': 2," in proc.stdout and "hellaswag acc_norm" in proc.stdout
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in rows if "hellaswag_acc_norm" in r]
-    assert [r["step"] for r in logged] == [20]
+    acc, acc_norm = logged_eval(workdir, "hellaswag_acc"), logged_eval(workdir, "hellaswag_acc_norm")
+    assert [step for step, _ in acc_norm] == [20]
 
     loaded = weights.load(f"workdir:{workdir}")
     alone = benchmarks.evaluate("hellaswag", loaded.params, loaded.model, loaded.tokenizer(), path, batch_size=4,
                                 progress=False)
-    assert (logged[0]["hellaswag_acc"], logged[0]["hellaswag_acc_norm"]) == (alone.accuracy, alone.accuracy_norm)
+    assert (acc[0][1], acc_norm[0][1]) == (alone.accuracy, alone.accuracy_norm)
 
 
 def test_hellaswag_during_training_is_for_language_models() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import traverse_util
-from tests_helpers import logged_losses
+from tests_helpers import logged_eval, logged_losses, write_hellaswag_fixture
 
 from jaxgpt.io.weights import load
 from jaxgpt.train import sharding as layout
@@ -79,7 +79,9 @@ def final_params(workdir: Path) -> dict:
 
 def test_two_processes_equal_one_process_with_four_devices(tmp_path: Path, data_dir: Path) -> None:
     # Data split across the hosts, tensor within them; two micro-batches, whose rows interleave across hosts.
-    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2", "--config.grad_accum=2"]
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2", "--config.grad_accum=2",
+            "--config.eval.hellaswag=True",
+            f"--config.eval.hellaswag_data={write_hellaswag_fixture(tmp_path / 'hellaswag.jsonl', 10)}"]
     ref = start(tmp_path / "ref", data_dir, 4, *mesh, log=tmp_path / "ref")
     pair = start_pair(tmp_path / "multi", data_dir, *mesh, logs=tmp_path)
     codes = finish([ref, *pair])
@@ -91,6 +93,9 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path: Path, data_
     diffs = [abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)]
     print(f"2 processes x 2 devices vs 1 x 4: max |loss diff| = {max(diffs):.2e}")
     assert max(diffs) < TOL, diffs
+    # HellaSwag during training: each host scores the rows its devices hold; both runs pick the same endings.
+    assert logged_eval(tmp_path / "multi", "hellaswag_acc_norm") == logged_eval(tmp_path / "ref", "hellaswag_acc_norm")
+    assert len(logged_eval(tmp_path / "ref", "hellaswag_acc_norm")) == 1
 
     # Only process 0 prints (gloo's C++ library prints its connection lines itself, on both).
     out0, out1 = (tmp_path / "p0.out").read_text(), (tmp_path / "p1.out").read_text()

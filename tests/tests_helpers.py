@@ -40,6 +40,25 @@ def prepare_test_corpus(out: Path) -> Path:
     return out
 
 
+def write_hellaswag_fixture(path: Path, n: int, seed: int = 8) -> Path:
+    """A HellaSwag-format JSONL of `n` examples spelled with characters the test corpus's vocabulary has."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = ["def", "self", "return", "import", "class", "value", "None", "for", "in", "if", "else", "list"]
+    phrase = lambda k: " ".join(rng.choice(words, k))
+    examples = [{"ctx": phrase(4), "endings": [phrase(int(rng.integers(1, 3))) for _ in range(4)],
+                 "label": int(rng.integers(0, 4))} for _ in range(n)]
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+def logged_eval(workdir: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every evaluation record of a run's metrics.jsonl that has `key`."""
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r[key]) for r in rows if key in r]
+
+
 def logged_losses(workdir: Path) -> list[tuple[int, float]]:
     """(step, train loss) of every periodic record in a run's metrics.jsonl, in the order written."""
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
