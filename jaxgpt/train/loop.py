@@ -24,7 +24,6 @@ from tqdm import tqdm
 from jaxgpt import tasks
 from jaxgpt.data.tokenizer import tokenizer_from_meta
 from jaxgpt.errors import UserError
-from jaxgpt.evals.benchmarks import DuringTraining
 from jaxgpt.train import resume, rundir, runtime
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.checkpoint import Checkpointer, state_bytes
@@ -152,10 +151,13 @@ class Feed:
         self.evals = {split: [self._global(prog.eval_sh, rows, task.eval_rows_per_batch) for rows in batches]
                       for split, batches in layout.read_rows(task.eval_rows, eval_spans,
                                                              task.eval_rows_per_batch).items()}
-        self.hellaswag = (DuringTraining(cfg.eval, task.model_cfg, tokenizer_from_meta(task.tokenizer_meta,
-                                                                                       cfg.data.bpe_file or None),
-                                         task.eval_rows_per_batch, layout.batch_sharding(mesh, 2))
-                          if cfg.eval.hellaswag else None)
+        self.hellaswag = None
+        if cfg.eval.hellaswag:
+            from jaxgpt.evals.benchmarks import DuringTraining  # the evals package loads only for runs that use it
+
+            tokenizer = tokenizer_from_meta(task.tokenizer_meta, cfg.data.bpe_file or None)
+            self.hellaswag = DuringTraining(cfg.eval, task.model_cfg, tokenizer, task.eval_rows_per_batch,
+                                            layout.batch_sharding(mesh, 2))
 
     @staticmethod
     def _global(shardings: dict, rows: dict[str, np.ndarray], n_rows: int, leading: tuple = ()) -> dict:
