@@ -22,7 +22,6 @@ if not os.environ.get("JAXGPT_BPE_FILE"):
 
 import numpy_reference as ref
 from test_hf import random_params
-from tests_helpers import logged_eval, write_hellaswag_fixture
 
 from jaxgpt.data.tokenizer import load_bpe
 from jaxgpt.evals import benchmarks
@@ -207,32 +206,3 @@ def test_eval_and_harness_commands(exported: Path, task_dir: Path, tmp_path: Pat
                          "--include_path", str(task_dir), "--limit", "4", "--device", "cpu"]) == 0
     assert "tiny_mc" in capsys.readouterr().out
 
-
-def test_hellaswag_during_training_equals_the_eval_of_its_checkpoint(tmp_path: Path, data_dir: Path) -> None:
-    """`eval.hellaswag` scores the run's own sharded parameters (rows split over two devices) at each evaluation
-    and logs eval/hellaswag_acc_norm; its numbers equal the one-device evaluation of the checkpoint saved there."""
-    from test_train import run_train, train_cmd
-
-    from jaxgpt.io import weights
-
-    path = write_hellaswag_fixture(tmp_path / "hellaswag_val.jsonl", 12)
-    workdir = tmp_path / "run"
-    proc = run_train(*train_cmd(workdir, data_dir, str(tmp_path / "xla"), "--config.max_steps=20",
-                                "--config.cpu_devices=2", "--config.eval.hellaswag=True",
-                                f"--config.eval.hellaswag_data={path}"))
-    assert "mesh {'data': 2," in proc.stdout and "hellaswag acc_norm" in proc.stdout
-    acc, acc_norm = logged_eval(workdir, "hellaswag_acc"), logged_eval(workdir, "hellaswag_acc_norm")
-    assert [step for step, _ in acc_norm] == [20]
-
-    loaded = weights.load(f"workdir:{workdir}")
-    alone = benchmarks.evaluate("hellaswag", loaded.params, loaded.model, loaded.tokenizer(), path, batch_size=4,
-                                progress=False)
-    assert (acc[0][1], acc_norm[0][1]) == (alone.accuracy, alone.accuracy_norm)
-
-
-def test_hellaswag_during_training_is_for_language_models() -> None:
-    from jaxgpt.errors import UserError
-    from jaxgpt.train.config import EvalConfig, TrainConfig
-
-    with pytest.raises(UserError, match=r"eval\.hellaswag scores a language model"):
-        TrainConfig(workdir="w", task="classify", eval=EvalConfig(hellaswag=True))

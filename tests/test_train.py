@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
-from tests_helpers import logged_losses
+from tests_helpers import logged_eval, logged_losses, write_hellaswag_fixture
 
 from jaxgpt.train import optim
 from jaxgpt.train.checkpoint import Checkpointer
@@ -295,3 +295,32 @@ def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_
     assert second["val_loss"] < first["val_loss"] + 0.05  # starts where the first run ended, not from scratch
     with pytest.raises(Exception, match="different architecture"):
         load_for(f"workdir:{tmp_path / 'first'}", cfg.replace(n_layer=3))
+
+
+def test_hellaswag_during_training_equals_the_eval_of_its_checkpoint(tmp_path: Path, data_dir: Path) -> None:
+    """`eval.hellaswag` scores the run's own sharded parameters (rows split over two devices) at each evaluation
+    and logs eval/hellaswag_acc_norm; its numbers equal the one-device evaluation of the checkpoint saved there."""
+    from jaxgpt.evals import benchmarks
+    from jaxgpt.io import weights
+
+    path = write_hellaswag_fixture(tmp_path / "hellaswag_val.jsonl", 12)
+    workdir = tmp_path / "run"
+    proc = run_train(*train_cmd(workdir, data_dir, str(tmp_path / "xla"), "--config.max_steps=20",
+                                "--config.cpu_devices=2", "--config.eval.hellaswag=True",
+                                f"--config.eval.hellaswag_data={path}"))
+    assert "mesh {'data': 2," in proc.stdout and "hellaswag acc_norm" in proc.stdout
+    acc, acc_norm = logged_eval(workdir, "hellaswag_acc"), logged_eval(workdir, "hellaswag_acc_norm")
+    assert [step for step, _ in acc_norm] == [20]
+
+    loaded = weights.load(f"workdir:{workdir}")
+    alone = benchmarks.evaluate("hellaswag", loaded.params, loaded.model, loaded.tokenizer(), path, batch_size=4,
+                                progress=False)
+    assert (acc[0][1], acc_norm[0][1]) == (alone.accuracy, alone.accuracy_norm)
+
+
+def test_hellaswag_during_training_is_for_language_models() -> None:
+    from jaxgpt.errors import UserError
+    from jaxgpt.train.config import EvalConfig, TrainConfig
+
+    with pytest.raises(UserError, match=r"eval\.hellaswag scores a language model"):
+        TrainConfig(workdir="w", task="classify", eval=EvalConfig(hellaswag=True))
