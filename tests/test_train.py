@@ -297,7 +297,8 @@ def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_
         load_for(f"workdir:{tmp_path / 'first'}", cfg.replace(n_layer=3))
 
 
-def test_hellaswag_during_training_equals_the_eval_of_its_checkpoint(tmp_path: Path, data_dir: Path) -> None:
+def test_hellaswag_during_training_equals_the_eval_of_its_checkpoint(tmp_path: Path, data_dir: Path,
+                                                                    xla_cache: str) -> None:
     """`eval.hellaswag` scores the run's own sharded parameters (rows split over two devices) at each evaluation
     and logs eval/hellaswag_acc_norm; its numbers equal the one-device evaluation of the checkpoint saved there."""
     from jaxgpt.evals import benchmarks
@@ -305,7 +306,7 @@ def test_hellaswag_during_training_equals_the_eval_of_its_checkpoint(tmp_path: P
 
     path = write_hellaswag_fixture(tmp_path / "hellaswag_val.jsonl", 12)
     workdir = tmp_path / "run"
-    proc = run_train(*train_cmd(workdir, data_dir, str(tmp_path / "xla"), "--config.max_steps=20",
+    proc = run_train(*train_cmd(workdir, data_dir, xla_cache, "--config.max_steps=20",
                                 "--config.cpu_devices=2", "--config.eval.hellaswag=True",
                                 f"--config.eval.hellaswag_data={path}"))
     assert "mesh {'data': 2," in proc.stdout and "hellaswag acc_norm" in proc.stdout
