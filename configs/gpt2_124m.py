@@ -1,4 +1,8 @@
-"""GPT-2 124M on an OpenWebText-style web corpus (GPT-2 BPE), nanoGPT's reproduction recipe.
+"""GPT-2 124M on FineWeb-Edu (GPT-2 BPE), nanoGPT's reproduction recipe.
+
+The data is FineWeb-Edu's 10B-token sample, streamed and tokenized into data/fineweb_edu on first use (or
+beforehand: `jaxgpt data --dataset fineweb_edu --out data/fineweb_edu`). Published llm.c / modded-nanogpt
+shards train as they are: --config.data.name= --config.data.dir=PATH/TO/fineweb10B.
 
 About 0.5M tokens per step (480 sequences of 1024), 600k steps; bf16 compute with fp32 parameters
 and optimizer state; the platform's fused attention (`auto`: splash on TPU, cuDNN on GPU) and a loss
@@ -14,8 +18,8 @@ from jaxgpt.train.config import base_config, model_fields, schedule
 def get_config():
     c = base_config()
     c.workdir = "runs/gpt2_124m"
-    c.data.name = "openwebtext"
-    c.data.dir = "data/openwebtext"
+    c.data.name = "fineweb_edu"
+    c.data.dir = "data/fineweb_edu"
     c.model = model_fields(
         get_preset("gpt2"), vocab_size=50304, dtype="bfloat16", param_dtype="float32", attention_impl="auto"
     )

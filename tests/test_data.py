@@ -15,12 +15,15 @@ from jaxgpt.data import dataset as data
 from jaxgpt.data import tokenizer as tok
 from jaxgpt.data.batches import batch_for_step, eval_batches
 from jaxgpt.data.corpora import prepare_builtin
-from jaxgpt.data.dataset import load_dataset, prepare_text
-from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, load_bpe
+from jaxgpt.data.dataset import load_dataset
+from jaxgpt.data.prepare import prepare_text
+from jaxgpt.data.sources import hub_stream
+from jaxgpt.data.tokenizer import CharTokenizer, load_bpe
 from jaxgpt.errors import UserError
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 VOCAB = "".join(sorted(set(TEXT)))
+SHARD = "tokens_000000.bin"  # the one shard of a small dataset
 
 
 @pytest.fixture
@@ -31,7 +34,7 @@ def prepared(tmp_path) -> Path:
 
 
 def _bin_bytes(directory: Path) -> dict[str, bytes]:
-    return {name: (directory / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
+    return {path.name: path.read_bytes() for path in directory.iterdir()}
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -40,16 +43,16 @@ def _bin_bytes(directory: Path) -> dict[str, bytes]:
 def test_prepare_char_writes_uint16_splits_and_meta(prepared):
     meta = json.loads((prepared / "meta.json").read_text())
     n_val = int(len(TEXT) * 0.1)
-    assert meta["format_version"] == data.FORMAT_VERSION
+    assert meta["format_version"] == 2
     assert meta["dtype"] == "uint16"
     assert (meta["n_train"], meta["n_val"]) == (len(TEXT) - n_val, n_val)
     assert meta["tokenizer"] == {"type": "char", "chars": VOCAB, "vocab_size": len(VOCAB)}
     assert meta["vocab_size"] == len(VOCAB)
     assert meta["source"]
-    for split in ("train", "val"):
-        assert meta[f"{split}_sha256"] == data._sha256_file(prepared / f"{split}.bin")
-    assert (prepared / "train.bin").stat().st_size == 2 * meta["n_train"]
-    assert not [p for p in prepared.iterdir() if p.name.endswith(".tmp")]
+    assert [s["file"] for s in meta["shards"]] == ["tokens_000000.bin"]
+    assert meta["shards"][0]["sha256"] == data._sha256_file(prepared / "tokens_000000.bin")
+    assert (prepared / "tokens_000000.bin").stat().st_size == 2 * len(TEXT) == 2 * meta["shards"][0]["tokens"]
+    assert [p.name for p in prepared.parent.iterdir()] == ["ds"]  # no workspace or lock left
 
 
 def test_prepared_splits_decode_to_the_text_in_order(prepared):
@@ -113,24 +116,16 @@ def test_missing_or_non_utf8_text_file_is_a_user_error(tmp_path):
         prepare_text([latin1], tmp_path / "ds")
 
 
-class _HugeVocab(Tokenizer):
-    """A stand-in whose vocabulary cannot be stored as uint16."""
-
-    name, vocab_size, eot_token = "huge", 70_000, None
-
-    def encode_array(self, text):
-        return np.zeros(len(text), dtype=np.int64)
-
-    def decode(self, ids):
-        return ""
-
-    def to_meta(self):
-        return {"type": "huge"}
-
-
-def test_vocabulary_beyond_uint16_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="uint16"):
-        prepare_text([TEXT], tmp_path / "ds", _HugeVocab())
+def test_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path):
+    """70,000 words: ids past 65,535 survive the token files (uint32) and decode back to the text."""
+    words = [f"w{i}" for i in range(70_000 - 2)]
+    text = " ".join(words[::-1])
+    meta = prepare_text([text], tmp_path / "ds", tok.WordTokenizer(words), val_fraction=0.01)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_000
+    ds = load_dataset(tmp_path / "ds")
+    ids = np.concatenate([ds.train, ds.val])
+    assert ids.dtype == np.uint32 and ids.max() == 70_000 - 1
+    assert ds.tokenizer.decode(ids.tolist()) == text
 
 
 def test_existing_different_dataset_is_not_overwritten(prepared):
@@ -163,7 +158,7 @@ def test_failure_while_tokenizing_keeps_the_old_dataset(prepared):
     with pytest.raises(RuntimeError):
         prepare_text([TEXT.upper()], prepared, Failing("ABC"), overwrite=True)
     assert _bin_bytes(prepared) == before
-    assert sorted(p.name for p in prepared.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in prepared.iterdir()) == ["meta.json", "tokens_000000.bin"]
 
 
 def test_interrupted_commit_never_leaves_a_valid_looking_mix(prepared, monkeypatch):
@@ -262,7 +257,7 @@ def test_shakespeare_uses_an_already_downloaded_copy(tmp_path, monkeypatch):
 def test_openwebtext_without_datasets_package_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(UserError, match="pip install datasets"):
-        next(datasets._hub_documents("HuggingFaceFW/fineweb", "sample-10BT", None))
+        next(hub_stream("HuggingFaceFW/fineweb", "sample-10BT"))
 
 
 def test_unknown_builtin_dataset_is_a_user_error(tmp_path):
@@ -283,9 +278,9 @@ def test_load_missing_directory_or_meta(tmp_path):
     [
         (lambda d: (d / "meta.json").write_text("{oops"), "not valid JSON"),
         (lambda d: (d / "meta.json").write_text("[1, 2]"), "JSON object"),
-        (lambda d: (d / "val.bin").unlink(), "val.bin is missing"),
-        (lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:-2]), "truncated"),
-        (lambda d: (d / "train.bin").write_bytes(b"\0\0" + (d / "train.bin").read_bytes()[2:]), "sha256"),
+        (lambda d: (d / SHARD).unlink(), f"{SHARD} is missing"),
+        (lambda d: (d / SHARD).write_bytes((d / SHARD).read_bytes()[:-2]), "truncated"),
+        (lambda d: (d / SHARD).write_bytes(b"\0\0" + (d / SHARD).read_bytes()[2:]), "sha256"),
     ],
 )
 def test_corrupt_dataset_is_a_user_error(prepared, corrupt, message):
@@ -306,7 +301,7 @@ def test_meta_with_bad_fields_is_a_user_error(prepared, field, value):
 
 
 def test_verify_false_skips_only_the_hash(prepared):
-    (prepared / "train.bin").write_bytes(b"\0\0" + (prepared / "train.bin").read_bytes()[2:])
+    (prepared / SHARD).write_bytes(b"\0\0" + (prepared / SHARD).read_bytes()[2:])
     assert load_dataset(prepared, verify=False).train[0] == 0
 
 

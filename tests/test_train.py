@@ -195,10 +195,10 @@ def test_bad_data_and_workdir_are_one_line_errors(tmp_path: Path, data_dir: Path
     corrupt.mkdir()
     for f in data_dir.iterdir():
         (corrupt / f.name).write_bytes(f.read_bytes())
-    with (corrupt / "val.bin").open("r+b") as f:
+    with (corrupt / "tokens_000000.bin").open("r+b") as f:
         f.write(b"\xff\xff")
     bad = run_train(*train_cmd(tmp_path / "w", corrupt, xla_cache), check=False)
-    assert bad.returncode == 2 and "val.bin" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "tokens_000000.bin" in bad.stderr and "Traceback" not in bad.stderr
 
     blocker = tmp_path / "a-file"
     blocker.write_text("a file where the work directory should go")

@@ -33,7 +33,7 @@ def prepare_test_corpus(out: Path) -> Path:
     """
     from json import decoder, encoder
 
-    from jaxgpt.data.dataset import prepare_text
+    from jaxgpt.data.prepare import prepare_text
 
     sources = [Path(m.__file__).read_text() for m in (decoder, encoder, signal, subprocess)]
     prepare_text(sources, out, None, 0.1, "test sources", False)

@@ -2,20 +2,28 @@
 
     jaxgpt data --dataset stdlib_char --out data/stdlib_char
     jaxgpt data --dataset shakespeare --out data/shakespeare [--bpe_file gpt2.tiktoken]
+    jaxgpt data --dataset fineweb_edu --out data/fineweb_edu [--max_documents 100000]
     jaxgpt data --text a.txt b.txt --tokenizer char --out data/mine [--overwrite]
+    jaxgpt data --text 'corpus/*.jsonl' --tokenizer gpt2 --out data/corpus --workers 8 [--text_field text]
+    jaxgpt data --hf_dataset HuggingFaceFW/fineweb-edu:sample-10BT --tokenizer gpt2 --out data/edu
     jaxgpt data --text a.txt --tokenizer word --vocab_size 10000 --out data/mine_words
     jaxgpt data --dataset wine_reviews --csv winemag-data-130k-v2.csv --out data/wine_reviews
 
-Files given to --text (several after one --text, or one per --text) are concatenated in order; the last
---val_fraction of the tokens becomes the validation split. One summary line is printed when done, and for word
-tokens (--tokenizer word, wine_reviews) a second with how many tokens are the unknown word. The dataset
-is written into a temporary directory and moved into place complete: a failure or a full disk leaves nothing
-that looks prepared.
+--text takes files, directories (every file below, sorted) and glob patterns, several after one --text or
+one per --text, concatenated in order: .jsonl and .parquet files hold one document per record (the
+--text_field column), any other file is one UTF-8 document. --workers processes tokenize in parallel into
+token shards of --shard_tokens ids, written as they fill, so memory stays bounded for any corpus; the
+shards are the same for any number of workers. Running the same command after an interruption resumes from
+the completed shards. The last --val_fraction of the tokens becomes the validation split. One summary line is
+printed when done, and for word tokens (--tokenizer word, wine_reviews) a second with how many tokens are the
+unknown word. meta.json is written last and the dataset moved into place complete: a failure or a full disk
+leaves nothing that looks prepared.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,7 +33,9 @@ from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data.corpora import BUILTIN_DATASETS, WINE_VOCAB_SIZE, prepare_builtin
-from jaxgpt.data.dataset import prepare_text, unknown_summary
+from jaxgpt.data.dataset import unknown_summary
+from jaxgpt.data.prepare import SHARD_TOKENS, prepare, prepare_text
+from jaxgpt.data.sources import hub_stream
 from jaxgpt.data.tokenizer import WordTokenizer, load_bpe
 from jaxgpt.errors import UserError
 
@@ -33,9 +43,17 @@ from jaxgpt.errors import UserError
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_enum("dataset", None, BUILTIN_DATASETS, "a built-in dataset", flag_values=flags_)
     flags.DEFINE_multi_string("text", None, "UTF-8 text files, concatenated in order", flag_values=flags_)
-    flags.mark_flags_as_mutual_exclusive(["dataset", "text"], required=True, flag_values=flags_)
-    flags.DEFINE_enum("tokenizer", "char", ("char", "gpt2", "word"), "for --text: a character vocabulary of the "
-                      "text, GPT-2's BPE, or seed 004's words (lower-cased, punctuation split off)", flag_values=flags_)
+    flags.DEFINE_string("hf_dataset", None, "a Hugging Face Hub dataset to stream: REPO or REPO:CONFIG (its train "
+                        "split's --text_field)", flag_values=flags_)
+    flags.mark_flags_as_mutual_exclusive(["dataset", "text", "hf_dataset"], required=True, flag_values=flags_)
+    flags.DEFINE_string("text_field", "text", "the text column of .jsonl / .parquet files and --hf_dataset",
+                        flag_values=flags_)
+    flags.DEFINE_integer("workers", os.cpu_count() or 1, "tokenizing processes (default: the cores)",
+                         lower_bound=1, flag_values=flags_)
+    flags.DEFINE_integer("shard_tokens", SHARD_TOKENS, "ids per token shard file", lower_bound=1, flag_values=flags_)
+    flags.DEFINE_enum("tokenizer", "char", ("char", "gpt2", "cl100k_base", "o200k_base", "word"), "a character "
+                      "vocabulary of the text, GPT-2's BPE, tiktoken's larger BPEs (uint32 ids), or seed 004's words "
+                      "(lower-cased, punctuation split off)", flag_values=flags_)
     flags.DEFINE_integer("vocab_size", None, f"word tokens: keep the most frequent words, [PAD] and [UNK] included "
                          f"(default {WINE_VOCAB_SIZE})", flag_values=flags_)
     flags.DEFINE_string("csv", None, "wine_reviews: Kaggle's winemag-data-130k-v2.csv", flag_values=flags_)
@@ -45,9 +63,11 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
                       "meta.json (never done otherwise; the same tokens again leave a dataset untouched)",
                       flag_values=flags_)
     flags.DEFINE_float("val_fraction", 0.1, "last fraction of the tokens for validation", flag_values=flags_)
-    flags.DEFINE_string("bpe_file", None, "GPT-2 ranks file (gpt2.tiktoken); else $JAXGPT_BPE_FILE",
+    flags.DEFINE_string("bpe_file", None, "the BPE ranks file when offline: gpt2.tiktoken (else $JAXGPT_BPE_FILE), "
+                        "cl100k_base.tiktoken or o200k_base.tiktoken",
                         flag_values=flags_)
-    flags.DEFINE_integer("max_documents", None, "openwebtext: stop after this many documents", flag_values=flags_)
+    flags.DEFINE_integer("max_documents", None, "openwebtext, fineweb_edu, --hf_dataset: stop after this many "
+                         "documents", flag_values=flags_)
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
@@ -56,19 +76,28 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         no_arguments(args)
         meta = prepare_builtin(flags_.dataset, flags_.out, overwrite=flags_.overwrite,
                                val_fraction=flags_.val_fraction, bpe_file=flags_.bpe_file,
-                               max_documents=flags_.max_documents, csv_path=flags_.csv, vocab_size=flags_.vocab_size)
+                               max_documents=flags_.max_documents, csv_path=flags_.csv, vocab_size=flags_.vocab_size,
+                               workers=flags_.workers)
     else:
         if flags_.csv is not None or (flags_.vocab_size is not None and flags_.tokenizer != "word"):
             raise UserError("--csv goes with --dataset wine_reviews and --vocab_size with --tokenizer word: drop it")
-        # `--text a.txt b.txt`: the files after the first arrive as positional arguments.
-        paths = [Path(p) for p in [*flags_.text, *args]]
         tokenizer = None  # char: the text's own characters
-        if flags_.tokenizer == "gpt2":
-            tokenizer = load_bpe("gpt2", flags_.bpe_file)
+        if flags_.tokenizer not in ("char", "word"):
+            tokenizer = load_bpe(flags_.tokenizer, flags_.bpe_file)
         elif flags_.tokenizer == "word":
             words = WINE_VOCAB_SIZE if flags_.vocab_size is None else flags_.vocab_size
             tokenizer = functools.partial(WordTokenizer.from_texts, vocab_size=words)
-        meta = prepare_text(paths, flags_.out, tokenizer, flags_.val_fraction, overwrite=flags_.overwrite)
+        options = {"val_fraction": flags_.val_fraction, "overwrite": flags_.overwrite, "workers": flags_.workers,
+                   "shard_tokens": flags_.shard_tokens, "bpe_file": flags_.bpe_file}
+        if flags_.hf_dataset:
+            no_arguments(args)
+            repo, _, config = flags_.hf_dataset.partition(":")
+            meta = prepare(lambda: hub_stream(repo, config or None, flags_.text_field, flags_.max_documents),
+                           flags_.out, tokenizer, source=f"{flags_.hf_dataset} (Hugging Face Hub)", **options)
+        else:
+            # `--text a.txt b.txt`: the files after the first arrive as positional arguments.
+            paths = [Path(p) for p in [*flags_.text, *args]]
+            meta = prepare_text(paths, flags_.out, tokenizer, text_field=flags_.text_field, **options)
     print(f"{flags_.out}: {meta['n_train']} train + {meta['n_val']} val tokens, vocab {meta['vocab_size']} "
           f"({meta['tokenizer']['type']}), {time.perf_counter() - started:.1f}s; {meta['source']}")
     if unknown := unknown_summary(meta):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxgpt.data.tokens import TokenStream
 from jaxgpt.errors import UserError
+
+Tokens = np.ndarray | TokenStream  # a split's ids: an array, or a stream over shard files
 
 # Appended to the (seed, index) entropy of evaluation batches. It must be non-zero: SeedSequence pads
 # short entropy with zeros, so (seed, step) and (seed, step, 0) would be the same stream.
@@ -38,8 +41,18 @@ def process_share(batch_size: int, process_index: int, process_count: int) -> sl
     return slice(process_index * local, (process_index + 1) * local)
 
 
-def _global_starts(entropy: list[int], n_starts: int, batch_size: int) -> np.ndarray:
-    """`batch_size` window offsets in [0, n_starts), a pure function of `entropy`.
+def document_starts(boundaries: np.ndarray, n_tokens: int, block_size: int) -> np.ndarray:
+    """The document boundaries of a split (`TokenStream.boundaries`) at which a whole window fits."""
+    starts = boundaries[boundaries < n_tokens - block_size]
+    if not len(starts):
+        raise UserError(f"no document starts early enough for a window of {block_size + 1} tokens: use a smaller "
+                        "block_size, more data, or data.align_documents=False")
+    return starts
+
+
+def _global_starts(entropy: list[int], n_starts: int, batch_size: int, allowed: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """`batch_size` window offsets in [0, n_starts), or drawn from `allowed`, a pure function of `entropy`.
 
     Uses the raw output of the PCG64 bit generator, whose stream NumPy keeps stable across releases
     (Generator methods like `integers` may change), so a checkpoint resumes on the same batches after a
@@ -48,18 +61,23 @@ def _global_starts(entropy: list[int], n_starts: int, batch_size: int) -> np.nda
     if entropy[0] < 0:
         raise UserError(f"seed {entropy[0]} is negative: use a seed >= 0")
     raw = np.random.PCG64(entropy).random_raw(batch_size)
+    if allowed is not None:
+        return allowed[(raw % np.uint64(len(allowed))).astype(np.int64)]
     return (raw % np.uint64(n_starts)).astype(np.int64)
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _windows(tokens: Tokens, starts: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) int32 rows: x = tokens[s : s + block_size], y = the same window one token later. Reads
-    only these windows, so a memmap of any size costs just the rows requested."""
-    window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
+    only these windows, so memory maps of any size cost just the rows requested."""
+    if isinstance(tokens, TokenStream):
+        window = tokens.windows(starts, block_size + 1)
+    else:
+        window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
     return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
 
 
 def batch_for_step(
-    tokens: np.ndarray,
+    tokens: Tokens,
     *,
     seed: int,
     step: int,
@@ -68,22 +86,24 @@ def batch_for_step(
     process_index: int = 0,
     process_count: int = 1,
     split: str = "train",
+    starts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """This process's rows of the global training batch of `step`.
 
     The global batch (`batch_size` random windows) depends only on (seed, step); process p of P gets rows
     [p * batch_size / P, (p + 1) * batch_size / P), so concatenating all processes' results in order gives
     exactly the single-process batch, and no host reads another host's rows. Returns (x, y), int32, of
-    shape (batch_size // process_count, block_size). `split` only names the data in error messages.
+    shape (batch_size // process_count, block_size). `split` only names the data in error messages;
+    `starts` (`document_starts`) restricts where windows begin, e.g. to document boundaries.
     """
     check_shapes(len(tokens), batch_size, block_size, split)
     rows = process_share(batch_size, process_index, process_count)
-    starts = _global_starts([seed, step], len(tokens) - block_size, batch_size)[rows]
-    return _windows(tokens, starts, block_size)
+    chosen = _global_starts([seed, step], len(tokens) - block_size, batch_size, starts)[rows]
+    return _windows(tokens, chosen, block_size)
 
 
 def eval_batches(
-    tokens: np.ndarray,
+    tokens: Tokens,
     *,
     batch_size: int,
     block_size: int,
@@ -92,6 +112,7 @@ def eval_batches(
     process_index: int = 0,
     process_count: int = 1,
     split: str = "validation",
+    starts: np.ndarray | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """A fixed list of `n_batches` (x, y) batches: the same every call, so evaluation losses are
     comparable across a run and across resumes. Drawn from a stream separate from training batches;
@@ -99,7 +120,7 @@ def eval_batches(
     check_shapes(len(tokens), batch_size, block_size, split)
     rows = process_share(batch_size, process_index, process_count)
     n_starts = len(tokens) - block_size
-    return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size)[rows], block_size)
+    return [_windows(tokens, _global_starts([seed, i, EVAL_STREAM], n_starts, batch_size, starts)[rows], block_size)
             for i in range(n_batches)]
 
 def permutation(entropy: list[int], n: int) -> np.ndarray:

@@ -35,6 +35,15 @@ R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # The GPT-2 pre-tokenization regex (tiktoken's r50k pattern, written here so that a ranks file is all
 # we need).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# tiktoken's larger encodings (ids past uint16): their ranks URL and sha256. tiktoken loads them from its cache
+# or downloads them; offline, `bpe_file` names a copy, which tiktoken then reads from a cache jaxgpt keeps.
+TIKTOKEN_ENCODINGS = {
+    "cl100k_base": ("https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
+                    "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"),
+    "o200k_base": ("https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
+                   "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
+}
+TIKTOKEN_CACHE = Path.home() / ".cache" / "jaxgpt" / "tiktoken"
 BPE_FILE_ENV = "JAXGPT_BPE_FILE"
 # Where `jaxgpt bpe fetch` and `.ci/provision_bpe.sh` put the ranks by default; looked at when no path is configured.
 DEFAULT_BPE_FILE = Path.home() / ".cache" / "jaxgpt" / "gpt2.tiktoken"
@@ -308,15 +317,41 @@ def _bpe_from_tiktoken(name: str) -> BPETokenizer:
     )
 
 
+def _tiktoken_encoding(name: str, bpe_file: str | os.PathLike[str] | None) -> BPETokenizer:
+    """cl100k_base / o200k_base: tiktoken's loader, reading `bpe_file` (checked here first) when one is given."""
+    url, sha256 = TIKTOKEN_ENCODINGS[name]
+    how = f"download {url} where there is network and pass its path with --bpe_file (config.data.bpe_file)"
+    if bpe_file:
+        try:
+            data = Path(bpe_file).read_bytes()
+        except OSError as e:
+            raise UserError(f"cannot read BPE ranks file {bpe_file} ({e.strerror}): {how}") from None
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise UserError(f"BPE ranks file {bpe_file} is not {name}'s (its sha256 differs): {how}")
+        TIKTOKEN_CACHE.mkdir(parents=True, exist_ok=True)
+        cached = TIKTOKEN_CACHE / hashlib.sha1(url.encode()).hexdigest()  # the name tiktoken's cache gives `url`
+        if not cached.is_file():
+            partial = cached.with_suffix(f".{os.getpid()}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, cached)
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
+    try:
+        return BPETokenizer(tiktoken.get_encoding(name), name)
+    except (OSError, ValueError) as e:  # requests' errors are OSErrors; ValueError = bad download
+        raise UserError(f"tiktoken could not load or download {name} ({type(e).__name__}): {how}") from None
+
+
 def load_bpe(name: str = "gpt2", bpe_file: str | os.PathLike[str] | None = None) -> BPETokenizer:
-    """The GPT-2 BPE tokenizer, from the first source that is configured.
+    """A BPE tokenizer: GPT-2's from the first source that is configured, or tiktoken's larger encodings.
 
     Order: `bpe_file` (the `--bpe_file` flag), then `$JAXGPT_BPE_FILE`, then `DEFAULT_BPE_FILE` if it
     exists (where the provisioning script puts it), then tiktoken's cache or download. A configured
     file that is missing or wrong is an error, never silently skipped: it would hide a broken setup.
     """
+    if name in TIKTOKEN_ENCODINGS:
+        return _tiktoken_encoding(name, bpe_file)
     if name not in BPE_ENCODINGS:
-        raise UserError(f"unknown BPE encoding {name!r}: use one of {', '.join(BPE_ENCODINGS)}")
+        raise UserError(f"unknown BPE encoding {name!r}: use one of {', '.join([*BPE_ENCODINGS, *TIKTOKEN_ENCODINGS])}")
     configured = bpe_file or os.environ.get(BPE_FILE_ENV)
     if configured:
         return bpe_from_ranks(read_bpe_ranks(configured), name)
@@ -342,7 +377,8 @@ def tokenizer_from_meta(meta: dict[str, Any], bpe_file: str | os.PathLike[str] |
 def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two tokenizer metas give the same ids ("gpt2" and "r50k_base" are one BPE under two names)."""
     if a.get("type") == b.get("type") == "bpe":
-        return True
+        family = lambda m: "gpt2" if m.get("encoding", "gpt2") in BPE_ENCODINGS else m.get("encoding")
+        return family(a) == family(b)
     if a.get("type") == b.get("type") == "word":
         return a.get("words") == b.get("words")
     return a.get("type") == b.get("type") == "char" and a.get("chars") == b.get("chars")
@@ -351,4 +387,6 @@ def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def describe_tokenizer(meta: dict[str, Any]) -> str:
     if meta.get("type") == "word":
         return f"a {meta.get('vocab_size')}-word vocabulary"
-    return "GPT-2 BPE" if meta.get("type") == "bpe" else f"a {meta.get('vocab_size')}-character vocabulary"
+    if meta.get("type") == "bpe":
+        return "GPT-2 BPE" if meta.get("encoding", "gpt2") in BPE_ENCODINGS else f"tiktoken's {meta.get('encoding')}"
+    return f"a {meta.get('vocab_size')}-character vocabulary"

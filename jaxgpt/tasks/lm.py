@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from jaxgpt.data.batches import batch_for_step, check_shapes, eval_batches
+from jaxgpt.data.batches import batch_for_step, check_shapes, document_starts, eval_batches
 from jaxgpt.data.corpora import prepare_builtin
 from jaxgpt.data.dataset import META_FILE, Dataset, load_dataset, unknown_summary
 from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer
@@ -113,6 +113,15 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, label_smoothing:
     return token_cross_entropy(logits_BTV, targets_BT, label_smoothing).mean()
 
 
+def _document_starts(dataset: Dataset | None, block_size: int) -> dict[str, np.ndarray]:
+    """Per split, the document boundaries windows may start at (`data.align_documents`)."""
+    if dataset is None or dataset.eot_token is None:
+        raise UserError("config.data.align_documents needs documents separated by an end-of-text token (BPE or "
+                        "word data; a character dataset has none): set it to False")
+    return {split: document_starts(getattr(dataset, split).boundaries(dataset.eot_token), len(getattr(dataset, split)),
+                                   block_size) for split in ("train", "val")}
+
+
 class LanguageModelling:
     """A GPT on a token dataset. `dataset=None` gives the model and objective only (ahead-of-time compiles)."""
 
@@ -129,6 +138,7 @@ class LanguageModelling:
         self.meta = {"dataset": dataset.meta if dataset is not None else {}}
         self.tokens_per_row = model_cfg.block_size
         self.eval_rows_per_batch = cfg.batch_size // cfg.grad_accum
+        self.starts = _document_starts(dataset, model_cfg.block_size) if cfg.data.align_documents else {}
         self._dropout = any(getattr(model_cfg, f"{name}_dropout") > 0 for name in ("embd", "attn", "resid", "ff"))
 
     def example_inputs(self) -> tuple[jax.Array]:
@@ -168,14 +178,14 @@ class LanguageModelling:
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         x, y = batch_for_step(self.dataset.train, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size,
                               block_size=self.model_cfg.block_size, process_index=process_index,
-                              process_count=process_count)
+                              process_count=process_count, starts=self.starts.get("train"))
         return {"x": x, "y": y}
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
         return {split: [{"x": x, "y": y} for x, y in eval_batches(
             getattr(self.dataset, split), batch_size=self.eval_rows_per_batch, block_size=self.model_cfg.block_size,
             n_batches=self.cfg.eval_batches, seed=self.cfg.seed, split=split, process_index=process_index,
-            process_count=process_count)] for split in ("train", "val")}
+            process_count=process_count, starts=self.starts.get(split))] for split in ("train", "val")}
 
     def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
         return {f"{split}_loss": float(np.mean(losses)) for split, losses in outputs.items()}

@@ -43,6 +43,9 @@ class DataConfig:
     dir: str = "data/stdlib_char"  # a prepared dataset (jaxgpt data ...)
     bpe_file: str = ""  # GPT-2 ranks file for BPE tokenizers when offline (or env JAXGPT_BPE_FILE)
     csv: str = ""  # wine_reviews: Kaggle's winemag-data-130k-v2.csv (a login is needed to download it)
+    # language modelling: every window starts at a document boundary (an end-of-text token, which then leads the
+    # window), as nanochat and modded-nanogpt align their batches; still a pure function of (seed, step)
+    align_documents: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

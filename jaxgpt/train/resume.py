@@ -22,7 +22,7 @@ from jaxgpt.train.checkpoint import Checkpointer, CheckpointReadError
 from jaxgpt.train.config import TrainConfig
 
 # What makes two datasets the same for training: the tokens and how to read them (not where they came from).
-DATA_KEYS = ("tokenizer", "vocab_size", "n_train", "n_val", "train_sha256", "val_sha256")
+DATA_KEYS = ("tokenizer", "vocab_size", "n_train", "n_val", "train_sha256", "val_sha256", "shards")
 
 
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -41,6 +41,8 @@ def trajectory(cfg: TrainConfig, model: dict[str, Any], task_meta: dict[str, Any
     values = {"task": cfg.task, "seed": cfg.seed, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
               "model": model, "optim": dataclasses.asdict(cfg.optim),
               "data": {k: dataset[k] for k in DATA_KEYS if k in dataset}}
+    if cfg.data.align_documents:  # absent when off, as label_smoothing
+        values["data"]["align_documents"] = True
     if cfg.label_smoothing:  # absent at 0, so runs saved before the setting existed resume unchanged
         values["label_smoothing"] = cfg.label_smoothing
     if cfg.task in ("classify", "seq2seq"):
