@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -84,16 +85,19 @@ def _tasks(stream: Iterable[Piece], start: int) -> Iterator[tuple[int, list[Piec
 
 def _encoded(stream: Iterable[Piece], tokenizer: Tokenizer, workers: int, bpe_file: str | None, start: int
              ) -> Iterator[tuple[int, list[np.ndarray], int]]:
-    """(first piece index, ids of each piece, bytes) per task, in stream order."""
-    if workers == 1:
-        for first, batch in _tasks(stream, start):
+    """(first piece index, ids of each piece, bytes) per task, in stream order. Text of one task (a small
+    corpus) is tokenized here: starting processes would cost more than it saves."""
+    tasks = _tasks(stream, start)
+    head = list(itertools.islice(tasks, 2))
+    if workers == 1 or len(head) < 2:
+        for first, batch in itertools.chain(head, tasks):
             yield first, *encode(tokenizer, batch, first)
         return
     # spawn: workers must not inherit a parent's threads (JAX, tqdm) through fork
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
                              initargs=(tokenizer.to_meta(), bpe_file)) as pool:
         pending: collections.deque = collections.deque()
-        for first, batch in _tasks(stream, start):
+        for first, batch in itertools.chain(head, tasks):
             pending.append((first, pool.submit(_worker_encode, batch, first)))
             if len(pending) >= IN_FLIGHT * workers:
                 index, future = pending.popleft()
