@@ -253,17 +253,18 @@ def _write(stream: Callable[[], Iterable[Piece]], tokenizer: Tokenizer, workspac
     finished = bool(done) and done[-1]["resume_at"] is None
     if not finished:
         start, skip = done[-1]["resume_at"] if done else (0, 0)
-        total = sum(r["tokens"] for r in done)
         if done:
-            print(f"resuming: {len(done)} completed shard(s), {total:,} tokens, are kept", file=sys.stderr, flush=True)
+            print(f"resuming: {len(done)} completed shard(s), {sum(r['tokens'] for r in done):,} tokens, are kept",
+                  file=sys.stderr, flush=True)
         bar = tqdm(unit="B", unit_scale=True, desc="tokenizing", disable=None, dynamic_ncols=True)
-        t0 = time.perf_counter()
+        t0, new = time.perf_counter(), 0
         for first, ids, n_bytes in _encoded(stream(), tokenizer, workers, bpe_file, start):
             for i, piece_ids in enumerate(ids):
-                shards.add(piece_ids, first + i, skip if first + i == start else 0)
-                total += len(piece_ids)
+                dropped = skip if first + i == start else 0
+                shards.add(piece_ids, first + i, dropped)
+                new += len(piece_ids) - dropped
             bar.update(n_bytes)
-            bar.set_postfix_str(f"{total:,} tokens, {total / (time.perf_counter() - t0):,.0f} tokens/s", refresh=False)
+            bar.set_postfix_str(f"{new:,} tokens, {new / (time.perf_counter() - t0):,.0f} tokens/s", refresh=False)
         bar.close()
         shards.close(None)
     records = shards.done
