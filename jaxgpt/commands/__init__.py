@@ -37,6 +37,7 @@ COMMANDS = {
     "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`, `plots positions ...`",
     "summary": "parameter table of a preset, config or Hugging Face directory",
     "harness": "lm-evaluation-harness with --model jaxgpt: `harness --model_args workdir=DIR --tasks hellaswag`",
+    "serve": "an OpenAI-compatible completions server: `serve --workdir DIR [--port 8000]`",
     "aot": "compile the sharded train step for a TPU slice on this machine: memory, FLOPs, roofline",
 }
 # Commands whose processes run long XLA programs: they restart once with huge-page malloc (see below).

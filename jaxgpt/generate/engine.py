@@ -1,0 +1,207 @@
+"""Continuous batching: a fixed number of cache slots that requests take, decode in, and free between steps.
+
+Each slot holds one request's KV cache (a batch-1 cache; the slots are stacked on a leading axis) with its
+own length, step counter, key and sampling settings. A decode step runs the model's batch-1 decode under
+`jax.vmap` over all slots, so every request decodes at its own position and one program serves any mix of
+requests: nothing recompiles when requests come and go. A new request's prompt is prefilled into a free
+slot, right-padded to a power-of-two bucket (one compile per bucket); the padding's keys and values sit
+past the request's length, invisible to it, and are overwritten as it decodes.
+
+Sampling is `generate`'s: step i of a request draws its noise from `fold_in(key, i)`, greedy at temperature
+0, top-p only below 1, so a seeded request samples what `generate` samples for its prompt alone (up to
+float rounding in the different batching of the products). The context does not slide: a request's prompt
+and new tokens must fit in block_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.errors import UserError
+from jaxgpt.evals.loglik import bucket
+from jaxgpt.generate.sampling import _decode, validate_options
+from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
+from jaxgpt.model.attention import init_cache
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.ops.decode import decoding_weights
+
+Array = jax.Array
+TOP_LOGPROBS = 5  # the most alternatives a request may ask for (OpenAI's completions allow 5)
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation. `emit(token, logprob, top)` is called from the engine's thread for every token, and
+    `done(reason)` once ("stop": end of text, "length": max_new_tokens, "cancelled")."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    emit: Callable[[int, float, list[tuple[int, float]]], None]
+    done: Callable[[str], None]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    cancelled: bool = False
+
+
+class Slots(NamedTuple):
+    """The device state of every slot (leading axis: the slot)."""
+
+    cache: Any
+    logits_SV: Array
+    length_S: Array
+    step_S: Array
+    key_S: Array
+    temperature_S: Array
+    top_p_S: Array
+
+
+def _pick(logits_V: Array, key: Array, step: Array, temperature: Array, top_p: Array, banned: int | None,
+          vocab_limit: int | None) -> Array:
+    """`generate`'s choice for one row: greedy at temperature 0, top-p only below 1."""
+    logits_1V = logits_V[None]
+    gumbel_1V = gumbel_noise(key, step, logits_1V.shape)
+    greedy = pick_tokens(logits_1V, None, banned=banned, vocab_limit=vocab_limit)
+    free = pick_tokens(logits_1V, gumbel_1V, jnp.maximum(temperature, 1e-6), banned=banned, vocab_limit=vocab_limit)
+    nucleus = pick_tokens(logits_1V, gumbel_1V, jnp.maximum(temperature, 1e-6), None, top_p, banned=banned,
+                          vocab_limit=vocab_limit)
+    return jnp.where(temperature == 0, greedy, jnp.where(top_p < 1, nucleus, free))[0]
+
+
+class Engine:
+    """Decodes up to `slots` requests at once; `submit` from any thread, `run` in one thread of its own."""
+
+    def __init__(self, params: Any, cfg: ModelConfig, *, slots: int = 8, max_waiting: int = 64,
+                 eot_token: int | None = None, vocab_limit: int | None = None) -> None:
+        self.params, self.cfg = decoding_weights(params, cfg, None, output_major=False)
+        self.n_slots, self.max_waiting, self.eot_token = slots, max_waiting, eot_token
+        self.banned, self.vocab_limit = cfg.pad_id, vocab_limit
+        one = init_cache(self.cfg, 1)
+        self.state = Slots(jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), one),
+                           jnp.zeros((slots, cfg.vocab_size), jnp.float32), jnp.zeros(slots, jnp.int32),
+                           jnp.zeros(slots, jnp.int32), jax.random.split(jax.random.key(0), slots),
+                           jnp.zeros(slots, jnp.float32), jnp.ones(slots, jnp.float32))
+        self.active: list[Request | None] = [None] * slots
+        self.produced = [0] * slots
+        self.waiting: deque[Request] = deque()
+        self.wake = threading.Condition()
+        self.stopping = False
+
+    def check(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
+        """A UserError for a request the engine cannot run (the server answers it with a 400)."""
+        validate_options(max_new_tokens, temperature, None, top_p)
+        if not prompt:
+            raise UserError("the prompt is empty: give at least one token")
+        if len(prompt) + max_new_tokens > self.cfg.block_size:
+            raise UserError(f"the prompt's {len(prompt)} tokens plus max_tokens={max_new_tokens} exceed the model's "
+                            f"context of {self.cfg.block_size}: shorten the prompt or ask for fewer tokens")
+        if min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
+            raise UserError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+
+    def submit(self, request: Request) -> bool:
+        """Queue a checked request; False when the queue is full (the caller retries later)."""
+        with self.wake:
+            if len(self.waiting) >= self.max_waiting:
+                return False
+            self.waiting.append(request)
+            self.wake.notify()
+        return True
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+
+    def run(self) -> None:
+        """Admit, step and retire requests until `stop`; the requests in flight finish first."""
+        while True:
+            with self.wake:
+                while not self.stopping and not self.waiting and not any(self.active):
+                    self.wake.wait()
+                if self.stopping and not any(self.active):
+                    return
+                admitted = []
+                for s in range(self.n_slots):
+                    if self.active[s] is None and self.waiting:
+                        admitted.append((s, self.waiting.popleft()))
+            for s, request in admitted:
+                self._admit(s, request)
+            if any(self.active):
+                self._step()
+
+    def _admit(self, s: int, r: Request) -> None:
+        if r.cancelled:
+            r.done("cancelled")
+            return
+        T = len(r.prompt)
+        P = bucket(T, self.cfg.block_size)
+        prompt_1P = np.zeros((1, P), np.int32)
+        prompt_1P[0, :T] = r.prompt
+        self.state = _prefill_slot(self.params, self.state, jnp.int32(s), prompt_1P, jnp.int32(T),
+                                   jax.random.key(r.seed), jnp.float32(r.temperature), jnp.float32(r.top_p),
+                                   cfg=self.cfg)
+        self.active[s], self.produced[s] = r, 0
+
+    def _step(self) -> None:
+        self.state, tok_S, logprob_S, top_SK = _step(self.params, self.state, cfg=self.cfg, banned=self.banned,
+                                                     vocab_limit=self.vocab_limit)
+        tok_S, logprob_S, (top_lp_SK, top_id_SK) = jax.device_get((tok_S, logprob_S, top_SK))
+        for s, r in enumerate(self.active):
+            if r is None:
+                continue
+            if r.cancelled:
+                self._retire(s, "cancelled")
+                continue
+            token = int(tok_S[s])
+            r.emit(token, float(logprob_S[s]), [(int(i), float(lp)) for i, lp in zip(top_id_SK[s], top_lp_SK[s],
+                                                                                      strict=True)])
+            self.produced[s] += 1
+            if token == self.eot_token:
+                self._retire(s, "stop")
+            elif self.produced[s] >= r.max_new_tokens:
+                self._retire(s, "length")
+
+    def _retire(self, s: int, reason: str) -> None:
+        request, self.active[s] = self.active[s], None
+        assert request is not None
+        request.done(reason)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array, key: Array, temperature: Array,
+                  top_p: Array, *, cfg: ModelConfig) -> Slots:
+    """Prefill a (right-padded) prompt into slot `s` and set its counters and settings."""
+    logits_1PV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1), 0, False, last_only=False)
+    cache = jax.tree.map(lambda all_, one: all_.at[s].set(one), state.cache, cache)
+    return Slots(cache, state.logits_SV.at[s].set(logits_1PV[0, T - 1]), state.length_S.at[s].set(T),
+                 state.step_S.at[s].set(0), state.key_S.at[s].set(key), state.temperature_S.at[s].set(temperature),
+                 state.top_p_S.at[s].set(top_p))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "banned", "vocab_limit"), donate_argnames=("state",))
+def _step(params: Any, state: Slots, *, cfg: ModelConfig, banned: int | None, vocab_limit: int | None
+          ) -> tuple[Slots, Array, Array, tuple[Array, Array]]:
+    """One token for every slot (idle slots compute too and are ignored), its log-probability and the top ones."""
+    pick = functools.partial(_pick, banned=banned, vocab_limit=vocab_limit)
+    tok_S = jax.vmap(pick)(state.logits_SV, state.key_S, state.step_S, state.temperature_S, state.top_p_S)
+    logp_SV = jax.nn.log_softmax(state.logits_SV, axis=-1)
+    logprob_S = jnp.take_along_axis(logp_SV, tok_S[:, None], axis=-1)[:, 0]
+    top = jax.lax.top_k(logp_SV, TOP_LOGPROBS)
+    length_S = jnp.minimum(state.length_S, cfg.block_size - 1)  # an idle slot's length never runs past the cache
+
+    def decode_one(tok: Array, cache: Any, index: Array) -> tuple[Array, Any]:
+        logits_11V, cache = _decode(cfg, params, tok[None, None], cache, index, False)
+        return logits_11V[0, 0], cache
+
+    logits_SV, cache = jax.vmap(decode_one)(tok_S, state.cache, length_S)
+    state = state._replace(cache=cache, logits_SV=logits_SV, length_S=state.length_S + 1, step_S=state.step_S + 1)
+    return state, tok_S, logprob_S, top

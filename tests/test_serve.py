@@ -1,0 +1,191 @@
+"""`jaxgpt serve` driven by the official OpenAI client on 127.0.0.1: completions equal `generate`'s, streaming,
+concurrent clients of different prompt lengths, bad requests, disconnects and a graceful SIGTERM."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from test_workflows import random_params, save_run  # noqa: E402
+
+from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
+from jaxgpt.generate import sampling  # noqa: E402
+from jaxgpt.generate.engine import Engine  # noqa: E402
+from jaxgpt.model.config import ModelConfig  # noqa: E402
+from jaxgpt.serve.app import create_app  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHARS = "\n !(),.:=_abcdefghijklmnopqrstuvwxyz"
+CFG = ModelConfig(vocab_size=len(CHARS), block_size=64, n_layer=2, n_head=2, n_embd=32)
+TOKENIZER = CharTokenizer(CHARS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The app on a free port in a thread of this process (uvicorn, as `jaxgpt serve` runs it)."""
+
+    def __init__(self, slots: int = 4, max_waiting: int = 64) -> None:
+        self.params = random_params(CFG)
+        engine = Engine(self.params, CFG, slots=slots, max_waiting=max_waiting)
+        self.port = free_port()
+        config = uvicorn.Config(create_app(engine, TOKENIZER, "tiny"), host="127.0.0.1", port=self.port,
+                                log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
+
+    def expected(self, prompt: str, max_tokens: int, temperature: float, seed: int, top_p: float = 1.0) -> str:
+        tokens = sampling.generate(self.params, CFG, TOKENIZER.encode(prompt), max_new_tokens=max_tokens, key=seed,
+                                   temperature=temperature, top_p=top_p)[0]
+        return TOKENIZER.decode(tokens.tolist())
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server() -> Server:
+    s = Server()
+    yield s
+    s.close()
+
+
+def test_completion_equals_generate_alone(server):
+    for temperature, top_p in [(0.0, 1.0), (1.0, 1.0), (0.8, 0.9)]:
+        got = server.client.completions.create(model="tiny", prompt="def main(", max_tokens=20,
+                                               temperature=temperature, top_p=top_p, seed=7)
+        assert got.choices[0].text == server.expected("def main(", 20, temperature, 7, top_p)
+        assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 20
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+    assert httpx.get(f"http://127.0.0.1:{server.port}/health").json() == {"status": "ok"}
+
+
+def test_streamed_text_equals_the_plain_completion(server):
+    chunks = list(server.client.completions.create(model="tiny", prompt="x = ", max_tokens=25, temperature=1.0,
+                                                   seed=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == server.expected("x = ", 25, 1.0, 3)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_list_prompts_n_stop_and_logprobs(server):
+    got = server.client.completions.create(model="tiny", prompt=["a", "bc = d"], n=2, max_tokens=12, temperature=1.0,
+                                           seed=11, logprobs=2)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert got.choices[0].text == server.expected("a", 12, 1.0, 11)
+    assert got.choices[1].text == server.expected("a", 12, 1.0, 12)  # choice j samples with seed + j
+    assert got.choices[3].text == server.expected("bc = d", 12, 1.0, 12)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 12 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    full = server.expected("q", 30, 0.0, 0)
+    stop = full[10:12]
+    cut = server.client.completions.create(model="tiny", prompt="q", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_clients_of_different_lengths(server):
+    rng = np.random.default_rng(0)
+    prompts = ["".join(rng.choice(list(CHARS[1:]), int(n))) for n in rng.integers(1, 30, 16)]
+
+    def ask(i: int) -> tuple[str, str]:
+        got = server.client.completions.create(model="tiny", prompt=prompts[i], max_tokens=15 + i, temperature=0.9,
+                                               seed=i)
+        return got.choices[0].text, server.expected(prompts[i], 15 + i, 0.9, i)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for got, want in pool.map(ask, range(16)):
+            assert got == want
+
+
+def test_bad_requests_are_400s_and_the_server_keeps_serving(server):
+    bad = [dict(temperature=-1), dict(max_tokens=0), dict(top_p=1.5), dict(extra_body={"bogus": 1}),
+           dict(max_tokens=64), dict(logprobs=9), dict(prompt="UPPER")]
+    for kwargs in bad:
+        args = {"model": "tiny", "prompt": "abc", "max_tokens": 5, **kwargs}
+        with pytest.raises(openai.BadRequestError) as err:
+            server.client.completions.create(**args)
+        assert err.value.status_code == 400 and err.value.body["message"], kwargs
+    raw = httpx.post(f"{server.url}/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert server.client.completions.create(model="tiny", prompt="ok", max_tokens=3).choices[0].text
+
+
+def test_disconnect_mid_stream_frees_the_slot():
+    one = Server(slots=1, max_waiting=4)
+    try:
+        with httpx.stream("POST", f"{one.url}/completions", json={"prompt": "a", "max_tokens": 60, "stream": True,
+                                                                  "temperature": 1.0}, timeout=60) as response:
+            first = next(response.iter_lines())
+            assert first.startswith("data: ")
+        # The only slot was the streaming request's: the next request is served once it is freed.
+        got = one.client.completions.create(model="tiny", prompt="b", max_tokens=5, temperature=0)
+        assert got.choices[0].text == one.expected("b", 5, 0.0, 0)
+    finally:
+        one.close()
+
+
+def test_full_queue_is_a_429():
+    busy = Server(slots=1, max_waiting=0)
+    try:
+        with httpx.stream("POST", f"{busy.url}/completions", json={"prompt": "a", "max_tokens": 60, "stream": True},
+                          timeout=60) as response:
+            next(response.iter_lines())
+            with pytest.raises(openai.RateLimitError):
+                busy.client.completions.create(model="tiny", prompt="b", max_tokens=5)
+    finally:
+        busy.close()
+
+
+def test_serve_command_finishes_requests_in_flight_on_sigterm(tmp_path):
+    run = save_run(tmp_path / "run", CFG, random_params(CFG), TOKENIZER.to_meta())
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", f"--workdir={run}", f"--port={port}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.completions.create, model="run", prompt="abc", max_tokens=40, temperature=0)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            assert len(answer.result().choices[0].text) == 40  # finished whole after the signal
+        # uvicorn re-raises the signal once it has shut down, so the exit status still says SIGTERM
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
