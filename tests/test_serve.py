@@ -4,6 +4,7 @@ concurrent clients of different prompt lengths, bad requests, disconnects and a 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -189,3 +190,33 @@ def test_serve_command_finishes_requests_in_flight_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sample_prompt_file_completes_ragged_requests_as_each_alone(tmp_path, capsys):
+    from jaxgpt.commands import sample as sample_command
+
+    params = random_params(CFG)
+    run = save_run(tmp_path / "run", CFG, params, TOKENIZER.to_meta())
+    rng = np.random.default_rng(4)
+    prompts = ["".join(rng.choice(list(CHARS[1:]), int(n))) for n in rng.integers(1, 25, 7)]
+    lines = [{"prompt": p, "max_tokens": 10 + i, "seed": i, "temperature": 0.0 if i % 3 == 0 else 0.9}
+             for i, p in enumerate(prompts)]
+    alone = lambda r: TOKENIZER.decode(sampling.generate(
+        params, CFG, TOKENIZER.encode(r["prompt"]), max_new_tokens=r["max_tokens"], key=r["seed"],
+        temperature=r["temperature"])[0].tolist())
+    stop = alone(lines[0])[4:6]
+    lines.append({**lines[0], "stop": stop})
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert sample_command.main(["jaxgpt sample", f"--workdir={run}", f"--prompt_file={path}", "--batch_size=3"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["prompt"] for o in out] == [r["prompt"] for r in lines]
+    for o, r in zip(out[:-1], lines[:-1], strict=True):
+        assert o["completion"] == alone(r) and o["finish_reason"] == "length" and o["tokens"] == r["max_tokens"]
+    full = alone(lines[0])
+    assert out[-1]["completion"] == full[:full.find(stop)] and out[-1]["finish_reason"] == "stop"
+
+    path.write_text(json.dumps(lines[0]) + "\n" + '{"prompt": "a", "max_tokens": "many"}\n')
+    assert sample_command.main(["jaxgpt sample", f"--workdir={run}", f"--prompt_file={path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "requests.jsonl:2" in err and "max_tokens" in err

@@ -17,6 +17,16 @@ tokens (--max_new_tokens, default block_size), and a source may be at most src_b
 
     python sample.py --workdir runs/seq2seq_copy --source "abcabc" --beam_size 4
 
+A `--prompt_file` ending in .jsonl holds one request per line, {"prompt": TEXT} with optional "max_tokens",
+"temperature", "top_p", "seed" and "stop" (a string or a list; the flags give the defaults). They run
+--batch_size at a time through the continuous-batching engine (a request takes a free slot as another ends),
+with a progress bar, and one JSON line per request is printed in the file's order: {"prompt", "completion",
+"finish_reason": "stop" | "length", "tokens"}. Each completion is what the request samples alone with its seed.
+A line that is not such a request is an error naming the line; a prompt and its max_tokens must fit in the
+model's context:
+
+    python sample.py --workdir runs/stdlib_char --prompt_file requests.jsonl --batch_size 16 > completions.jsonl
+
 One sample is printed as it is generated; several are printed one after another, separated by a line of
 dashes. A sample ends after --max_new_tokens tokens, at the tokenizer's end-of-text token if it has one, or
 just before the first occurrence of a --stop string (repeatable: the earliest of any of them), which is
@@ -32,9 +42,11 @@ a space before each word). Mistakes print one line, `error: ...`, and exit with 
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,8 +57,9 @@ from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling
 from jaxgpt.generate import seq2seq as seq2seq_decoding
+from jaxgpt.generate.engine import check_request, generate_many
 from jaxgpt.io import weights
-from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.tasks import pairs
 
 SEPARATOR = "-" * 40
@@ -62,7 +75,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.mark_flags_as_mutual_exclusive(["workdir", "init_from", "preset"], required=True, flag_values=flags_)
     flags.DEFINE_enum("which", "latest", ("latest", "best"), "which checkpoint of --workdir", flag_values=flags_)
     flags.DEFINE_string("prompt", None, "text to continue (default: empty, see above)", flag_values=flags_)
-    flags.DEFINE_string("prompt_file", None, "read the prompt from this UTF-8 file", flag_values=flags_)
+    flags.DEFINE_string("prompt_file", None, "read the prompt from this UTF-8 file; a .jsonl file holds one request "
+                        "per line instead (see above)", flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["prompt", "prompt_file"], flag_values=flags_)
     flags.DEFINE_integer("num_samples", 1, "samples generated as one batch", flag_values=flags_)
     flags.DEFINE_alias("batch_size", "num_samples", flag_values=flags_)
@@ -292,6 +306,71 @@ def run_seq2seq(flags_: flags.FlagValues, loaded: weights.Weights, tokenizer: To
             print(pairs.decode_ids(tokenizer, specials, row), flush=True)
 
 
+REQUEST_KEYS = {"prompt": str, "max_tokens": int, "temperature": (int, float), "top_p": (int, float), "seed": int,
+                "stop": (str, list)}
+
+
+def read_requests(flags_: flags.FlagValues, text: str, cfg: ModelConfig, tokenizer: Tokenizer) -> list[dict]:
+    """The requests of a .jsonl --prompt_file, each checked, with the flags' values where a line has none."""
+    requests = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{flags_.prompt_file}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where} is not valid JSON ({e.msg}): one request object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f'{where} is not a request: it needs {{"prompt": "text", ...}}')
+        for key, value in row.items():
+            kind = REQUEST_KEYS.get(key)
+            if kind is None or not isinstance(value, kind) or isinstance(value, bool):
+                raise UserError(f"{where}: {key!r} is not a request setting of this type (settings: "
+                                f"{', '.join(REQUEST_KEYS)})")
+        stop = row.get("stop", flags_.stop)
+        request = {"prompt": row["prompt"], "max_tokens": row.get("max_tokens", flags_.max_new_tokens),
+                   "temperature": float(row.get("temperature", flags_.temperature)),
+                   "top_p": float(row.get("top_p", 1.0 if flags_.top_p is None else flags_.top_p)),
+                   "seed": row.get("seed", flags_.seed), "stop": [stop] if isinstance(stop, str) else list(stop)}
+        try:
+            request["ids"] = encode_prompt(tokenizer, request["prompt"])
+            check_request(cfg, request["ids"], request["max_tokens"], request["temperature"], request["top_p"])
+            if not all(isinstance(s, str) and s for s in request["stop"]):
+                raise UserError("stop strings must be non-empty strings")
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        requests.append(request)
+    if not requests:
+        raise UserError(f"{flags_.prompt_file} holds no request: one JSON object per line")
+    return requests
+
+
+def run_requests(flags_: flags.FlagValues, params: Any, cfg: ModelConfig, tokenizer: Tokenizer,
+                 requests: list[dict]) -> None:
+    """Complete every request of a .jsonl --prompt_file, --batch_size at a time, and print one JSON line each."""
+    if flags_.top_k is not None or flags_.dtype != "float32" or flags_.window_shift is not None:
+        raise UserError("--top_k, --dtype and --window_shift do not apply to a .jsonl --prompt_file: drop them")
+
+    def stopped(r: int, ids: list[int]) -> bool:
+        return first_stop(tokenizer.decode(until_eot(ids, tokenizer.eot_token)), requests[r]["stop"]) is not None
+
+    outputs = generate_many(params, cfg, [r["ids"] for r in requests],
+                            max_new_tokens=[r["max_tokens"] for r in requests],
+                            seeds=[r["seed"] for r in requests], temperature=[r["temperature"] for r in requests],
+                            top_p=[r["top_p"] for r in requests], eot_token=tokenizer.eot_token,
+                            vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None,
+                            slots=flags_.num_samples, until=stopped if any(r["stop"] for r in requests) else None,
+                            progress=True)
+    for request, ids in zip(requests, outputs, strict=True):
+        kept = until_eot(ids, tokenizer.eot_token)
+        completion = continuation(tokenizer, request["ids"], kept)
+        cut = first_stop(completion, request["stop"])
+        ended = cut is not None or len(kept) < len(ids)
+        print(json.dumps({"prompt": request["prompt"], "completion": completion if cut is None else completion[:cut],
+                          "finish_reason": "stop" if ended else "length", "tokens": len(kept)}), flush=True)
+
+
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
     no_arguments(args)
     sampling.validate_options(flags_.max_new_tokens, flags_.temperature, flags_.top_k, flags_.top_p)
@@ -312,6 +391,9 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         raise UserError(f"{' '.join(misplaced)} need an encoder-decoder run (task seq2seq); this model is a GPT: "
                         "give the text to continue with --prompt")
     params, cfg = loaded.params, loaded.model
+    if flags_.prompt_file is not None and flags_.prompt_file.endswith(".jsonl"):
+        run_requests(flags_, params, cfg, tokenizer, read_requests(flags_, text, cfg, tokenizer))
+        return
     prompt = encode_prompt(tokenizer, text)
     # Several samples without --stop are printed at the end: one call of the loop generates them all.
     chunk = flags_.stream_chunk if flags_.num_samples == 1 or flags_.stop else flags_.max_new_tokens

@@ -19,12 +19,13 @@ import dataclasses
 import functools
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from jaxgpt.errors import UserError
 from jaxgpt.evals.loglik import bucket
@@ -77,6 +78,18 @@ def _pick(logits_V: Array, key: Array, step: Array, temperature: Array, top_p: A
     return jnp.where(temperature == 0, greedy, jnp.where(top_p < 1, nucleus, free))[0]
 
 
+def check_request(cfg: ModelConfig, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """A UserError for a request the engine cannot run (the server answers it with a 400)."""
+    validate_options(max_new_tokens, temperature, None, top_p)
+    if not prompt:
+        raise UserError("the prompt is empty: give at least one token")
+    if len(prompt) + max_new_tokens > cfg.block_size:
+        raise UserError(f"the prompt's {len(prompt)} tokens plus max_tokens={max_new_tokens} exceed the model's "
+                        f"context of {cfg.block_size}: shorten the prompt or ask for fewer tokens")
+    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+        raise UserError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+
+
 class Engine:
     """Decodes up to `slots` requests at once; `submit` from any thread, `run` in one thread of its own."""
 
@@ -97,15 +110,7 @@ class Engine:
         self.stopping = False
 
     def check(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
-        """A UserError for a request the engine cannot run (the server answers it with a 400)."""
-        validate_options(max_new_tokens, temperature, None, top_p)
-        if not prompt:
-            raise UserError("the prompt is empty: give at least one token")
-        if len(prompt) + max_new_tokens > self.cfg.block_size:
-            raise UserError(f"the prompt's {len(prompt)} tokens plus max_tokens={max_new_tokens} exceed the model's "
-                            f"context of {self.cfg.block_size}: shorten the prompt or ask for fewer tokens")
-        if min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
-            raise UserError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        check_request(self.cfg, prompt, max_new_tokens, temperature, top_p)
 
     def submit(self, request: Request) -> bool:
         """Queue a checked request; False when the queue is full (the caller retries later)."""
@@ -129,14 +134,22 @@ class Engine:
                     self.wake.wait()
                 if self.stopping and not any(self.active):
                     return
-                admitted = []
-                for s in range(self.n_slots):
-                    if self.active[s] is None and self.waiting:
-                        admitted.append((s, self.waiting.popleft()))
-            for s, request in admitted:
-                self._admit(s, request)
-            if any(self.active):
-                self._step()
+            self._tick()
+
+    def drain(self) -> None:
+        """Run in this thread until every submitted request has finished."""
+        while self.waiting or any(self.active):
+            self._tick()
+
+    def _tick(self) -> None:
+        """Fill free slots from the queue, then decode one token in every busy slot."""
+        with self.wake:
+            admitted = [(s, self.waiting.popleft()) for s in range(self.n_slots)
+                        if self.active[s] is None and self.waiting]
+        for s, request in admitted:
+            self._admit(s, request)
+        if any(self.active):
+            self._step()
 
     def _admit(self, s: int, r: Request) -> None:
         if r.cancelled:
@@ -205,3 +218,36 @@ def _step(params: Any, state: Slots, *, cfg: ModelConfig, banned: int | None, vo
     logits_SV, cache = jax.vmap(decode_one)(tok_S, state.cache, length_S)
     state = state._replace(cache=cache, logits_SV=logits_SV, length_S=state.length_S + 1, step_S=state.step_S + 1)
     return state, tok_S, logprob_S, top
+
+
+def generate_many(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
+                  max_new_tokens: int | Sequence[int], seeds: int | Sequence[int] = 0,
+                  temperature: float | Sequence[float] = 1.0, top_p: float | Sequence[float] = 1.0,
+                  eot_token: int | None = None, vocab_limit: int | None = None, slots: int = 8,
+                  until: Callable[[int, list[int]], bool] | None = None, progress: bool = False) -> list[list[int]]:
+    """New tokens for prompts of different lengths, `slots` at a time; every setting is one value or one per row.
+
+    Row r samples what `generate(params, cfg, prompts[r], key=seeds[r], ...)` samples for it alone. A row ends
+    at `eot_token` (included), after its max_new_tokens, or when `until(r, tokens so far)` says so.
+    """
+    n = len(prompts)
+    per_row = lambda v: list(v) if isinstance(v, Sequence) else [v] * n
+    settings = list(zip(per_row(max_new_tokens), per_row(seeds), per_row(temperature), per_row(top_p), strict=True))
+    engine = Engine(params, cfg, slots=slots, max_waiting=n, eot_token=eot_token, vocab_limit=vocab_limit)
+    out: list[list[int]] = [[] for _ in range(n)]
+    bar = tqdm(total=n, unit="request", disable=not progress, dynamic_ncols=True)
+    for r, (prompt, (count, seed, temp, p)) in enumerate(zip(prompts, settings, strict=True)):
+        engine.check(list(prompt), count, temp, p)
+        request = Request(list(prompt), count, temperature=temp, top_p=p, seed=seed, emit=lambda *_: None,
+                          done=lambda _: bar.update())
+
+        def emit(token: int, _logprob: float, _top: list, r: int = r, request: Request = request) -> None:
+            out[r].append(token)
+            if until is not None and until(r, out[r]):
+                request.cancelled = True
+
+        request.emit = emit
+        engine.submit(request)
+    engine.drain()
+    bar.close()
+    return out
