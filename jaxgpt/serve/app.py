@@ -127,29 +127,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
-            if not prompts:
-                raise UserError("prompt: give at least one prompt")
-            if body.stream and body.logprobs is not None:
-                raise UserError("logprobs: not available with stream=true here; ask without streaming")
-            encoded = [tokenizer.encode(p) if p else ([tokenizer.eot_token] if tokenizer.eot_token is not None else [])
-                       for p in prompts]
-            for ids in encoded:
-                engine.check(ids, body.max_tokens, body.temperature, body.top_p)
+            encoded = _encode(body, tokenizer, engine)
         except UserError as e:
             return error(400, str(e))
-        loop, seed = asyncio.get_running_loop(), body.seed if body.seed is not None else secrets.randbits(31)
-        choices = []
-        for ids in encoded:
-            for j in range(body.n):
-                choice = Choice(len(choices), tokenizer, stops, tokenizer.eot_token)
-                choice.request = Request(
-                    ids, body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j,
-                    emit=lambda *a, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, ("token", a)),
-                    done=lambda reason, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, ("done", reason)))
-                choices.append(choice)
+        choices = _choices(body, encoded, tokenizer, asyncio.get_running_loop())
         for k, choice in enumerate(choices):
             if not engine.submit(choice.request):
                 for earlier in choices[:k]:
@@ -172,6 +154,37 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                                       for c in choices], "usage": usage}
 
     return app
+
+
+def _encode(body: CompletionRequest, tokenizer: Tokenizer, engine: Engine) -> list[list[int]]:
+    """Each prompt's ids (an empty one starts from end-of-text), every one checked; a UserError is a 400."""
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not prompts:
+        raise UserError("prompt: give at least one prompt")
+    if body.stream and body.logprobs is not None:
+        raise UserError("logprobs: not available with stream=true here; ask without streaming")
+    encoded = [tokenizer.encode(p) if p else ([tokenizer.eot_token] if tokenizer.eot_token is not None else [])
+               for p in prompts]
+    for ids in encoded:
+        engine.check(ids, body.max_tokens, body.temperature, body.top_p)
+    return encoded
+
+
+def _choices(body: CompletionRequest, encoded: list[list[int]], tokenizer: Tokenizer,
+             loop: asyncio.AbstractEventLoop) -> list[Choice]:
+    """`n` choices per prompt, each with the engine request that feeds it from the engine's thread."""
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    seed = body.seed if body.seed is not None else secrets.randbits(31)
+    choices: list[Choice] = []
+    for ids in encoded:
+        for j in range(body.n):
+            choice = Choice(len(choices), tokenizer, stops, tokenizer.eot_token)
+            choice.request = Request(
+                ids, body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j,
+                emit=lambda *a, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, ("token", a)),
+                done=lambda reason, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, ("done", reason)))
+            choices.append(choice)
+    return choices
 
 
 async def _next(choice: Choice) -> None:
