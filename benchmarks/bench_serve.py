@@ -41,7 +41,7 @@ from jaxgpt.model.config import ModelConfig  # noqa: E402
 from jaxgpt.model.gpt import init_params  # noqa: E402
 from jaxgpt.serve.app import create_app  # noqa: E402
 
-CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"  # a character vocabulary of 96
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # a sorted character vocabulary of 96
 NEW_TOKENS = 64
 
 
@@ -73,7 +73,7 @@ def serve(cfg: ModelConfig, params: dict) -> tuple[uvicorn.Server, int]:
 def load(port: int, clients: int, requests: int, rng: np.random.Generator) -> tuple[float, list[float]]:
     """(aggregate tokens/s, request latencies) of `clients` threads sending `requests` completions each."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-    prompts = ["".join(rng.choice(list(CHARS[:-1]), int(n))) for n in rng.integers(8, 65, clients * requests)]
+    prompts = ["".join(rng.choice(list(CHARS[1:]), int(n))) for n in rng.integers(8, 65, clients * requests)]
 
     def one_client(c: int) -> tuple[int, list[float]]:
         tokens, latencies = 0, []

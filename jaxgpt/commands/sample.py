@@ -65,15 +65,21 @@ from jaxgpt.tasks import pairs
 SEPARATOR = "-" * 40
 
 
-def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
-    flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to sample from", flag_values=flags_)
-    flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: sample from a Hugging Face GPT-2 directory or "
-                        "Hub repository, with its tokenizer", flag_values=flags_)
-    flags.DEFINE_string("preset", None, "sample from a randomly initialized preset with the GPT-2 vocabulary "
-                        "(e.g. annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed",
+def define_model(flags_: flags.FlagValues) -> None:
+    """The flags `load_model` reads (sample and serve): where the model comes from."""
+    flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to use", flag_values=flags_)
+    flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: a Hugging Face GPT-2 directory or Hub "
+                        "repository, with its tokenizer", flag_values=flags_)
+    flags.DEFINE_string("preset", None, "a randomly initialized preset with the GPT-2 vocabulary (e.g. "
+                        "annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed",
                         flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["workdir", "init_from", "preset"], required=True, flag_values=flags_)
     flags.DEFINE_enum("which", "latest", ("latest", "best"), "which checkpoint of --workdir", flag_values=flags_)
+    flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE models", flag_values=flags_)
+
+
+def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
+    define_model(flags_)
     flags.DEFINE_string("prompt", None, "text to continue (default: empty, see above)", flag_values=flags_)
     flags.DEFINE_string("prompt_file", None, "read the prompt from this UTF-8 file; a .jsonl file holds one request "
                         "per line instead (see above)", flag_values=flags_)
@@ -93,7 +99,6 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
                          "tokens (each chunk is one call of the loop)", flag_values=flags_)
     flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16"), "GPT decoding: weights and activations in this "
                       "dtype (logits and sampling stay float32)", flag_values=flags_)
-    flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE models", flag_values=flags_)
     flags.DEFINE_multi_string("stop", [], "end a sample just before the first occurrence of this string "
                               "(repeatable; the prompt is not searched)", flag_values=flags_)
     flags.DEFINE_string("source", None, "encoder-decoder runs: the text to decode from", flag_values=flags_)

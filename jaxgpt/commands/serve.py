@@ -2,7 +2,7 @@
 
     jaxgpt serve --workdir runs/stdlib_char                 # http://127.0.0.1:8000/v1/completions
     jaxgpt serve --init_from hf:openai-community/gpt2 --port 8080 --slots 16
-    jaxgpt serve --init_from preset:gpt2                    # random weights: for load tests
+    jaxgpt serve --preset gpt2                              # random weights: for load tests
 
 Any OpenAI client talks to it (base_url http://HOST:PORT/v1, any api_key). A request's prompt and max_tokens
 must fit in the model's context. SIGTERM (or Ctrl-C) stops accepting requests, finishes those in flight, exits.
@@ -17,22 +17,19 @@ from pathlib import Path
 from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.commands.sample import define_model, load_model
 from jaxgpt.errors import optional_import
 from jaxgpt.io import weights
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
-    flags.DEFINE_string("workdir", None, "a jaxgpt run to serve", flag_values=flags_)
-    flags.DEFINE_string("init_from", None, "or weights from elsewhere: hf:PATH, hf:OWNER/NAME, preset:NAME",
-                        flag_values=flags_)
-    flags.mark_flags_as_mutual_exclusive(["workdir", "init_from"], required=True, flag_values=flags_)
-    flags.DEFINE_enum("which", "latest", ("latest", "best"), "which checkpoint of --workdir", flag_values=flags_)
+    define_model(flags_)
+    flags.DEFINE_integer("seed", 0, "the initialization of --preset", flag_values=flags_)
     flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)", flag_values=flags_)
     flags.DEFINE_integer("port", 8000, "port to listen on", lower_bound=0, upper_bound=65535, flag_values=flags_)
     flags.DEFINE_integer("slots", 8, "requests decoded at once (KV-cache slots)", lower_bound=1, flag_values=flags_)
     flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429", lower_bound=0,
                          flag_values=flags_)
-    flags.DEFINE_string("bpe_file", None, "local BPE ranks file for BPE models when offline", flag_values=flags_)
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
@@ -42,15 +39,13 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     from jaxgpt.generate.engine import Engine
     from jaxgpt.serve.app import create_app
 
-    source = f"workdir:{flags_.workdir}" if flags_.workdir is not None else flags_.init_from
-    loaded = weights.load(source, which=flags_.which)
-    cfg = weights.require_gpt(source, loaded.model, "be served")
-    tokenizer = loaded.tokenizer(flags_.bpe_file)
+    loaded, tokenizer = load_model(flags_)
+    name = Path(flags_.workdir).name if flags_.workdir is not None else flags_.init_from or flags_.preset
+    cfg = weights.require_gpt(name, loaded.model, "be served")
     engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting,
                     eot_token=tokenizer.eot_token,
                     vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None)
-    name = Path(flags_.workdir).name if flags_.workdir is not None else flags_.init_from
-    print(f"serving {source} as {name!r} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots)", flush=True)
+    print(f"serving {name!r} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots)", flush=True)
     uvicorn.run(create_app(engine, tokenizer, name), host=flags_.host, port=flags_.port, log_level="warning",
                 timeout_graceful_shutdown=60)
 
