@@ -46,9 +46,9 @@ class Server:
 
     def __init__(self, slots: int = 4, max_waiting: int = 64) -> None:
         self.params = random_params(CFG)
-        engine = Engine(self.params, CFG, slots=slots, max_waiting=max_waiting)
+        self.engine = Engine(self.params, CFG, slots=slots, max_waiting=max_waiting)
         self.port = free_port()
-        config = uvicorn.Config(create_app(engine, TOKENIZER, "tiny"), host="127.0.0.1", port=self.port,
+        config = uvicorn.Config(create_app(self.engine, TOKENIZER, "tiny"), host="127.0.0.1", port=self.port,
                                 log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -135,6 +135,17 @@ def test_bad_requests_are_400s_and_the_server_keeps_serving(server):
     raw = httpx.post(f"{server.url}/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     assert server.client.completions.create(model="tiny", prompt="ok", max_tokens=3).choices[0].text
+
+
+def test_a_failing_decode_step_is_a_500_and_the_next_request_is_served(server, monkeypatch):
+    def fail() -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.engine, "_step", fail)
+    with pytest.raises(openai.InternalServerError):
+        server.client.completions.create(model="tiny", prompt="a", max_tokens=3)
+    monkeypatch.undo()
+    assert server.client.completions.create(model="tiny", prompt="a", max_tokens=3, temperature=0).choices[0].text
 
 
 def test_disconnect_mid_stream_frees_the_slot():

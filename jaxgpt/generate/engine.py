@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -42,7 +43,7 @@ TOP_LOGPROBS = 5  # the most alternatives a request may ask for (OpenAI's comple
 @dataclasses.dataclass
 class Request:
     """One generation. `emit(token, logprob, top)` is called from the engine's thread for every token, and
-    `done(reason)` once ("stop": end of text, "length": max_new_tokens, "cancelled")."""
+    `done(reason)` once ("stop": end of text, "length": max_new_tokens, "cancelled", "error": the engine failed)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -134,7 +135,11 @@ class Engine:
                     self.wake.wait()
                 if self.stopping and not any(self.active):
                     return
-            self._tick()
+            try:
+                self._tick()
+            except Exception:  # a failed step must not leave its requests waiting forever
+                traceback.print_exc()
+                self._fail_all()
 
     def drain(self) -> None:
         """Run in this thread until every submitted request has finished."""
@@ -182,6 +187,13 @@ class Engine:
                 self._retire(s, "stop")
             elif self.produced[s] >= r.max_new_tokens:
                 self._retire(s, "length")
+
+    def _fail_all(self) -> None:
+        with self.wake:
+            failed, self.waiting = [*filter(None, self.active), *self.waiting], deque()
+        self.active = [None] * self.n_slots
+        for request in failed:
+            request.done("error")
 
     def _retire(self, s: int, reason: str) -> None:
         request, self.active[s] = self.active[s], None

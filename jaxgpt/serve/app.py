@@ -143,6 +143,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
             return StreamingResponse(_events(choices, header), media_type="text/event-stream")
         try:
             await asyncio.gather(*(_finish(c, http) for c in choices))
+        except RuntimeError as e:
+            return error(500, str(e), kind="server_error")
         finally:
             for c in choices:
                 c.request.cancelled = c.request.cancelled or c.finish_reason is None
@@ -192,6 +194,8 @@ async def _next(choice: Choice) -> None:
     kind, value = await choice.queue.get()
     if kind == "token":
         choice.add(*value)
+    elif value == "error":
+        raise RuntimeError("the engine failed while decoding this request (the server's log has the traceback)")
     elif choice.finish_reason is None:
         choice.finish_reason = "length" if value == "length" else "stop"
 
