@@ -126,7 +126,7 @@ def test_sixteen_concurrent_clients_of_different_lengths(server):
 
 def test_bad_requests_are_400s_and_the_server_keeps_serving(server):
     bad = [dict(temperature=-1), dict(max_tokens=0), dict(top_p=1.5), dict(extra_body={"bogus": 1}),
-           dict(max_tokens=64), dict(logprobs=9), dict(prompt="UPPER")]
+           dict(max_tokens=64), dict(logprobs=9), dict(prompt="UPPER"), dict(stop=["a", ""]), dict(prompt=[])]
     for kwargs in bad:
         args = {"model": "tiny", "prompt": "abc", "max_tokens": 5, **kwargs}
         with pytest.raises(openai.BadRequestError) as err:

@@ -163,6 +163,8 @@ def _encode(body: CompletionRequest, tokenizer: Tokenizer, engine: Engine) -> li
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompts:
         raise UserError("prompt: give at least one prompt")
+    if body.stop is not None and not all([body.stop] if isinstance(body.stop, str) else body.stop):
+        raise UserError("stop: every stop string must be non-empty")
     if body.stream and body.logprobs is not None:
         raise UserError("logprobs: not available with stream=true here; ask without streaming")
     encoded = [tokenizer.encode(p) if p else ([tokenizer.eot_token] if tokenizer.eot_token is not None else [])
