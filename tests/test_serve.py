@@ -25,7 +25,7 @@ from test_workflows import random_params, save_run  # noqa: E402
 
 from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxgpt.generate import sampling  # noqa: E402
-from jaxgpt.generate.engine import Engine  # noqa: E402
+from jaxgpt.generate.engine import Engine, generate_many  # noqa: E402
 from jaxgpt.model.config import ModelConfig  # noqa: E402
 from jaxgpt.serve.app import create_app  # noqa: E402
 
@@ -44,11 +44,13 @@ def free_port() -> int:
 class Server:
     """The app on a free port in a thread of this process (uvicorn, as `jaxgpt serve` runs it)."""
 
-    def __init__(self, slots: int = 4, max_waiting: int = 64) -> None:
-        self.params = random_params(CFG)
-        self.engine = Engine(self.params, CFG, slots=slots, max_waiting=max_waiting)
+    def __init__(self, slots: int = 4, max_waiting: int = 64, model: tuple | None = None) -> None:
+        """`model`: (params, config, codec, specials) of another model than the tiny GPT."""
+        self.params, cfg, codec, specials = model or (random_params(CFG), CFG, TOKENIZER, None)
+        self.engine = Engine(self.params, cfg, slots=slots, max_waiting=max_waiting, specials=specials,
+                             eot_token=codec.eot_token)
         self.port = free_port()
-        config = uvicorn.Config(create_app(self.engine, TOKENIZER, "tiny"), host="127.0.0.1", port=self.port,
+        config = uvicorn.Config(create_app(self.engine, codec, "tiny"), host="127.0.0.1", port=self.port,
                                 log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -231,3 +233,55 @@ def test_sample_prompt_file_completes_ragged_requests_as_each_alone(tmp_path, ca
     assert sample_command.main(["jaxgpt sample", f"--workdir={run}", f"--prompt_file={path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "requests.jsonl:2" in err and "max_tokens" in err
+
+
+def test_engine_decodes_encoder_decoder_sources_of_different_lengths_as_each_alone():
+    """The source is the prompt: each slot holds its source's encoding; every row equals seq2seq decoding of its
+    source alone (greedy and seeded)."""
+    import jax
+    from test_seq2seq_decoding import BOS, PAD, tiny
+    from test_seq2seq_decoding import random_params as encdec_params
+
+    from jaxgpt.generate import seq2seq as dec
+
+    cfg = tiny()
+    params = encdec_params(cfg)
+    rng = np.random.default_rng(5)
+    sources = [rng.integers(PAD + 1, cfg.src_vocab_size, int(n)).tolist() for n in rng.integers(1, 10, 6)]
+    eos = 2
+    settings = [(0.0, 0), (1.0, 3), (0.7, 4), (0.0, 1), (1.2, 9), (1.0, 5)]
+    got = generate_many(params, cfg, sources, max_new_tokens=cfg.model.block_size, seeds=[s for _, s in settings],
+                        temperature=[t for t, _ in settings], slots=4,
+                        specials=dict(pad_id=PAD, bos_id=BOS, eos_id=eos))
+    for src, (temperature, seed), tokens in zip(sources, settings, got, strict=True):
+        src_1S = np.array([src], np.int32)
+        if temperature == 0:
+            want = dec.greedy(params, cfg, src_1S, bos_id=BOS, eos_id=eos, max_new_tokens=cfg.model.block_size)
+        else:
+            want = dec.sample(params, cfg, src_1S, bos_id=BOS, eos_id=eos, max_new_tokens=cfg.model.block_size,
+                              key=jax.random.key(seed), temperature=temperature)
+        want = np.asarray(want)[0].tolist()
+        assert tokens == want[:len(tokens)] and (len(tokens) == len(want) or tokens[-1] == eos)
+
+
+def test_serving_an_encoder_decoder_takes_the_source_as_the_prompt():
+    from test_seq2seq_decoding import random_params as encdec_params
+    from test_seq2seq_decoding import tiny
+
+    from jaxgpt.generate import seq2seq as dec
+    from jaxgpt.tasks.pairs import SPECIALS, PairText, decode_ids, encode_text
+
+    cfg, chars = tiny(), CharTokenizer("abcdefgh")
+    params = encdec_params(cfg)
+    served = Server(model=(params, cfg, PairText(chars, SPECIALS), SPECIALS))
+    try:
+        for source in ["abc", "hgfedcba", "d"]:
+            got = served.client.completions.create(model="tiny", prompt=source, max_tokens=cfg.model.block_size,
+                                                   temperature=0)
+            want = dec.greedy(params, cfg, np.array([encode_text(chars, SPECIALS, source)], np.int32),
+                              bos_id=SPECIALS["bos_id"], eos_id=SPECIALS["eos_id"], max_new_tokens=cfg.model.block_size)
+            assert got.choices[0].text == decode_ids(chars, SPECIALS, np.asarray(want)[0])
+        with pytest.raises(openai.BadRequestError):  # longer than src_block_size
+            served.client.completions.create(model="tiny", prompt="abcdefghab", max_tokens=3)
+    finally:
+        served.close()

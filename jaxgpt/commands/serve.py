@@ -5,7 +5,8 @@
     jaxgpt serve --preset gpt2                              # random weights: for load tests
 
 Any OpenAI client talks to it (base_url http://HOST:PORT/v1, any api_key). A request's prompt and max_tokens
-must fit in the model's context. SIGTERM (or Ctrl-C) stops accepting requests, finishes those in flight, exits.
+must fit in the model's context. An encoder-decoder run (task seq2seq) takes the source as the
+prompt. SIGTERM (or Ctrl-C) stops accepting requests, finishes those in flight, exits.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from absl import flags
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.commands.sample import define_model, load_model
 from jaxgpt.errors import optional_import
-from jaxgpt.io import weights
+from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.tasks.pairs import PairText
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -41,10 +43,13 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
     loaded, tokenizer = load_model(flags_)
     name = Path(flags_.workdir).name if flags_.workdir is not None else flags_.init_from or flags_.preset
-    cfg = weights.require_gpt(name, loaded.model, "be served")
+    cfg, specials = loaded.model, loaded.meta.get("seq2seq")
+    if isinstance(cfg, Seq2SeqConfig):  # an encoder-decoder run: the prompt is the source
+        tokenizer = PairText(tokenizer, specials)
+    vocab = cfg.model.vocab_size if isinstance(cfg, Seq2SeqConfig) else cfg.vocab_size
     engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting,
-                    eot_token=tokenizer.eot_token,
-                    vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None)
+                    eot_token=tokenizer.eot_token, specials=specials,
+                    vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < vocab else None)
     print(f"serving {name!r} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots)", flush=True)
     uvicorn.run(create_app(engine, tokenizer, name), host=flags_.host, port=flags_.port, log_level="warning",
                 timeout_graceful_shutdown=60)

@@ -7,6 +7,10 @@ requests: nothing recompiles when requests come and go. A new request's prompt i
 slot, right-padded to a power-of-two bucket (one compile per bucket); the padding's keys and values sit
 past the request's length, invisible to it, and are overwritten as it decodes.
 
+An encoder-decoder's prompt is its source: a slot also holds the source's mask and cross-attention keys and
+values (the source padded to src_block_size with the padding id, which the encoder masks), and its decoder
+starts from bos, as `seq2seq.generate` starts a row.
+
 Sampling is `generate`'s: step i of a request draws its noise from `fold_in(key, i)`, greedy at temperature
 0, top-p only below 1, so a seeded request samples what `generate` samples for its prompt alone (up to
 float rounding in the different batching of the products). The context does not slide: a request's prompt
@@ -30,10 +34,11 @@ from tqdm import tqdm
 
 from jaxgpt.errors import UserError
 from jaxgpt.evals.loglik import bucket
+from jaxgpt.generate import seq2seq
 from jaxgpt.generate.sampling import _decode, validate_options
 from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
-from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.ops.decode import decoding_weights
 
 Array = jax.Array
@@ -65,6 +70,7 @@ class Slots(NamedTuple):
     key_S: Array
     temperature_S: Array
     top_p_S: Array
+    memory: Any = None  # encoder-decoders: each slot's source mask (S, 1, L) and cross-attention keys/values
 
 
 def _pick(logits_V: Array, key: Array, step: Array, temperature: Array, top_p: Array, banned: int | None,
@@ -79,31 +85,51 @@ def _pick(logits_V: Array, key: Array, step: Array, temperature: Array, top_p: A
     return jnp.where(temperature == 0, greedy, jnp.where(top_p < 1, nucleus, free))[0]
 
 
-def check_request(cfg: ModelConfig, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
-    """A UserError for a request the engine cannot run (the server answers it with a 400)."""
+def check_request(cfg: ModelConfig | Seq2SeqConfig, prompt: list[int], max_new_tokens: int, temperature: float,
+                  top_p: float) -> None:
+    """A UserError for a request the engine cannot run (the server answers it with a 400). An encoder-decoder's
+    prompt is its source: at most src_block_size tokens, and max_tokens at most the decoder's context."""
     validate_options(max_new_tokens, temperature, None, top_p)
     if not prompt:
         raise UserError("the prompt is empty: give at least one token")
-    if len(prompt) + max_new_tokens > cfg.block_size:
+    if isinstance(cfg, Seq2SeqConfig):
+        if len(prompt) > cfg.src_block_size or max_new_tokens > cfg.model.block_size:
+            raise UserError(f"the source's {len(prompt)} tokens or max_tokens={max_new_tokens} exceed the model's "
+                            f"src_block_size={cfg.src_block_size} / block_size={cfg.model.block_size}: shorten them")
+        vocab_size = cfg.src_vocab_size
+    elif len(prompt) + max_new_tokens > cfg.block_size:
         raise UserError(f"the prompt's {len(prompt)} tokens plus max_tokens={max_new_tokens} exceed the model's "
                         f"context of {cfg.block_size}: shorten the prompt or ask for fewer tokens")
-    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
-        raise UserError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+    else:
+        vocab_size = cfg.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise UserError(f"prompt token ids must be in [0, {vocab_size})")
 
 
 class Engine:
     """Decodes up to `slots` requests at once; `submit` from any thread, `run` in one thread of its own."""
 
-    def __init__(self, params: Any, cfg: ModelConfig, *, slots: int = 8, max_waiting: int = 64,
-                 eot_token: int | None = None, vocab_limit: int | None = None) -> None:
-        self.params, self.cfg = decoding_weights(params, cfg, None, output_major=False)
-        self.n_slots, self.max_waiting, self.eot_token = slots, max_waiting, eot_token
-        self.banned, self.vocab_limit = cfg.pad_id, vocab_limit
-        one = init_cache(self.cfg, 1)
+    def __init__(self, params: Any, cfg: ModelConfig | Seq2SeqConfig, *, slots: int = 8, max_waiting: int = 64,
+                 eot_token: int | None = None, vocab_limit: int | None = None,
+                 specials: dict[str, int] | None = None) -> None:
+        """`specials`: an encoder-decoder's pad_id, bos_id and eos_id (its run's meta["seq2seq"]); eos ends a row."""
+        self.n_slots, self.max_waiting, self.eot_token, self.vocab_limit = slots, max_waiting, eot_token, vocab_limit
+        if isinstance(cfg, Seq2SeqConfig):
+            if specials is None:
+                raise UserError("an encoder-decoder needs its pad, bos and eos ids (the run's meta['seq2seq'])")
+            self.params, self.cfg, self.specials, self.eot_token = params, cfg, specials, specials["eos_id"]
+            model = cfg.model
+            memory = jax.eval_shape(lambda: seq2seq.encode(params, cfg, jnp.zeros((1, cfg.src_block_size), jnp.int32)))
+            memory = jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), memory)
+        else:
+            self.params, self.cfg = decoding_weights(params, cfg, None, output_major=False)
+            model, memory, self.specials = self.cfg, None, None
+        self.banned = model.pad_id
+        one = init_cache(model, 1)
         self.state = Slots(jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), one),
-                           jnp.zeros((slots, cfg.vocab_size), jnp.float32), jnp.zeros(slots, jnp.int32),
+                           jnp.zeros((slots, model.vocab_size), jnp.float32), jnp.zeros(slots, jnp.int32),
                            jnp.zeros(slots, jnp.int32), jax.random.split(jax.random.key(0), slots),
-                           jnp.zeros(slots, jnp.float32), jnp.ones(slots, jnp.float32))
+                           jnp.zeros(slots, jnp.float32), jnp.ones(slots, jnp.float32), memory)
         self.active: list[Request | None] = [None] * slots
         self.produced = [0] * slots
         self.waiting: deque[Request] = deque()
@@ -160,13 +186,18 @@ class Engine:
         if r.cancelled:
             r.done("cancelled")
             return
+        settings = (jax.random.key(r.seed), jnp.float32(r.temperature), jnp.float32(r.top_p))
         T = len(r.prompt)
-        P = bucket(T, self.cfg.block_size)
-        prompt_1P = np.zeros((1, P), np.int32)
-        prompt_1P[0, :T] = r.prompt
-        self.state = _prefill_slot(self.params, self.state, jnp.int32(s), prompt_1P, jnp.int32(T),
-                                   jax.random.key(r.seed), jnp.float32(r.temperature), jnp.float32(r.top_p),
-                                   cfg=self.cfg)
+        if self.specials is not None:  # the source, padded to src_block_size (the encoder masks padding)
+            src_1L = np.full((1, self.cfg.src_block_size), self.specials["pad_id"], np.int32)
+            src_1L[0, :T] = r.prompt
+            self.state = _encode_slot(self.params, self.state, jnp.int32(s), src_1L, *settings, cfg=self.cfg,
+                                      bos_id=self.specials["bos_id"])
+        else:
+            prompt_1P = np.zeros((1, bucket(T, self.cfg.block_size)), np.int32)
+            prompt_1P[0, :T] = r.prompt
+            self.state = _prefill_slot(self.params, self.state, jnp.int32(s), prompt_1P, jnp.int32(T), *settings,
+                                       cfg=self.cfg)
         self.active[s], self.produced[s] = r, 0
 
     def _step(self) -> None:
@@ -212,6 +243,20 @@ def _prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Arra
                  state.top_p_S.at[s].set(top_p))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "bos_id"), donate_argnames=("state",))
+def _encode_slot(params: Any, state: Slots, s: Array, src_1L: Array, key: Array, temperature: Array, top_p: Array, *,
+                 cfg: Seq2SeqConfig, bos_id: int) -> Slots:
+    """Encode a source into slot `s` and feed the decoder its bos, as `seq2seq.generate` starts a row."""
+    memory = seq2seq.encode(params, cfg, src_1L)
+    logits_1V, cache = seq2seq._step(params, cfg, jnp.full((1,), bos_id, jnp.int32),
+                                     init_cache(cfg.model, 1), jnp.int32(0), memory[1], memory[0])
+    put = lambda all_, one: all_.at[s].set(one)
+    return Slots(jax.tree.map(put, state.cache, cache), state.logits_SV.at[s].set(logits_1V[0]),
+                 state.length_S.at[s].set(1), state.step_S.at[s].set(0), state.key_S.at[s].set(key),
+                 state.temperature_S.at[s].set(temperature), state.top_p_S.at[s].set(top_p),
+                 jax.tree.map(put, state.memory, memory))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "banned", "vocab_limit"), donate_argnames=("state",))
 def _step(params: Any, state: Slots, *, cfg: ModelConfig, banned: int | None, vocab_limit: int | None
           ) -> tuple[Slots, Array, Array, tuple[Array, Array]]:
@@ -221,31 +266,38 @@ def _step(params: Any, state: Slots, *, cfg: ModelConfig, banned: int | None, vo
     logp_SV = jax.nn.log_softmax(state.logits_SV, axis=-1)
     logprob_S = jnp.take_along_axis(logp_SV, tok_S[:, None], axis=-1)[:, 0]
     top = jax.lax.top_k(logp_SV, TOP_LOGPROBS)
-    length_S = jnp.minimum(state.length_S, cfg.block_size - 1)  # an idle slot's length never runs past the cache
+    context = cfg.model.block_size if isinstance(cfg, Seq2SeqConfig) else cfg.block_size
+    length_S = jnp.minimum(state.length_S, context - 1)  # an idle slot's length never runs past the cache
 
-    def decode_one(tok: Array, cache: Any, index: Array) -> tuple[Array, Any]:
+    def decode_one(tok: Array, cache: Any, index: Array, memory: Any) -> tuple[Array, Any]:
+        if isinstance(cfg, Seq2SeqConfig):
+            logits_1V, cache = seq2seq._step(params, cfg, tok[None], cache, index, memory[1], memory[0])
+            return logits_1V[0], cache
         logits_11V, cache = _decode(cfg, params, tok[None, None], cache, index, False)
         return logits_11V[0, 0], cache
 
-    logits_SV, cache = jax.vmap(decode_one)(tok_S, state.cache, length_S)
+    logits_SV, cache = jax.vmap(decode_one)(tok_S, state.cache, length_S, state.memory)
     state = state._replace(cache=cache, logits_SV=logits_SV, length_S=state.length_S + 1, step_S=state.step_S + 1)
     return state, tok_S, logprob_S, top
 
 
-def generate_many(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
+def generate_many(params: Any, cfg: ModelConfig | Seq2SeqConfig, prompts: Sequence[Sequence[int]], *,
                   max_new_tokens: int | Sequence[int], seeds: int | Sequence[int] = 0,
                   temperature: float | Sequence[float] = 1.0, top_p: float | Sequence[float] = 1.0,
                   eot_token: int | None = None, vocab_limit: int | None = None, slots: int = 8,
-                  until: Callable[[int, list[int]], bool] | None = None, progress: bool = False) -> list[list[int]]:
+                  until: Callable[[int, list[int]], bool] | None = None, progress: bool = False,
+                  specials: dict[str, int] | None = None) -> list[list[int]]:
     """New tokens for prompts of different lengths, `slots` at a time; every setting is one value or one per row.
 
-    Row r samples what `generate(params, cfg, prompts[r], key=seeds[r], ...)` samples for it alone. A row ends
-    at `eot_token` (included), after its max_new_tokens, or when `until(r, tokens so far)` says so.
+    Row r samples what `generate(params, cfg, prompts[r], key=seeds[r], ...)` samples for it alone (an
+    encoder-decoder's prompts are sources, with its `specials`: `seq2seq.sample`/`greedy` of the source). A row
+    ends at `eot_token` (eos; included), after its max_new_tokens, or when `until(r, tokens so far)` says so.
     """
     n = len(prompts)
     per_row = lambda v: list(v) if isinstance(v, Sequence) else [v] * n
     settings = list(zip(per_row(max_new_tokens), per_row(seeds), per_row(temperature), per_row(top_p), strict=True))
-    engine = Engine(params, cfg, slots=slots, max_waiting=n, eot_token=eot_token, vocab_limit=vocab_limit)
+    engine = Engine(params, cfg, slots=slots, max_waiting=n, eot_token=eot_token, vocab_limit=vocab_limit,
+                    specials=specials)
     out: list[list[int]] = [[] for _ in range(n)]
     bar = tqdm(total=n, unit="request", disable=not progress, dynamic_ncols=True)
     for r, (prompt, (count, seed, temp, p)) in enumerate(zip(prompts, settings, strict=True)):

@@ -29,6 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import TOP_LOGPROBS, Engine, Request
+from jaxgpt.tasks.pairs import PairText
+
+Codec = Tokenizer | PairText  # a GPT's tokenizer, or an encoder-decoder's source/target text
 
 
 class CompletionRequest(BaseModel):
@@ -55,7 +58,7 @@ class Choice:
     """One choice's tokens as they arrive, its text so far, and where stop strings cut it."""
 
     index: int
-    tokenizer: Tokenizer
+    tokenizer: Codec
     stops: list[str]
     eot_token: int | None
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
@@ -100,7 +103,7 @@ class Choice:
                 "text_offset": offsets[:keep]}
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
+def create_app(engine: Engine, tokenizer: Codec, model_name: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         thread = threading.Thread(target=engine.run, name="jaxgpt-engine", daemon=True)
@@ -158,8 +161,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     return app
 
 
-def _encode(body: CompletionRequest, tokenizer: Tokenizer, engine: Engine) -> list[list[int]]:
-    """Each prompt's ids (an empty one starts from end-of-text), every one checked; a UserError is a 400."""
+def _encode(body: CompletionRequest, tokenizer: Codec, engine: Engine) -> list[list[int]]:
+    """Each prompt's ids (an empty GPT prompt starts from end-of-text), every one checked; a UserError is a 400."""
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompts:
         raise UserError("prompt: give at least one prompt")
@@ -167,14 +170,14 @@ def _encode(body: CompletionRequest, tokenizer: Tokenizer, engine: Engine) -> li
         raise UserError("stop: every stop string must be non-empty")
     if body.stream and body.logprobs is not None:
         raise UserError("logprobs: not available with stream=true here; ask without streaming")
-    encoded = [tokenizer.encode(p) if p else ([tokenizer.eot_token] if tokenizer.eot_token is not None else [])
-               for p in prompts]
+    starts = [] if isinstance(tokenizer, PairText) or tokenizer.eot_token is None else [tokenizer.eot_token]
+    encoded = [tokenizer.encode(p) if p else starts for p in prompts]
     for ids in encoded:
         engine.check(ids, body.max_tokens, body.temperature, body.top_p)
     return encoded
 
 
-def _choices(body: CompletionRequest, encoded: list[list[int]], tokenizer: Tokenizer,
+def _choices(body: CompletionRequest, encoded: list[list[int]], tokenizer: Codec,
              loop: asyncio.AbstractEventLoop) -> list[Choice]:
     """`n` choices per prompt, each with the engine request that feeds it from the engine's thread."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -63,6 +63,23 @@ def decode_ids(tokenizer: Tokenizer, specials: dict[str, int], ids: Sequence[int
     return tokenizer.decode(text_ids)
 
 
+class PairText:
+    """A seq2seq run's text codec for what takes a tokenizer (the server): sources encode to model ids
+    (`encode_text`), target ids decode up to eos (`decode_ids`), and eos is the end-of-text token."""
+
+    def __init__(self, tokenizer: Tokenizer, specials: dict[str, int]) -> None:
+        self.tokenizer, self.specials = tokenizer, specials
+        self.eot_token, self.vocab_size = specials["eos_id"], tokenizer.vocab_size + specials["offset"]
+
+    def encode(self, text: str) -> list[int]:
+        if unknown := self.tokenizer.unknown_words(text):
+            raise UserError(f"the source has words outside the model's vocabulary: {', '.join(map(repr, unknown[:5]))}")
+        return encode_text(self.tokenizer, self.specials, text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return decode_ids(self.tokenizer, self.specials, ids)
+
+
 def build_tokenizer(kind: str, texts: Sequence[str], word_vocab: int) -> Tokenizer:
     """The text tokenizer of a pair set, from all its sources and targets: every character they hold ("char"),
     or their `word_vocab` - 2 most frequent words plus [PAD] and [UNK] ("word", seed 004's tokenizer)."""
