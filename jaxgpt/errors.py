@@ -13,6 +13,11 @@ class UserError(Exception):
     """A bad config, flag, file or prompt: the message names the problem and the fix."""
 
 
+class StorageError(UserError):
+    """A bucket that cannot be reached or used. The storage clients' background threads may still be retrying
+    it, so a command that ends with this error exits without waiting for them (`commands.run_command`)."""
+
+
 class InterruptError(UserError):
     """The run stopped on a signal after saving its state; `status` is the exit status (128 + signal)."""
 

@@ -37,7 +37,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(workdir: Path, data_dir: Path, devices: int, *extra: str, log: Path, seconds: int = 240) -> subprocess.Popen:
+def start(workdir: Path | str, data_dir: Path, devices: int, *extra: str, log: Path,
+          seconds: int = 240) -> subprocess.Popen:
     """train.py under `timeout`, in its own session (so a kill takes the whole process group)."""
     cmd = ["timeout", str(seconds), sys.executable, str(ROOT / "train.py"), f"--config={TINY}",
            f"--config.workdir={workdir}", f"--config.data.dir={data_dir}", *COMMON, *extra]
@@ -46,7 +47,7 @@ def start(workdir: Path, data_dir: Path, devices: int, *extra: str, log: Path, s
         return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
 
 
-def start_pair(workdir: Path, data_dir: Path, *extra: str, logs: Path, heartbeat: int = 10,
+def start_pair(workdir: Path | str, data_dir: Path, *extra: str, logs: Path, heartbeat: int = 10,
                seconds: int = 240) -> list[subprocess.Popen]:
     port = free_port()
     return [start(workdir, data_dir, 2, "--config.distributed.enabled=True",
@@ -71,16 +72,18 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
         kill_all(procs)
 
 
-def final_params(workdir: Path) -> dict:
+def final_params(workdir: Path | str) -> dict:
     loaded = load(f"workdir:{workdir}")  # onto this process's one device: a resharding restore
     assert loaded.meta["step"] == STEPS
     return traverse_util.flatten_dict(loaded.params)
 
 
+# Data split across the hosts, tensor within them; two micro-batches, whose rows interleave across hosts.
+MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2", "--config.grad_accum=2"]
+
+
 def test_two_processes_equal_one_process_with_four_devices(tmp_path: Path, data_dir: Path) -> None:
-    # Data split across the hosts, tensor within them; two micro-batches, whose rows interleave across hosts.
-    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=2", "--config.grad_accum=2",
-            "--config.eval.hellaswag=True",
+    mesh = [*MESH, "--config.eval.hellaswag=True",
             f"--config.eval.hellaswag_data={write_hellaswag_fixture(tmp_path / 'hellaswag.jsonl', 10)}"]
     ref = start(tmp_path / "ref", data_dir, 4, *mesh, log=tmp_path / "ref")
     pair = start_pair(tmp_path / "multi", data_dir, *mesh, logs=tmp_path)

@@ -117,6 +117,19 @@ def test_keeps_last_n_plus_best(tmp_path: Path) -> None:
     ckpt.close()
 
 
+def test_wall_clock_cadence_saves_between_step_checkpoints(tmp_path: Path, data_dir: Path) -> None:
+    from tests_helpers import load_tiny, train_run
+
+    c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=20, eval_interval=20,
+                  ckpt_interval=1000, keep_checkpoints=100, ckpt_minutes=1e-9)  # due after every step
+    train_run(c)
+    assert Checkpointer(tmp_path / "run", read_only=True).all_steps() == list(range(1, 21))
+    c = load_tiny(workdir=str(tmp_path / "steps"), data_dir=str(data_dir), max_steps=20, eval_interval=20,
+                  ckpt_interval=1000, keep_checkpoints=100)
+    train_run(c)
+    assert Checkpointer(tmp_path / "steps", read_only=True).all_steps() == [20]  # the step cadence alone
+
+
 def test_train_in_process_learns_and_writes_outputs(tmp_path: Path, data_dir: Path) -> None:
     from tests_helpers import load_tiny, train_run
 

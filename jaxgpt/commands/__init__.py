@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from jaxgpt.errors import InterruptError, UserError
+from jaxgpt.errors import InterruptError, StorageError, UserError
 
 COMMANDS = {
     "train": "train or resume a run (a language model, a classifier or a seq2seq model): --config configs/NAME.py",
@@ -145,6 +145,10 @@ def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | 
     except InterruptError as e:  # a run that saved its state on SIGINT / SIGTERM
         print(f"error: {one_line(e)}", file=sys.stderr)
         return e.status
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)  # not waiting for orbax's and the clients' threads, which may retry the store for minutes
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

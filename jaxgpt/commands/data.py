@@ -32,12 +32,14 @@ from pathlib import Path
 from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.data import remote
 from jaxgpt.data.corpora import BUILTIN_DATASETS, WINE_VOCAB_SIZE, prepare_builtin
 from jaxgpt.data.dataset import unknown_summary
 from jaxgpt.data.prepare import SHARD_TOKENS, prepare, prepare_text
 from jaxgpt.data.sources import hub_stream
 from jaxgpt.data.tokenizer import WordTokenizer, load_bpe
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -71,37 +73,48 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
+    """Prepare into --out; a bucket --out is prepared locally (`remote.local_copy`) and then published."""
     started = time.perf_counter()
-    if flags_.dataset:
-        no_arguments(args)
-        meta = prepare_builtin(flags_.dataset, flags_.out, overwrite=flags_.overwrite,
-                               val_fraction=flags_.val_fraction, bpe_file=flags_.bpe_file,
-                               max_documents=flags_.max_documents, csv_path=flags_.csv, vocab_size=flags_.vocab_size,
-                               workers=flags_.workers)
-    else:
-        if flags_.csv is not None or (flags_.vocab_size is not None and flags_.tokenizer != "word"):
-            raise UserError("--csv goes with --dataset wine_reviews and --vocab_size with --tokenizer word: drop it")
-        tokenizer = None  # char: the text's own characters
-        if flags_.tokenizer not in ("char", "word"):
-            tokenizer = load_bpe(flags_.tokenizer, flags_.bpe_file)
-        elif flags_.tokenizer == "word":
-            words = WINE_VOCAB_SIZE if flags_.vocab_size is None else flags_.vocab_size
-            tokenizer = functools.partial(WordTokenizer.from_texts, vocab_size=words)
-        options = {"val_fraction": flags_.val_fraction, "overwrite": flags_.overwrite, "workers": flags_.workers,
-                   "shard_tokens": flags_.shard_tokens, "bpe_file": flags_.bpe_file}
-        if flags_.hf_dataset:
-            no_arguments(args)
-            repo, _, config = flags_.hf_dataset.partition(":")
-            meta = prepare(lambda: hub_stream(repo, config or None, flags_.text_field, flags_.max_documents),
-                           flags_.out, tokenizer, source=f"{flags_.hf_dataset} (Hugging Face Hub)", **options)
-        else:
-            # `--text a.txt b.txt`: the files after the first arrive as positional arguments.
-            paths = [Path(p) for p in [*flags_.text, *args]]
-            meta = prepare_text(paths, flags_.out, tokenizer, text_field=flags_.text_field, **options)
+    out = flags_.out
+    if storage.is_bucket(out):
+        remote.check_may_publish(out, flags_.overwrite)
+        out = str(remote.local_copy(out))
+    meta = _prepare(flags_, args, out)
+    if out != flags_.out:
+        remote.publish(Path(out), flags_.out, flags_.overwrite)
     print(f"{flags_.out}: {meta['n_train']} train + {meta['n_val']} val tokens, vocab {meta['vocab_size']} "
           f"({meta['tokenizer']['type']}), {time.perf_counter() - started:.1f}s; {meta['source']}")
     if unknown := unknown_summary(meta):
         print(unknown)
+
+
+def _prepare(flags_: flags.FlagValues, args: list[str], out: str) -> dict:
+    # A bucket's local copy is this command's own cache: replacing what an earlier call left there is fine.
+    overwrite = flags_.overwrite or out != flags_.out
+    if flags_.dataset:
+        no_arguments(args)
+        return prepare_builtin(flags_.dataset, out, overwrite=overwrite,
+                               val_fraction=flags_.val_fraction, bpe_file=flags_.bpe_file,
+                               max_documents=flags_.max_documents, csv_path=flags_.csv, vocab_size=flags_.vocab_size,
+                               workers=flags_.workers)
+    if flags_.csv is not None or (flags_.vocab_size is not None and flags_.tokenizer != "word"):
+        raise UserError("--csv goes with --dataset wine_reviews and --vocab_size with --tokenizer word: drop it")
+    tokenizer = None  # char: the text's own characters
+    if flags_.tokenizer not in ("char", "word"):
+        tokenizer = load_bpe(flags_.tokenizer, flags_.bpe_file)
+    elif flags_.tokenizer == "word":
+        words = WINE_VOCAB_SIZE if flags_.vocab_size is None else flags_.vocab_size
+        tokenizer = functools.partial(WordTokenizer.from_texts, vocab_size=words)
+    options = {"val_fraction": flags_.val_fraction, "overwrite": overwrite, "workers": flags_.workers,
+               "shard_tokens": flags_.shard_tokens, "bpe_file": flags_.bpe_file}
+    if flags_.hf_dataset:
+        no_arguments(args)
+        repo, _, config = flags_.hf_dataset.partition(":")
+        return prepare(lambda: hub_stream(repo, config or None, flags_.text_field, flags_.max_documents),
+                       out, tokenizer, source=f"{flags_.hf_dataset} (Hugging Face Hub)", **options)
+    # `--text a.txt b.txt`: the files after the first arrive as positional arguments.
+    paths = [Path(p) for p in [*flags_.text, *args]]
+    return prepare_text(paths, out, tokenizer, text_field=flags_.text_field, **options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,14 +14,16 @@ needs a login: hf auth login).
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from absl import flags
 from flax import traverse_util
 
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.errors import UserError, optional_import
-from jaxgpt.io import hf_tokenizer, weights
+from jaxgpt.io import hf_tokenizer, storage, weights
 from jaxgpt.io.hf import load_hf_gpt2, save_hf_gpt2, tensor_specs
 from jaxgpt.tools.summary import count_params
 
@@ -55,7 +57,28 @@ def inspect(path: str) -> str:
 
 
 def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None = None) -> str:
-    """Write the run as a Hugging Face directory: weights, tokenizer, generation config."""
+    """Write the run as a Hugging Face directory (weights, tokenizer, generation config), locally or into a
+    bucket: there it is written locally first and uploaded with config.json last (a loader's sign of a
+    complete export; an overwrite removes the old one first)."""
+    if not storage.is_bucket(out):
+        return _export(workdir, out, which, overwrite, bpe_file)
+    target = storage.location(out, "--out")
+    existing = storage.files(target)
+    if existing and not overwrite:
+        raise UserError(f"{out} exists and is not empty: choose a new location or pass --overwrite to replace its "
+                        "checkpoint")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = _export(workdir, tmp, which, overwrite, bpe_file)
+        names = sorted(p.name for p in Path(tmp).iterdir())
+        with storage.guard(target, "writing"):
+            for stale in ["config.json", *(n for n in existing if n not in names)]:
+                if stale in existing:
+                    (target / stale).unlink()
+        storage.upload(Path(tmp), target, [n for n in names if n != "config.json"] + ["config.json"])
+    return report.replace(tmp, out, 1)
+
+
+def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None) -> str:
     loaded = weights.load(f"workdir:{workdir}", which=which)
     weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported as a Hugging Face GPT-2")
     tokenizer = None if loaded.tokenizer_meta is None else loaded.tokenizer(bpe_file)

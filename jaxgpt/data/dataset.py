@@ -36,6 +36,7 @@ from jaxgpt.data.tokenizer import (
 )
 from jaxgpt.data.tokens import TokenStream, llmc_shard, nanogpt_vocabulary
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 
 FORMAT_VERSIONS = (1, 2)
 META_FILE = "meta.json"
@@ -57,13 +58,13 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _content_key(meta: dict[str, Any]) -> tuple:
+def content_key(meta: dict[str, Any]) -> tuple:
     """What makes two datasets the same: the tokens and how to read them (not where they came from)."""
     keys = ("tokenizer", "dtype", "n_train", "n_val", "train_sha256", "val_sha256", "shards")
     return tuple(meta.get(k) for k in keys)
 
 
-def _files(meta: dict[str, Any]) -> list[str]:
+def token_files(meta: dict[str, Any]) -> list[str]:
     """The token files a dataset's meta describes."""
     return [s["file"] for s in meta.get("shards", [])] or list(SPLIT_FILES.values())
 
@@ -101,7 +102,7 @@ def check_may_write(out_dir: Path, new_meta: dict[str, Any] | None, overwrite: b
         return None
     if new_meta is None:
         return None
-    if not isinstance(old, dict) or _content_key(old) != _content_key(new_meta):
+    if not isinstance(old, dict) or content_key(old) != content_key(new_meta):
         source = old.get("source", "unknown source") if isinstance(old, dict) else "unknown source"
         raise UserError(f"{out_dir} already holds a different dataset ({source}): pass --overwrite "
                         "(overwrite=True) to replace it, or choose another output directory")
@@ -143,9 +144,9 @@ def install(workspace: Path, out_dir: Path, meta: dict[str, Any], overwrite: boo
     marker = out_dir / PREPARING_MARKER
     marker.touch()
     (out_dir / META_FILE).unlink(missing_ok=True)
-    for name in set(_files(old or {})) - set(_files(meta)):
+    for name in set(token_files(old or {})) - set(token_files(meta)):
         (out_dir / name).unlink(missing_ok=True)
-    for name in _files(meta):
+    for name in token_files(meta):
         os.replace(workspace / name, out_dir / name)
     os.replace(workspace / META_FILE, out_dir / META_FILE)
     marker.unlink()
@@ -208,7 +209,7 @@ META_FIELDS = {"format_version": int, "tokenizer": dict, "vocab_size": int, "dty
                "n_val": int}
 
 
-def _read_meta(data_dir: Path) -> dict[str, Any]:
+def read_meta(data_dir: Path) -> dict[str, Any]:
     """Parse and sanity-check meta.json; every problem names the file and says how to fix it."""
     path = data_dir / META_FILE
     fix = f"re-run preparation into {data_dir} with --overwrite"
@@ -288,14 +289,31 @@ def _foreign(root: Path) -> tuple[dict[str, TokenStream], dict[str, Any]]:
     return splits, meta
 
 
+def _stage(url: str) -> Path:
+    """A local, verified copy of the dataset at `url`: meta.json read fresh, each token file downloaded once
+    into JAXGPT_CACHE and kept while its sha256 matches meta.json's. The batch of step i is a function of the
+    tokens alone, so training on the copy is training on the bucket's dataset. Each host stages its own
+    (benchmarks/bench_checkpoint.py measures the rate)."""
+    source = storage.location(url, "data.dir")
+    local = storage.cache_dir("staged", str(source))
+    with storage.guard(source, "reading"):
+        if not (source / META_FILE).exists():
+            raise UserError(f"{url}/{META_FILE} not found: {url} is not a prepared dataset; run `jaxgpt data ... "
+                            f"--out {url}`")
+        (local / META_FILE).write_bytes((source / META_FILE).read_bytes())
+    entries = read_meta(local)["files"]
+    storage.stage(source, [e["file"] for e in entries], {e["file"]: e["sha256"] for e in entries if e.get("sha256")})
+    return local
+
+
 def load_dataset(data_dir: str | os.PathLike[str], *, verify: bool | None = None,
                  bpe_file: str | os.PathLike[str] | None = None) -> Dataset:
     """Open a dataset, validating it first so that a broken one fails here with a clear message instead of as
     odd losses later. `verify` forces (True) or skips (False) the sha256 check, which by default runs for
     datasets under 256 MB. `bpe_file` is used if the tokenizer is needed (BPE datasets)."""
-    root = Path(data_dir)
+    root = _stage(str(data_dir)) if storage.is_bucket(data_dir) else Path(data_dir)
     if (root / META_FILE).is_file():
-        meta = _read_meta(root)
+        meta = read_meta(root)
         files = meta.pop("files")
         size = (meta["n_train"] + meta["n_val"]) * np.dtype(meta["dtype"]).itemsize
         check_hash = verify or (verify is None and size < VERIFY_MAX_BYTES)

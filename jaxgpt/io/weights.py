@@ -30,6 +30,7 @@ import jax
 
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError, optional_import
+from jaxgpt.io import storage
 from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
 from jaxgpt.model.presets import get_preset
@@ -94,6 +95,13 @@ def hf_directory(arg: str) -> Path:
     Anything short of a complete download (no network, no such repository, no huggingface_hub) is one
     line that says how to pass a local directory instead.
     """
+    if storage.is_bucket(arg):  # an export in a bucket: its files, staged once into the local cache
+        source = storage.location(arg, "hf:")
+        names = storage.files(source)
+        if "config.json" not in names:
+            raise UserError(f"hf:{arg} holds no config.json: pass the --out of `jaxgpt hf export` (or another Hugging "
+                            "Face GPT-2 directory)")
+        return storage.stage(source, names)
     path = Path(arg).expanduser()
     if path.exists() or not HUB_ID.fullmatch(arg):
         return path
@@ -117,10 +125,16 @@ def _hf_tokenizer(root: Path, cfg: ModelConfig) -> dict[str, Any] | None:
     return read_tokenizer_meta(root) if has_hf_tokenizer(root) else _vocabulary_tokenizer(cfg)
 
 
+def _is_run_dir(arg: str) -> bool:
+    where = storage.location(arg, "workdir:")
+    with storage.guard(where, "reading"):
+        return where.is_dir()
+
+
 def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqConfig, dict[str, Any] | None]:
     """The model config and tokenizer meta of `source`, without reading its tensors (cheap, also on resume)."""
     kind, _, arg = source.partition(":")
-    if kind == "workdir" and arg and Path(arg).is_dir():
+    if kind == "workdir" and arg and _is_run_dir(arg):
         ckpt, _, meta = open_checkpoint(arg, which, f"train a model in {arg} first or pass the right work directory")
         ckpt.close()
         return _model_from_meta(meta), meta.get("tokenizer")
@@ -143,7 +157,7 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
     """
     kind, _, arg = source.partition(":")
     if kind == "workdir" and arg:
-        if not Path(arg).is_dir():
+        if not _is_run_dir(arg):
             raise UserError(f"{arg} does not exist: train a model there first (python train.py --config ... "
                             f"--config.workdir={arg}) or pass the right work directory")
         ckpt, step, meta = open_checkpoint(arg, which, "train first (python train.py --config ... "

@@ -6,7 +6,6 @@ needs no iterator state; evaluation batches are fixed per split, so losses compa
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
@@ -19,7 +18,7 @@ from jaxgpt.data.corpora import prepare_builtin
 from jaxgpt.data.dataset import META_FILE, Dataset, load_dataset, unknown_summary
 from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.io import weights
+from jaxgpt.io import storage, weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, dummy_tokens
 from jaxgpt.ops.loss import chunked_cross_entropy
@@ -36,8 +35,13 @@ def _check_data_keys(data: DataConfig) -> None:
     if not data.dir:
         raise UserError("config.data.dir is empty: prepare your text (jaxgpt data --text FILE... --out data/mine) "
                         "and pass --config.data.dir=data/mine")
-    data_dir = Path(data.dir)
-    if data.name and not (data_dir / META_FILE).exists() and data_dir.name != data.name:
+    data_dir = storage.location(data.dir, "config.data.dir")
+    with storage.guard(data_dir, "reading"):
+        prepared = (data_dir / META_FILE).exists()
+    if data.name and not prepared and storage.is_bucket(data_dir):
+        raise UserError(f"config.data.dir={data.dir} holds no prepared dataset: built-in datasets are prepared on "
+                        f"first use only on local disk; run `jaxgpt data --dataset {data.name} --out {data.dir}` first")
+    if data.name and not prepared and data_dir.name != data.name:
         raise UserError(f"config.data.dir={data.dir} holds no prepared dataset, and config.data.name={data.name} "
                         f"would be prepared only into a directory named {data.name}: for your own text, run `jaxgpt "
                         f"data --text FILE... --out {data.dir}` and pass --config.data.name= ; for {data.name}, "
@@ -47,11 +51,11 @@ def _check_data_keys(data: DataConfig) -> None:
 def open_dataset(data: DataConfig) -> Dataset:
     """Load the prepared dataset, preparing a built-in one on first use."""
     _check_data_keys(data)
-    data_dir = Path(data.dir)
+    data_dir = storage.location(data.dir, "config.data.dir")
     bpe_file = data.bpe_file or None
 
     def prepare_if_missing() -> None:
-        if not (data_dir / META_FILE).exists() and data.name:
+        if data.name and not storage.is_bucket(data_dir) and not (data_dir / META_FILE).exists():
             if jax.process_index() == 0:
                 print(f"preparing dataset {data.name} in {data_dir} ...", flush=True)
             meta = prepare_builtin(data.name, data_dir, bpe_file=bpe_file, csv_path=data.csv or None)
@@ -65,7 +69,7 @@ def open_dataset(data: DataConfig) -> Dataset:
             prepare_if_missing()
         multihost_utils.sync_global_devices("jaxgpt-dataset-ready")
         prepare_if_missing()  # host-local disks: every host needs its own copy
-    return load_dataset(data_dir, bpe_file=bpe_file)
+    return load_dataset(data.dir if storage.is_bucket(data_dir) else data_dir, bpe_file=bpe_file)
 
 
 def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:

@@ -32,12 +32,12 @@ import math
 import os
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 from jaxgpt.ops import splash
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.tools import hlo
@@ -86,11 +86,13 @@ def _resolved(cfg: TrainConfig) -> TrainConfig:
     """The vocabulary comes from the config, else from the prepared dataset's meta.json (no data is read)."""
     if not cfg.vocab_from_data:
         return cfg
-    meta = Path(cfg.data.dir) / "meta.json"
-    if not meta.exists():
-        raise UserError(f"model.vocab_size is unset and {meta} does not exist: pass --config.model.vocab_size "
-                        "(e.g. 50304 for GPT-2's BPE padded for sharding)")
-    return cfg.with_model(cfg.model.replace(vocab_size=json.loads(meta.read_text())["vocab_size"]))
+    meta = storage.location(cfg.data.dir, "config.data.dir") / "meta.json"
+    with storage.guard(meta, "reading"):
+        if not meta.exists():
+            raise UserError(f"model.vocab_size is unset and {meta} does not exist: pass --config.model.vocab_size "
+                            "(e.g. 50304 for GPT-2's BPE padded for sharding)")
+        vocab_size = json.loads(meta.read_text())["vocab_size"]
+    return cfg.with_model(cfg.model.replace(vocab_size=vocab_size))
 
 
 def _bytes_per_chip(tree: Any) -> int:

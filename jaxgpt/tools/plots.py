@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -43,10 +44,11 @@ def read_metrics(workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     Training appends to the file while it runs, so an incomplete last line is skipped rather than
     reported; a broken line elsewhere means a damaged file and is an error.
     """
-    path = Path(workdir) / METRICS_FILE
-    if not path.is_file():
-        raise UserError(f"{path} does not exist: pass the --workdir of a training run (it writes {METRICS_FILE})")
-    lines = path.read_text().splitlines()
+    path = storage.location(workdir, "--workdir") / METRICS_FILE
+    with storage.guard(path, "reading"):
+        if not path.is_file():
+            raise UserError(f"{path} does not exist: pass the --workdir of a training run (it writes {METRICS_FILE})")
+        lines = path.read_text().splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():

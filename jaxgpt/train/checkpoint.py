@@ -24,7 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from jaxgpt.errors import UserError
+from jaxgpt.errors import StorageError, UserError
+from jaxgpt.io import storage
 from jaxgpt.train.rundir import disk_error, free_bytes
 
 CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
@@ -73,8 +74,9 @@ def state_bytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def checkpoint_dir(workdir: str | os.PathLike[str]) -> Path:
-    return Path(workdir).absolute() / "checkpoints"  # orbax insists on absolute paths
+def checkpoint_dir(workdir: str | os.PathLike[str]) -> Any:
+    """WORKDIR/checkpoints: an absolute local path (orbax insists) or a bucket URL (an `epath.Path`)."""
+    return storage.location(workdir, "the work directory") / "checkpoints"
 
 
 class Checkpointer:
@@ -86,31 +88,39 @@ class Checkpointer:
         if keep_best:
             keep_policies.append(policies.BestN(get_metric_fn=lambda m: -m["val_loss"], n=1,
                                                 keep_checkpoints_without_metrics=False))
+        self.directory = checkpoint_dir(workdir)
+        self.in_bucket = storage.is_bucket(self.directory)
+        # Object stores cannot rename a directory: there a step is committed by a file written after the rest.
+        mode = ocp.options.AtomicityMode.COMMIT_FILE if self.in_bucket else ocp.options.AtomicityMode.ATOMIC_RENAME
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policies.AnyPreservationPolicy(keep_policies), cleanup_tmp_directories=True,
-            create=not read_only, read_only=read_only, enable_async_checkpointing=True)
-        self.directory = checkpoint_dir(workdir)
+            create=not read_only, read_only=read_only, enable_async_checkpointing=True,
+            atomicity_options=ocp.options.AtomicityOptions(mode=mode))
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}  # registered, so that item metadata can be read
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        with storage.guard(self.directory, "opening checkpoints in"):
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._bytes = 0  # of the last state saved, for the message of a full disk
         if not read_only:
             _quiet_closed_loop()
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        with storage.guard(self.directory, "listing checkpoints in"):
+            return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        with storage.guard(self.directory, "listing checkpoints in"):
+            return sorted(self.manager.all_steps())
 
     def set_aside(self, step: int) -> Path:
         """Move an unreadable step out of the manager's sight (kept for inspection, never deleted), so that
         training resumed from an earlier step can save this step number again."""
         target = self.directory.parent / CORRUPT_DIR / str(step)
-        target.parent.mkdir(exist_ok=True)
+        if not self.in_bucket:  # (a bucket has no directories to make)
+            target.parent.mkdir(exist_ok=True)
         if target.exists():
             target = target.with_name(f"{step}-{os.getpid()}")
-        os.replace(self.directory / str(step), target)
+        storage.move_dir(self.directory / str(step), target)
         self.manager.reload()
         return target
 
@@ -137,6 +147,10 @@ class Checkpointer:
         try:
             return write()
         except Exception as e:
+            if self.in_bucket:
+                error = storage.failure(e, str(self.directory), "writing a checkpoint into")
+                raise StorageError(f"{error}; the checkpoints committed before this save are intact: run the same "
+                                   "command to resume") from None
             fault = disk_error(e)
             if fault is None:
                 raise
@@ -206,8 +220,10 @@ def open_checkpoint(workdir: str | os.PathLike[str], which: str,
     """
     if which not in ("latest", "best"):
         raise UserError(f"checkpoint {which!r} is unknown: use 'latest' or 'best'")
-    if not checkpoint_dir(workdir).is_dir():
-        raise UserError(f"{workdir} has no checkpoints: {how_to_make}")
+    directory = checkpoint_dir(workdir)
+    with storage.guard(directory, "reading"):
+        if not directory.is_dir():
+            raise UserError(f"{workdir} has no checkpoints: {how_to_make}")
     ckpt = Checkpointer(workdir, read_only=True)
     step = ckpt.latest_step() if which == "latest" else ckpt.best_step()
     if step is None:

@@ -164,7 +164,7 @@ class TrainConfig:
     # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify);
     # "seq2seq": the encoder-decoder on source/target pairs (c.seq2seq; model.n_layer is the decoder's layers)
     task: str = "lm"
-    workdir: str = ""  # where checkpoints, logs and the resolved config go (required)
+    workdir: str = ""  # where checkpoints, logs and the resolved config go (required): a path, gs:// or s3:// URL
     seed: int = 0  # data order, init and dropout all derive from it
     # GPT-2's shape; vocab_size unset in the ConfigDict: the dataset's (`vocab_from_data`)
     model: ModelConfig = dataclasses.field(default_factory=_default_model)
@@ -184,6 +184,8 @@ class TrainConfig:
     eval_batches: int = 20  # language modelling: batches per evaluation (classification uses all held-out rows)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     ckpt_interval: int = 500  # also saved after every evaluation and at the end
+    ckpt_minutes: float = 0.0  # > 0: also save when this much wall-clock time passed since the last save
+    lease_seconds: float = 60.0  # a run in a bucket renews its lease this often; one not renewed is taken over
     keep_checkpoints: int = 2  # the last N, plus the best by validation loss
     resume: bool = True  # continue from the work directory's latest checkpoint when it has one
     resume_changes: bool = False  # resume even though settings that change the run's trajectory differ
@@ -212,6 +214,10 @@ class TrainConfig:
                             f"config.grad_accum={self.grad_accum}")
         if self.loss_chunk < 0:
             raise UserError(f"config.loss_chunk={self.loss_chunk} must be >= 0 (0 computes all logits at once)")
+        if self.ckpt_minutes < 0:
+            raise UserError(f"config.ckpt_minutes={self.ckpt_minutes} must be >= 0 (0 saves by steps only)")
+        if self.lease_seconds < 3:
+            raise UserError(f"config.lease_seconds={self.lease_seconds} must be >= 3 (it is renewed every third)")
         if self.cpu_devices < 0:
             raise UserError(f"config.cpu_devices={self.cpu_devices} must be >= 0 (0 keeps JAX's default of one "
                             "CPU device)")

@@ -3,7 +3,8 @@
 metrics.jsonl keeps one JSON object per record: `step`, the values (periodic records carry `train_loss`,
 `lr`, `grad_norm`, `tokens_per_sec`; evaluations carry `val_loss` and the evaluation's `train_loss`) and
 `time` (Unix seconds). TensorBoard and W&B get the same values under namespaced tags (train/loss,
-eval/val_loss, perf/tokens_per_s, ...). Only process 0 writes.
+eval/val_loss, perf/tokens_per_s, ...). Only process 0 writes. A run in a bucket writes both files into a
+local mirror and uploads them at every checkpoint and at the end (`storage.Mirror`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 
 from jaxgpt.errors import optional_import
-from jaxgpt.train.rundir import atomic_write_text
+from jaxgpt.io import storage
 
 # Periodic (training) values whose tag is not train/<name>.
 TRAIN_TAGS = {"train_loss": "train/loss", "tokens_per_sec": "perf/tokens_per_s", "mfu": "perf/mfu"}
@@ -30,7 +31,7 @@ def tag(name: str, kind: str) -> str:
     return TRAIN_TAGS.get(name) or f"train/{name.removeprefix('train_')}"
 
 
-def kept_records(path: Path, last_step: int) -> list[str]:
+def kept_records(path: storage.Location, last_step: int) -> list[str]:
     """The lines of metrics.jsonl up to `last_step`: a resumed run (or a rerun after a kill before the first
     checkpoint, last_step 0) logs the later steps again, and a line cut by a crash is dropped."""
     kept = []
@@ -50,31 +51,37 @@ def require_wandb(project: str) -> Any:
                            otherwise="leave config.wandb.project empty")
 
 
-def _wandb_run(project: str, name: str, workdir: Path, settings: dict[str, Any]) -> Any:
+def _wandb_run(project: str, name: str, workdir: storage.Location, settings: dict[str, Any],
+               local: storage.Location) -> Any:
     """A W&B run that a resume continues (its id is derived from the work directory)."""
     wandb = require_wandb(project)
     run_id = hashlib.sha256(str(workdir).encode()).hexdigest()[:16]
-    return wandb.init(project=project, name=name or workdir.name, id=run_id, resume="allow", dir=str(workdir),
+    return wandb.init(project=project, name=name or workdir.name, id=run_id, resume="allow", dir=str(local),
                       config=settings)
 
 
 class MetricsLog:
     """metrics.jsonl, TensorBoard events and (optionally) W&B, written by process 0 only."""
 
-    def __init__(self, workdir: Path, resume_step: int, settings: dict[str, Any], wandb_project: str = "",
-                 wandb_name: str = "") -> None:
+    def __init__(self, workdir: storage.Location, resume_step: int, settings: dict[str, Any],
+                 wandb_project: str = "", wandb_name: str = "") -> None:
         self.enabled = jax.process_index() == 0
-        self.path = workdir / "metrics.jsonl"
-        self.wandb = None
+        self.wandb = self.mirror = None
         if not self.enabled:
             return
+        local = workdir
+        if storage.is_bucket(workdir):
+            self.mirror = storage.Mirror(workdir)
+            local = self.mirror.local
+            self.mirror.fetch("metrics.jsonl")
+        self.path = Path(local) / "metrics.jsonl"
         if self.path.exists():
-            atomic_write_text(self.path, "".join(line + "\n" for line in kept_records(self.path, resume_step)))
+            storage.write_text(self.path, "".join(line + "\n" for line in kept_records(self.path, resume_step)))
         from tensorboardX import SummaryWriter
 
-        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step)
+        self.tb = SummaryWriter(str(Path(local) / "tensorboard"), purge_step=resume_step)
         if wandb_project:
-            self.wandb = _wandb_run(wandb_project, wandb_name, workdir, settings)
+            self.wandb = _wandb_run(wandb_project, wandb_name, workdir, settings, local)
 
     def write(self, step: int, values: dict[str, Any], kind: str = "train") -> None:
         """Log the numeric scalars of `values` (nested or non-numeric entries are for the caller)."""
@@ -89,11 +96,19 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(tagged, step=step)
 
-    def close(self) -> None:
+    def sync(self) -> None:
+        """Upload what changed to the bucket (nothing to do for a local work directory)."""
+        if self.mirror is not None:
+            self.tb.flush()
+            self.mirror.sync()
+
+    def close(self, upload: bool = True) -> None:
         if self.enabled:
             self.tb.close()
             if self.wandb is not None:
                 self.wandb.finish()
+            if self.mirror is not None and upload:
+                self.mirror.sync()
 
 
 def progress_line(step: int, max_steps: int, values: dict[str, float], elapsed: float) -> str:

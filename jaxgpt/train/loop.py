@@ -11,7 +11,6 @@ import contextlib
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -23,7 +22,8 @@ from tqdm import tqdm
 
 from jaxgpt import tasks
 from jaxgpt.data.tokenizer import tokenizer_from_meta
-from jaxgpt.errors import UserError
+from jaxgpt.errors import StorageError, UserError
+from jaxgpt.io import storage
 from jaxgpt.train import resume, rundir, runtime
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.checkpoint import Checkpointer, state_bytes
@@ -52,7 +52,7 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
     task = task or tasks.build(cfg)
     workdir = runtime.check_workdir(cfg.workdir)
     rundir.check_not_foreign(workdir)
-    lock = rundir.WorkdirLock(workdir) if jax.process_index() == 0 else None
+    lock = rundir.claim(workdir, cfg.lease_seconds) if jax.process_index() == 0 else None
     try:
         return _train(cfg, task, workdir, lock)
     finally:
@@ -60,7 +60,8 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
             lock.release()
 
 
-def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.WorkdirLock | None) -> dict[str, Any]:
+def _train(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, lock: rundir.Hold | None
+           ) -> dict[str, Any]:
     """`train` once the work directory is this run's: nothing in it changes before every check has passed."""
     is_main = jax.process_index() == 0
     mesh = layout.make_mesh(cfg.mesh.shape)
@@ -94,7 +95,7 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
         with GracefulStop() as stop:
             try:
                 state, last_eval = _steps(cfg, task, compiled, state, start, dropout_key, feed, meter, ckpt, meta,
-                                          stop)
+                                          stop, lock)
             finally:  # a save in flight must commit even when training stops early, or it is silently lost
                 _close(meter, ckpt)
     summary = _throughput(task, cfg.batch_size, meter.n_timed, meter.t_train, compile_s, meter.published_peak)
@@ -109,12 +110,15 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: Path, lock: rundir.Workd
 
 
 def _steps(cfg: TrainConfig, task: tasks.Task, compiled: Any, state: dict, start: int, dropout_key: jax.Array,
-           feed: Feed, meter: Meter, ckpt: Checkpointer, meta: dict[str, Any], stop: GracefulStop
-           ) -> tuple[dict, dict[str, Any]]:
-    """Steps start..max_steps: train, log, evaluate, save; on a stop signal save and raise. Returns the final
-    state and the last evaluation."""
+           feed: Feed, meter: Meter, ckpt: Checkpointer, meta: dict[str, Any], stop: GracefulStop,
+           lock: rundir.Hold | None) -> tuple[dict, dict[str, Any]]:
+    """Steps start..max_steps: train, log, evaluate, save (every ckpt_interval steps, after evaluations, and
+    every ckpt_minutes); on a stop signal save and raise. Returns the final state and the last evaluation."""
     last_eval: dict[str, Any] = {}
+    last_save = time.monotonic()
     for step in range(start, cfg.max_steps):
+        if lock is not None:
+            lock.check()  # a run whose lease was taken over must not write another checkpoint
         state, metrics = compiled(state, feed.batch(step), dropout_key)
         done = step + 1
         meter.queue(done, metrics)
@@ -125,14 +129,21 @@ def _steps(cfg: TrainConfig, task: tasks.Task, compiled: Any, state: dict, start
             with meter.paused():  # evaluation stays out of tokens/s
                 last_eval = feed.evaluate(state["params"])
                 meter.write_eval(done, last_eval, task.eval_line(done, last_eval))
-        saved = is_eval or done % cfg.ckpt_interval == 0
+        timed = cfg.ckpt_minutes > 0 and _agreed(time.monotonic() - last_save > 60 * cfg.ckpt_minutes, done,
+                                                 cfg.log_interval)
+        saved = is_eval or done % cfg.ckpt_interval == 0 or timed
         if saved:
+            if timed:
+                meter.flush(done, ckpt)
             ckpt.save(state, {**meta, **({"val_loss": last_eval["val_loss"]} if is_eval else {})})
-        if done < cfg.max_steps and _stop_agreed(stop, done, cfg.log_interval):
+            meter.log.sync()
+            last_save = time.monotonic()
+        if done < cfg.max_steps and _agreed(stop.requested, done, cfg.log_interval):
             meter.flush(done, ckpt)
             if not saved:
                 ckpt.save(state, meta)
             ckpt.wait()
+            meter.log.sync()
             raise stop.stopped(done, ckpt.directory)
     meter.flush(cfg.max_steps, ckpt)
     return state, last_eval
@@ -181,7 +192,8 @@ class Meter:
     """What the run reports while it trains: metrics.jsonl/TensorBoard rows, the progress bar (or plain lines in
     a log file), tokens/s and MFU. Step metrics are queued and fetched from the devices once per log interval."""
 
-    def __init__(self, cfg: TrainConfig, task: tasks.Task, workdir: Path, start: int, is_main: bool) -> None:
+    def __init__(self, cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, start: int,
+                 is_main: bool) -> None:
         self.cfg, self.task, self.is_main = cfg, task, is_main
         self.log = MetricsLog(workdir, start, cfg.settings, cfg.wandb.project, cfg.wandb.name)
         self.plain = is_main and not sys.stderr.isatty()  # a log file gets lines, not a bar's \r updates
@@ -238,19 +250,27 @@ class Meter:
             self.bar.write(line)
 
 
-def _stop_agreed(stop: GracefulStop, done: int, log_interval: int) -> bool:
-    """Whether every process stops after step `done`: at once with one process; with several, at the next log
-    interval and only together (a process stopping alone would leave the others hanging in a collective)."""
+def _agreed(wanted: bool, done: int, log_interval: int) -> bool:
+    """Whether every process acts (stops, or saves on the clock) after step `done`: at once with one process;
+    with several, at the next log interval when any wants it, and then all together (a process acting alone
+    would leave the others hanging in a collective)."""
     if jax.process_count() == 1:
-        return stop.requested
+        return wanted
     if done % log_interval:
         return False
-    return bool(np.max(multihost_utils.process_allgather(np.int32(stop.requested))))
+    return bool(np.max(multihost_utils.process_allgather(np.int32(wanted))))
 
 
 def _close(meter: Meter, ckpt: Checkpointer) -> None:
-    """Wait for the last save to commit, then close everything, even when the wait failed (a full disk)."""
+    """Wait for the last save to commit, then close everything, even when the wait failed (a full disk).
+
+    When the run is ending because its bucket cannot be reached, nothing more is tried there: each attempt
+    would wait out the clients' retries first, and the checkpoints already committed are what is kept.
+    """
     meter.bar.close()
+    if isinstance(sys.exc_info()[1], StorageError):
+        meter.log.close(upload=False)
+        return
     try:
         ckpt.wait()
     finally:
@@ -268,7 +288,8 @@ def _check_space(ckpt: Checkpointer, abstract_state: dict[str, Any]) -> None:
                         f"{need / 2**20:,.1f} MiB: free space there or choose another --config.workdir")
 
 
-def _finished(cfg: TrainConfig, task: tasks.Task, workdir: Path, state: dict, start: int) -> dict[str, Any]:
+def _finished(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, state: dict, start: int
+              ) -> dict[str, Any]:
     """A resumed run with nothing left to do says so (no throughput of zero steps) and returns its state."""
     if jax.process_index() == 0:
         print(f"{workdir} is already trained to step {start} (config.max_steps={cfg.max_steps}): nothing to do; "
@@ -276,10 +297,11 @@ def _finished(cfg: TrainConfig, task: tasks.Task, workdir: Path, state: dict, st
     return {"steps": 0, "state": state, "model_cfg": task.model_cfg, "tokenizer_meta": task.tokenizer_meta}
 
 
-def _outputs_report(cfg: TrainConfig, workdir: Path) -> str:
+def _outputs_report(cfg: TrainConfig, workdir: storage.Location) -> str:
     """Where the run's outputs are, and the commands that use them."""
+    figure = "curves.png" if storage.is_bucket(workdir) else workdir / "curves.png"
     lines = [f"outputs in {workdir}: checkpoints/, metrics.jsonl, tensorboard/, config.json",
-             f"  plot:   jaxgpt plots curves --workdir {workdir} --out {workdir / 'curves.png'}",
+             f"  plot:   jaxgpt plots curves --workdir {workdir} --out {figure}",
              f"  logs:   tensorboard --logdir {workdir / 'tensorboard'}"]
     if cfg.task == "lm":
         lines.insert(1, f"  sample: jaxgpt sample --workdir {workdir} --prompt \"...\"")

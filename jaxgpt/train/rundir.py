@@ -1,8 +1,9 @@
 """A run owns its work directory: one trainer at a time, never someone else's files, atomic rewrites.
 
-The lock is an `fcntl.flock` on `WORKDIR/jaxgpt.lock`. The kernel drops it when the holder dies, however
-it dies, so a stale lock needs no cleanup: the next trainer simply gets it. The holder's PID is written
-into the file once the run has passed its checks, so a refused start leaves every existing file as it was.
+On disk the lock is an `fcntl.flock` on `WORKDIR/jaxgpt.lock`. The kernel drops it when the holder dies,
+however it dies, so a stale lock needs no cleanup: the next trainer simply gets it. The holder's PID is
+written into the file once the run has passed its checks, so a refused start leaves every existing file as
+it was. In a bucket, where there is no flock, a lease object does the same (`jaxgpt.train.lease`).
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
+from jaxgpt.train.lease import LEASE_FILE, BucketLease
 
 LOCK_FILE = "jaxgpt.lock"
 CONFIG_FILE = "config.json"
 STARTS_DIR = "starts"
 # Everything a run writes at the top of its work directory: a directory holding only these is a run's.
 RUN_FILES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", CONFIG_FILE, STARTS_DIR, LOCK_FILE,
-                       "corrupt-checkpoints", "wandb"})
+                       LEASE_FILE, "corrupt-checkpoints", "wandb"})
 # Disk faults a user fixes by freeing space (or raising a quota / file-size limit).
 DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 
-def is_run_config(path: Path) -> bool:
+def is_run_config(path: storage.Location) -> bool:
     """Whether `path` is a config.json a jaxgpt run wrote (a Hugging Face config.json is not)."""
     try:
         settings = json.loads(path.read_bytes())
@@ -38,9 +41,9 @@ def is_run_config(path: Path) -> bool:
     return isinstance(settings, dict) and {"task", "workdir", "optim", "seed"} <= settings.keys()
 
 
-def check_not_foreign(workdir: Path) -> None:
+def check_not_foreign(workdir: storage.Location) -> None:
     """Refuse a directory holding files a run did not write: training would overwrite or mix with them."""
-    entries = sorted(p.name for p in workdir.iterdir() if not p.name.startswith("."))
+    entries = [name for name in storage.names(workdir) if not name.startswith(".")]
     config = workdir / CONFIG_FILE
     if config.exists() and not is_run_config(config):
         raise UserError(f"{workdir} holds a config.json that jaxgpt did not write (a Hugging Face checkpoint?): "
@@ -71,6 +74,9 @@ class WorkdirLock:
             raise UserError(f"{workdir} is in use by another training process (PID {holder}): wait for it to "
                             "end, stop it, or choose another --config.workdir") from None
 
+    def check(self) -> None:
+        """A flock cannot be lost while the process lives (a lease can: `BucketLease.check`)."""
+
     def record_holder(self) -> None:
         """Write this PID for a refused second trainer to name (only once the run is sure to start)."""
         os.ftruncate(self.fd, 0)
@@ -84,27 +90,23 @@ class WorkdirLock:
         os.close(self.fd)  # closing drops the flock
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` all at once: a crash or a full disk leaves the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+Hold = WorkdirLock | BucketLease
 
 
-def record_start(workdir: Path, settings: dict[str, Any], start_step: int) -> None:
+def claim(workdir: storage.Location, lease_s: float) -> Hold:
+    """This trainer's hold on `workdir`: a flock on disk, a lease in a bucket."""
+    return BucketLease(workdir, lease_s) if storage.is_bucket(workdir) else WorkdirLock(workdir)
+
+
+def record_start(workdir: storage.Location, settings: dict[str, Any], start_step: int) -> None:
     """config.json (the latest start) and starts/step-N-TIME.json: every start's resolved config is kept."""
     text = json.dumps(settings, indent=2) + "\n"
     starts = workdir / STARTS_DIR
-    starts.mkdir(exist_ok=True)
+    if not storage.is_bucket(starts):  # (a bucket has no directories to make)
+        starts.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    atomic_write_text(starts / f"step{start_step:08d}-{stamp}-{os.getpid()}.json", text)
-    atomic_write_text(workdir / CONFIG_FILE, text)
+    storage.write_text(starts / f"step{start_step:08d}-{stamp}-{os.getpid()}.json", text)
+    storage.write_text(workdir / CONFIG_FILE, text)
 
 
 def disk_error(error: BaseException) -> OSError | None:
@@ -123,8 +125,11 @@ def disk_error(error: BaseException) -> OSError | None:
     return None
 
 
-def free_bytes(path: Path) -> int:
-    """Free space on the file system holding `path` (or its nearest existing parent)."""
+def free_bytes(path: storage.Location) -> float:
+    """Free space on the file system holding `path` (or its nearest existing parent); a bucket has no limit
+    that can be read."""
+    if storage.is_bucket(path):
+        return float("inf")
     while not path.exists() and path != path.parent:
         path = path.parent
     return shutil.disk_usage(path).free

@@ -8,12 +8,12 @@ starts computing: `setup(cfg)` does them in that order. Vocabulary: what used to
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 from jaxgpt.train.config import DistributedConfig, TrainConfig
 
 
@@ -73,15 +73,8 @@ def setup(cfg: TrainConfig) -> None:
     initialize_distributed(cfg.distributed)
 
 
-def check_workdir(workdir: str) -> Path:
-    """The run's directory, created and probed for writing before any expensive work starts."""
-    path = Path(workdir).absolute()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"work directory {path} is not writable ({e.strerror}): choose another "
-                        "--config.workdir") from None
+def check_workdir(workdir: str) -> storage.Location:
+    """The run's directory (local, or a bucket URL), created and probed for writing before any expensive work."""
+    path = storage.location(workdir, "--config.workdir")
+    storage.check_writable(path, "--config.workdir")
     return path
