@@ -49,6 +49,7 @@ class Proxy:
         self.port = self.listener.getsockname()[1]
         self.sockets: list[socket.socket] = []
         self.open = True
+        self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -57,11 +58,13 @@ class Proxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            if not self.open:  # accepted while being cut
-                client.close()
-                return
             upstream = socket.create_connection(("127.0.0.1", self.target))
-            self.sockets += [client, upstream]
+            with self.lock:  # a connection half-made during `cut` would hold the (single-threaded) GCS server
+                if not self.open:
+                    client.close()
+                    upstream.close()
+                    return
+                self.sockets += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -74,9 +77,12 @@ class Proxy:
             b.shutdown(socket.SHUT_WR)
 
     def cut(self) -> None:
-        self.open = False
+        with self.lock:
+            self.open = False
         self.listener.close()
-        for s in self.sockets:
+        for s in self.sockets:  # shutdown first: it wakes the threads blocked in recv and sends the FIN
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 s.close()
 

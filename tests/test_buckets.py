@@ -26,6 +26,12 @@ STEPS = ["--config.max_steps=30", "--config.ckpt_interval=10", "--config.eval_in
          "--config.optim.decay_steps=1000"]
 
 
+def one_by_default(default: str) -> pytest.MarkDecorator:
+    """Both schemes, the heavier tests' second one among the slow tests (`-m slow`) to keep the default run lean."""
+    other = {"gs": "s3", "s3": "gs"}[default]
+    return pytest.mark.parametrize("server", [default, pytest.param(other, marks=pytest.mark.slow)], indirect=True)
+
+
 @pytest.fixture(scope="module", params=["gs", "s3"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     srv = storage_servers.start(request.param, str(tmp_path_factory.mktemp(request.param)))
@@ -121,6 +127,7 @@ def kill_mid_save(server: storage_servers.Server, url: str, cmd: list[str]) -> t
     return Checkpointer(url, read_only=True).all_steps(), partial
 
 
+@one_by_default("gs")
 def test_sigkill_mid_save_then_resume_equals_the_uninterrupted_run(server: storage_servers.Server, data_dir: Path,
                                                                    xla_cache: str, straight: Path,
                                                                    tmp_path: Path) -> None:
@@ -182,7 +189,7 @@ def test_a_lease_not_renewed_for_its_period_is_taken_over(server: storage_server
     assert "taking over" in proc.stderr and "gone-host" in proc.stderr
 
 
-@pytest.mark.parametrize("scheme", ["gs", "s3"])
+@pytest.mark.parametrize("scheme", ["s3", pytest.param("gs", marks=pytest.mark.slow)])
 def test_storage_going_away_is_one_line_and_keeps_the_last_checkpoint(scheme: str, data_dir: Path, xla_cache: str,
                                                                       tmp_path: Path) -> None:
     srv = storage_servers.start(scheme, str(tmp_path))  # its own server: this test cuts it off
@@ -205,6 +212,7 @@ def test_storage_going_away_is_one_line_and_keeps_the_last_checkpoint(scheme: st
         srv.stop()
 
 
+@one_by_default("s3")
 def test_dataset_prepared_into_a_bucket_trains_like_the_local_one(server: storage_servers.Server, data_dir: Path,
                                                                   xla_cache: str, straight: Path,
                                                                   tmp_path: Path) -> None:
@@ -251,6 +259,7 @@ def four_devices(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Pa
     return logs / "run"
 
 
+@one_by_default("s3")
 def test_two_processes_write_one_sharded_checkpoint_that_one_device_restores(
         server: storage_servers.Server, data_dir: Path, four_devices: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,6 +277,7 @@ def test_two_processes_write_one_sharded_checkpoint_that_one_device_restores(
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), atol=1e-4, err_msg=str(k))
 
 
+@one_by_default("gs")
 def test_hugging_face_export_to_a_bucket_and_back(server: storage_servers.Server, data_dir: Path, xla_cache: str,
                                                   straight: Path) -> None:
     pytest.importorskip("transformers")  # writing the tokenizer of an export needs it
