@@ -214,8 +214,7 @@ def test_storage_going_away_is_one_line_and_keeps_the_last_checkpoint(scheme: st
 
 @one_by_default("s3")
 def test_dataset_prepared_into_a_bucket_trains_like_the_local_one(server: storage_servers.Server, data_dir: Path,
-                                                                  xla_cache: str, straight: Path,
-                                                                  tmp_path: Path) -> None:
+                                                                  xla_cache: str, tmp_path: Path) -> None:
     texts = [str(p) for p in sorted((ROOT / "jaxgpt" / "train").glob("*.py"))]
     local, remote = tmp_path / "data", server.url("data")
     for out in (str(local), remote):
@@ -259,7 +258,7 @@ def four_devices(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Pa
     return logs / "run"
 
 
-@one_by_default("s3")
+@pytest.mark.slow  # (two trainers and a four-device reference: about 35 s per scheme)
 def test_two_processes_write_one_sharded_checkpoint_that_one_device_restores(
         server: storage_servers.Server, data_dir: Path, four_devices: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,7 +276,7 @@ def test_two_processes_write_one_sharded_checkpoint_that_one_device_restores(
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), atol=1e-4, err_msg=str(k))
 
 
-@one_by_default("gs")
+@pytest.mark.slow
 def test_hugging_face_export_to_a_bucket_and_back(server: storage_servers.Server, data_dir: Path, xla_cache: str,
                                                   straight: Path) -> None:
     pytest.importorskip("transformers")  # writing the tokenizer of an export needs it
