@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -112,17 +113,18 @@ def _gcs_to_s3(spec: Any) -> Any:
     return spec
 
 
-# What a storage failure's messages contain, by what the user has to do about it.
+# What a storage failure's messages contain, by what the user has to do about it (checked in this order: a
+# server that cannot be reached says nothing reliable about permissions). Status codes only as whole words, so
+# that a port or a hash that contains the digits does not count.
 _CAUSES = (
-    ("no credentials", ("credentials", "NoCredentialsError", "Unable to locate credentials", "401", "Unauthorized",
-                        "InvalidAccessKeyId", "SignatureDoesNotMatch")),
-    ("the bucket does not exist", ("NoSuchBucket", "bucket does not exist", "Bucket not found",
-                                   "specified bucket does not exist")),
-    ("access denied", ("AccessDenied", "Forbidden", "403", "PermissionError", "Permission denied")),
-    ("the storage server cannot be reached", ("Connection refused", "Cannot connect", "ConnectionRefused",
-                                              "EndpointConnectionError", "ClientConnectorError", "UNAVAILABLE",
-                                              "Could not connect", "Connection reset", "ServerDisconnected",
-                                              "timed out", "DEADLINE_EXCEEDED", "Failed to connect")),
+    ("the storage server cannot be reached", r"Connection refused|Cannot connect|ConnectionRefused|"
+                                             r"EndpointConnectionError|ClientConnectorError|\bUNAVAILABLE\b|"
+                                             r"Could not connect|Connect call failed|Connection reset|"
+                                             r"ServerDisconnected|timed out|DEADLINE_EXCEEDED|Failed to connect"),
+    ("no credentials", r"credentials|NoCredentialsError|\b401\b|Unauthorized|InvalidAccessKeyId|"
+                       r"SignatureDoesNotMatch"),
+    ("the bucket does not exist", r"NoSuchBucket|bucket does not exist|Bucket not found"),
+    ("access denied", r"AccessDenied|Forbidden|\b403\b|PermissionError|Permission denied|PERMISSION_DENIED"),
 )
 _FIXES = {"no credentials": "set up credentials (README: Runs in a bucket)",
           "the bucket does not exist": "create the bucket or fix the URL",
@@ -144,7 +146,7 @@ def failure(error: BaseException, url: str, doing: str) -> StorageError:
     """One line for a failed bucket operation: what was being done, on which URL, why, and the fix."""
     text = _chain_text(error)
     for cause, marks in _CAUSES:
-        if any(m in text for m in marks):
+        if re.search(marks, text):
             return StorageError(f"{doing} {url} failed: {cause}; {_FIXES[cause]}")
     if isinstance(error, FileNotFoundError) and not _bucket_exists(url):
         return StorageError(f"{doing} {url} failed: the bucket does not exist; {_FIXES['the bucket does not exist']}")
