@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import storage_servers
 from flax import traverse_util
+from tests_helpers import one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -71,14 +72,6 @@ def wait_for(proc: subprocess.Popen, needle: str) -> str:
         if needle in line:
             return "".join(seen)
     raise AssertionError("".join(seen)[-3000:])
-
-
-def one_line_error(proc: subprocess.CompletedProcess | tuple[int, str], status: int = 2) -> str:
-    code, err = (proc.returncode, proc.stderr) if isinstance(proc, subprocess.CompletedProcess) else proc
-    assert code == status and "Traceback" not in err, (code, err[-3000:])
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, err[-3000:]
-    return errors[0]
 
 
 def params_at(workdir: str, step: int) -> dict:

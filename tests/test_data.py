@@ -20,6 +20,7 @@ from jaxgpt.data.prepare import prepare_text
 from jaxgpt.data.sources import hub_stream
 from jaxgpt.data.tokenizer import CharTokenizer, load_bpe
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 VOCAB = "".join(sorted(set(TEXT)))
@@ -50,7 +51,7 @@ def test_prepare_char_writes_uint16_splits_and_meta(prepared):
     assert meta["vocab_size"] == len(VOCAB)
     assert meta["source"]
     assert [s["file"] for s in meta["shards"]] == ["tokens_000000.bin"]
-    assert meta["shards"][0]["sha256"] == data._sha256_file(prepared / "tokens_000000.bin")
+    assert meta["shards"][0]["sha256"] == storage.sha256_file(prepared / "tokens_000000.bin")
     assert (prepared / "tokens_000000.bin").stat().st_size == 2 * len(TEXT) == 2 * meta["shards"][0]["tokens"]
     assert [p.name for p in prepared.parent.iterdir()] == ["ds"]  # no workspace or lock left
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests_helpers import one_line_error
 
 from jaxgpt.train.checkpoint import Checkpointer
 
@@ -56,15 +57,6 @@ def limited(cmd: list[str]) -> list[str]:
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, **kwargs)
-
-
-def one_line_error(proc: subprocess.CompletedProcess, status: int = 2) -> str:
-    """The single error line of a refused command (asserting there is exactly one and no traceback)."""
-    assert proc.returncode == status, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    return errors[0]
 
 
 def checksums(*dirs: Path) -> dict[str, str]:

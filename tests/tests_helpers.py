@@ -65,6 +65,17 @@ def logged_losses(workdir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["train_loss"]) for r in rows if "lr" in r]
 
 
+def one_line_error(proc: subprocess.CompletedProcess | tuple[int, str], status: int = 2) -> str:
+    """The single error line of a refused command, a finished process or its (status, stderr) (asserting the
+    status, exactly one error line and no traceback)."""
+    code, err = (proc.returncode, proc.stderr) if isinstance(proc, subprocess.CompletedProcess) else proc
+    assert code == status, (code, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err[-3000:]
+    return errors[0]
+
+
 def train_run(c: ConfigDict) -> dict:
     """The loop on a ConfigDict, typed at the boundary as the train command does."""
     from jaxgpt.train.config import from_config_dict

@@ -63,18 +63,12 @@ def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | 
     if not storage.is_bucket(out):
         return _export(workdir, out, which, overwrite, bpe_file)
     target = storage.location(out, "--out")
-    existing = storage.files(target)
-    if existing and not overwrite:
+    if storage.files(target) and not overwrite:
         raise UserError(f"{out} exists and is not empty: choose a new location or pass --overwrite to replace its "
                         "checkpoint")
     with tempfile.TemporaryDirectory() as tmp:
         report = _export(workdir, tmp, which, overwrite, bpe_file)
-        names = sorted(p.name for p in Path(tmp).iterdir())
-        with storage.guard(target, "writing"):
-            for stale in ["config.json", *(n for n in existing if n not in names)]:
-                if stale in existing:
-                    (target / stale).unlink()
-        storage.upload(Path(tmp), target, [n for n in names if n != "config.json"] + ["config.json"])
+        storage.publish(Path(tmp), target, sorted(p.name for p in Path(tmp).iterdir()), commit="config.json")
     return report.replace(tmp, out, 1)
 
 

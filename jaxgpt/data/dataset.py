@@ -14,7 +14,6 @@ The batches drawn from them are `jaxgpt.data.batches`: a pure function of (seed,
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -43,19 +42,10 @@ META_FILE = "meta.json"
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}  # format 1, and nanoGPT's
 # Hashing reads the whole file; below this size that costs well under a second, so it is on by default.
 VERIFY_MAX_BYTES = 256 * 2**20
-CHUNK_BYTES = 16 * 2**20
 PREPARING_MARKER = ".jaxgpt-preparing"  # in a dataset directory while new token files are swapped in
 
 # ----------------------------------------------------------------------------------------------------
 # Writing a dataset (the tokens come from `jaxgpt.data.prepare`)
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def content_key(meta: dict[str, Any]) -> tuple:
@@ -254,7 +244,7 @@ def _open_file(data_dir: Path, entry: dict[str, Any], meta: dict[str, Any], chec
     if size != expected_bytes:
         raise UserError(f"{path} has {size} bytes but meta.json expects {expected_bytes} "
                         f"({entry['tokens']} {meta['dtype']} tokens): truncated or from another dataset; {fix}")
-    if check_hash and _sha256_file(path) != entry["sha256"]:
+    if check_hash and storage.sha256_file(path) != entry["sha256"]:
         raise UserError(f"{path} does not match the sha256 in meta.json (corrupted or modified): {fix}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if check_hash and int(tokens.max()) >= meta["vocab_size"]:  # read once anyway: the pages are cached

@@ -46,11 +46,5 @@ def publish(local: Path, url: str, overwrite: bool) -> None:
         if not overwrite:
             raise UserError(f"{url} already holds a different dataset: pass --overwrite to replace it (the new one "
                             f"is prepared in {local}), or choose another --out")
-        with storage.guard(target, "writing"):
-            (target / META_FILE).unlink()
-    files = token_files(meta)
-    with storage.guard(target, "writing"):
-        for stale in set(names) - set(files) - {META_FILE}:
-            (target / stale).unlink()
-    storage.upload(local, target, [*files, META_FILE])
+    storage.publish(local, target, [*token_files(meta), META_FILE], commit=META_FILE)
 

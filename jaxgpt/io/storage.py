@@ -293,6 +293,18 @@ def upload(local: Path, target: epath.Path, names: Sequence[str]) -> None:
                 shutil.copyfileobj(src, dst, 1 << 22)
 
 
+def publish(local: Path, target: epath.Path, names: Sequence[str], commit: str) -> None:
+    """Make bucket directory `target` hold the files `names` of `local`, `commit` among them: the file whose
+    presence says the rest is complete (a dataset's meta.json, an export's config.json). An old `commit` is
+    deleted first and the new one uploaded last, so a reader never takes a half-replaced directory for a whole
+    one; files of the old contents that the new ones lack are deleted."""
+    old = files(target)
+    with guard(target, "writing"):
+        for stale in sorted(set(old) - (set(names) - {commit}), key=lambda name: name != commit):
+            (target / stale).unlink()
+    upload(local, target, [name for name in names if name != commit] + [commit])
+
+
 class Mirror:
     """A local copy of a bucket work directory's growing files, uploaded whole by `sync`.
 
@@ -326,7 +338,9 @@ class Mirror:
             return
         changed = [str(p.relative_to(self.local)) for p in sorted(self.local.rglob("*")) if p.is_file()
                    and self._sizes.get(str(p.relative_to(self.local))) != p.stat().st_size]
-        self.failed = True
-        upload(self.local, self.workdir, changed)
-        self.failed = False
+        try:
+            upload(self.local, self.workdir, changed)
+        except StorageError:
+            self.failed = True
+            raise
         self._sizes |= {name: (self.local / name).stat().st_size for name in changed}

@@ -69,7 +69,7 @@ def open_dataset(data: DataConfig) -> Dataset:
             prepare_if_missing()
         multihost_utils.sync_global_devices("jaxgpt-dataset-ready")
         prepare_if_missing()  # host-local disks: every host needs its own copy
-    return load_dataset(data.dir if storage.is_bucket(data_dir) else data_dir, bpe_file=bpe_file)
+    return load_dataset(data.dir, bpe_file=bpe_file)
 
 
 def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:

@@ -74,7 +74,7 @@ def state_bytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def checkpoint_dir(workdir: str | os.PathLike[str]) -> Any:
+def checkpoint_dir(workdir: str | os.PathLike[str]) -> storage.Location:
     """WORKDIR/checkpoints: an absolute local path (orbax insists) or a bucket URL (an `epath.Path`)."""
     return storage.location(workdir, "the work directory") / "checkpoints"
 
@@ -112,7 +112,7 @@ class Checkpointer:
         with storage.guard(self.directory, "listing checkpoints in"):
             return sorted(self.manager.all_steps())
 
-    def set_aside(self, step: int) -> Path:
+    def set_aside(self, step: int) -> storage.Location:
         """Move an unreadable step out of the manager's sight (kept for inspection, never deleted), so that
         training resumed from an earlier step can save this step number again."""
         target = self.directory.parent / CORRUPT_DIR / str(step)

@@ -100,8 +100,9 @@ class BucketLease:
             self.fs.pipe_file(self.key, json.dumps(self.mine).encode(), mode="create")
         except FileExistsError:  # another trainer created it between our read and our write
             raise self._in_use(workdir, self._read() or {}) from None
-        if (self._read() or {}).get("holder") != self.mine["holder"]:  # a store that ignored the precondition
-            raise self._in_use(workdir, self._read() or {})
+        held = self._read() or {}
+        if held.get("holder") != self.mine["holder"]:  # a store that ignored the precondition
+            raise self._in_use(workdir, held)
 
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self.period / 3):
