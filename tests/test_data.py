@@ -274,6 +274,15 @@ def test_load_missing_directory_or_meta(tmp_path):
         load_dataset(tmp_path / "nowhere")
 
 
+def test_own_shards_without_meta_name_the_missing_meta_and_the_rebuild(prepared):
+    (prepared / "meta.json").unlink()
+    with pytest.raises(UserError) as err:
+        load_dataset(prepared)
+    message = str(err.value)
+    assert f"{prepared / 'meta.json'} is missing" in message and SHARD in message
+    assert f"jaxgpt data --text FILE... --out {prepared} --overwrite" in message and "llm.c" not in message
+
+
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [

@@ -274,6 +274,42 @@ def test_sampling_a_corrupt_checkpoint_is_one_line(run_copy: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]  # not the reads still in flight
 
 
+def scramble_largest(workdir: Path, step: int) -> Path:
+    """Overwrite the largest parameter file of a checkpoint with random bytes of its size (a bad disk or copy
+    whose sizes still look right): its array fails to decode while the reads of the others are in flight."""
+    largest = max((f for f in (workdir / "checkpoints" / str(step) / "params").rglob("*") if f.is_file()),
+                  key=lambda f: f.stat().st_size)
+    largest.write_bytes(np.random.default_rng(0).bytes(largest.stat().st_size))
+    return largest
+
+
+# `jaxgpt sample` with every array read that succeeds held back a moment, as reads of a large model are: the read
+# of the scrambled array fails while all the others are still pending, on any machine.
+SLOW_READS = """
+import asyncio, sys
+from orbax.checkpoint._src.serialization import serialization
+read = serialization._read_shard
+async def slow(*args, **kwargs):
+    shard = await read(*args, **kwargs)
+    await asyncio.sleep(2)
+    return shard
+serialization._read_shard = slow
+from jaxgpt.commands.sample import main
+sys.exit(main(sys.argv))
+"""
+
+
+@pytest.mark.parametrize("reads", ["as they come", "held back"])
+def test_sampling_a_checkpoint_of_random_bytes_is_one_line(run_copy: Path, reads: str) -> None:
+    scramble_largest(run_copy, 20)
+    command = [sys.executable, str(ROOT / "sample.py")] if reads == "as they come" else [sys.executable, "-c",
+                                                                                        SLOW_READS]
+    proc = run([*command, f"--workdir={run_copy}", "--max_new_tokens=4"])
+    line = one_line_error(proc)
+    assert "checkpoint step 20" in line and str(run_copy / "checkpoints") in line
+    assert [li for li in proc.stderr.splitlines() if li.strip()] == [line], proc.stderr[-3000:]
+
+
 def test_deleted_checkpoint_files_are_reported(run_copy: Path, data_dir: Path) -> None:
     shutil.rmtree(run_copy / "checkpoints" / "20" / "opt_state")
     assert "checkpoint step 20" in one_line_error(run(train_cmd(run_copy, data_dir, "--config.max_steps=30")))

@@ -20,12 +20,13 @@ import importlib
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
 from jaxgpt.errors import InterruptError, StorageError, UserError
+from jaxgpt.io import storage
 
 COMMANDS = {
     "train": "train or resume a run (a language model, a classifier or a seq2seq model): --config configs/NAME.py",
@@ -121,8 +122,23 @@ def parse_error(e: Exception) -> str:
     return one_line(e)
 
 
-def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | None = None) -> int:
-    """Parse `argv` (default sys.argv) with the command's flags and run it; returns the exit status."""
+def check_locations(flags_: flags.FlagValues, locations: Mapping[str, str]) -> None:
+    """Refuse each value of a flag in `locations` (flag name -> `storage.check` kind) that names a place the flag
+    cannot use, before the command reads or writes anything. Flags of sub-commands not defined this time, and
+    unset ones, are skipped."""
+    for name, kind in locations.items():
+        value = flags_[name].value if name in flags_ else None
+        for text in value if isinstance(value, list) else [value]:
+            if text:
+                storage.check(text, f"--{name}", kind)
+
+
+def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | None = None,
+                locations: Mapping[str, str] | None = None) -> int:
+    """Parse `argv` (default sys.argv) with the command's flags and run it; returns the exit status.
+
+    `locations` names the command's flags that take a file or directory, with what each takes (`storage.check`).
+    """
     argv = list(sys.argv if argv is None else argv)
     flags_ = flags.FlagValues()
     define(flags_, argv)
@@ -141,6 +157,7 @@ def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | 
         print(f"error: bad command line: {parse_error(e)} (see {os.path.basename(argv[0])} --help)", file=sys.stderr)
         return 2
     try:
+        check_locations(flags_, locations or {})
         action(flags_, args)
     except InterruptError as e:  # a run that saved its state on SIGINT / SIGTERM
         print(f"error: {one_line(e)}", file=sys.stderr)

@@ -18,8 +18,10 @@ from pathlib import Path
 from absl import flags
 
 from jaxgpt.commands import define_config, no_arguments, require_config, run_command
+from jaxgpt.io import storage
 
 EXAMPLE = "configs/gpt2_xl.py"
+LOCATIONS = {"json": storage.LOCAL}  # (`storage.check`: refused before minutes of compiling, not after)
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -48,7 +50,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ from absl import flags
 from jaxgpt.commands import run_command
 from jaxgpt.data.tokenizer import BPE_FILE_ENV
 from jaxgpt.errors import UserError
-from jaxgpt.io import bpe_ranks
+from jaxgpt.io import bpe_ranks, storage
 
 SUBCOMMANDS = ("fetch", "verify")
+LOCATIONS = {"dest": storage.LOCAL}  # (`storage.check`: a file written and read on this machine)
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -44,7 +45,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ from jaxgpt.data.tokenizer import WordTokenizer, load_bpe
 from jaxgpt.errors import UserError
 from jaxgpt.io import storage
 
+# The flags that name a file or directory, and what each takes (`storage.check`, before anything is read).
+LOCATIONS = {"text": storage.LOCAL, "out": storage.ANYWHERE, "csv": storage.LOCAL, "bpe_file": storage.LOCAL}
+
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_enum("dataset", None, BUILTIN_DATASETS, "a built-in dataset", flag_values=flags_)
@@ -113,12 +116,14 @@ def _prepare(flags_: flags.FlagValues, args: list[str], out: str) -> dict:
         return prepare(lambda: hub_stream(repo, config or None, flags_.text_field, flags_.max_documents),
                        out, tokenizer, source=f"{flags_.hf_dataset} (Hugging Face Hub)", **options)
     # `--text a.txt b.txt`: the files after the first arrive as positional arguments.
+    for path in args:
+        storage.check(path, "--text", storage.LOCAL)
     paths = [Path(p) for p in [*flags_.text, *args]]
     return prepare_text(paths, out, tokenizer, text_field=flags_.text_field, **options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

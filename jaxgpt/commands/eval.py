@@ -31,8 +31,12 @@ from jaxgpt.commands import run_command
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.evals import benchmarks
-from jaxgpt.io import weights
+from jaxgpt.io import storage, weights
 from jaxgpt.tools import evaluate
+
+# The flags that name a file or directory, and what each takes (`storage.check`, before anything is read).
+LOCATIONS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "text": storage.LOCAL,
+             "data_dir": storage.ANYWHERE, "data": storage.LOCAL, "bpe_file": storage.LOCAL}
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -61,6 +65,7 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 def read_texts(paths: Sequence[str]) -> list[str]:
     texts = []
     for path in paths:
+        storage.check(path, "--text", storage.LOCAL)  # (also the files after the first, given as arguments)
         try:
             texts.append(Path(path).read_bytes().decode("utf-8"))
         except OSError as e:
@@ -142,7 +147,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

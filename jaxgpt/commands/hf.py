@@ -32,6 +32,10 @@ INSPECTED_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "
                     "norm_eps", "tie_embeddings", "embd_dropout", "attn_dropout", "resid_dropout")
 
 
+# The flags of `export` that name a file or directory, and what each takes (`storage.check`).
+LOCATIONS = {"workdir": storage.ANYWHERE, "out": storage.ANYWHERE, "bpe_file": storage.LOCAL}
+
+
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     """Only the flags of the sub-command named first (`inspect` has none)."""
     if list(argv[1:2]) != ["export"]:
@@ -48,7 +52,7 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 def inspect(path: str) -> str:
     """A report of how a HF directory maps onto jaxgpt, after reading and checking every tensor."""
-    params, cfg = load_hf_gpt2(weights.hf_directory(path.removeprefix("hf:")))
+    params, cfg = load_hf_gpt2(weights.hf_directory(path.removeprefix("hf:"), "`hf inspect` PATH"))
     shapes = {path: tuple(value.shape) for path, value in traverse_util.flatten_dict(params).items()}
     lines = [f"{path}: GPT-2 checkpoint, all {len(tensor_specs(cfg))} tensors present with the expected shapes"]
     lines += [f"  {name:<15}{getattr(cfg, name)}" for name in INSPECTED_FIELDS]
@@ -123,7 +127,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,14 @@ from absl import flags
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.io import weights
+from jaxgpt.io import storage, weights
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
 from jaxgpt.tools import plots
 
 SUBCOMMANDS = ("curves", "attention", "positions")
+# The flags that name a file or directory (of whichever sub-command defines them), and what each takes.
+LOCATIONS = {"out": storage.LOCAL, "workdir": storage.ANYWHERE, "hf": storage.ANYWHERE, "bpe_file": storage.LOCAL}
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -177,7 +179,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

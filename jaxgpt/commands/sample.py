@@ -58,11 +58,17 @@ from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling
 from jaxgpt.generate import seq2seq as seq2seq_decoding
 from jaxgpt.generate.engine import check_request, generate_many
-from jaxgpt.io import weights
+from jaxgpt.io import storage, weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.tasks import pairs
 
 SEPARATOR = "-" * 40
+
+
+# The flags that name a file or directory, and what each takes (`storage.check`, before anything is read):
+# those of `define_model` (sample and serve), and all of sample's.
+MODEL_LOCATIONS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "bpe_file": storage.LOCAL}
+LOCATIONS = {**MODEL_LOCATIONS, "prompt_file": storage.LOCAL, "source_file": storage.LOCAL}
 
 
 def define_model(flags_: flags.FlagValues) -> None:
@@ -416,7 +422,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
-from jaxgpt.commands.sample import define_model, load_model
+from jaxgpt.commands.sample import MODEL_LOCATIONS, define_model, load_model
 from jaxgpt.errors import optional_import
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.tasks.pairs import PairText
@@ -56,7 +56,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, MODEL_LOCATIONS)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,14 @@ from absl import flags
 
 from jaxgpt.commands import load_config_file, no_arguments, run_command
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 from jaxgpt.io.hf import hf_config_to_model_config, read_hf_config
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS, get_preset
 from jaxgpt.tools.summary import summary
+
+# The flags that name a file or directory, and what each takes (`storage.check`): files read here, locally.
+LOCATIONS = {"config": storage.LOCAL, "hf": storage.LOCAL}
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -84,7 +88,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(__doc__, define, run, argv, LOCATIONS)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,9 +44,15 @@ SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}  # format 1, and nanoGPT'
 # Hashing reads the whole file; below this size that costs well under a second, so it is on by default.
 VERIFY_MAX_BYTES = 256 * 2**20
 PREPARING_MARKER = ".jaxgpt-preparing"  # in a dataset directory while new token files are swapped in
+OWN_SHARD = re.compile(r"tokens_\d{6}\.bin")  # format 2's token files (`shard_name`); no other trainer's
 
 # ----------------------------------------------------------------------------------------------------
 # Writing a dataset (the tokens come from `jaxgpt.data.prepare`)
+
+
+def shard_name(index: int) -> str:
+    """The file name of a format-2 dataset's shard `index` (what `OWN_SHARD` recognizes)."""
+    return f"tokens_{index:06d}.bin"
 
 
 def content_key(meta: dict[str, Any]) -> tuple:
@@ -254,8 +261,18 @@ def _open_file(data_dir: Path, entry: dict[str, Any], meta: dict[str, Any], chec
 
 
 def _foreign(root: Path) -> tuple[dict[str, TokenStream], dict[str, Any]]:
-    """The splits and a meta of a directory another trainer prepared: llm.c shards or nanoGPT's files."""
+    """The splits and a meta of a directory another trainer prepared: llm.c shards or nanoGPT's files.
+
+    jaxgpt's own shards are refused here: without their meta.json nothing says their tokenizer, id type or
+    split, and read as llm.c's they would be one headerless file with no validation shard.
+    """
     shards = sorted(p for p in root.glob("*.bin") if p.name not in SPLIT_FILES.values())
+    own = [p.name for p in shards if OWN_SHARD.fullmatch(p.name)]
+    if own:
+        raise UserError(f"{root / META_FILE} is missing: {root} holds jaxgpt's token shards ({', '.join(own[:2])}"
+                        f"{', ...' if len(own) > 2 else ''}) without the meta.json that describes them (deleted?); "
+                        f"rebuild it with `jaxgpt data --text FILE... --out {root} --overwrite` (or --dataset NAME "
+                        "for a built-in corpus)")
     if shards:
         val = [p for p in shards if "val" in p.name]
         train = [p for p in shards if "val" not in p.name]

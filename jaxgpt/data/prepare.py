@@ -117,7 +117,7 @@ class _Shards:
         self.file: Any = None
 
     def _open(self) -> None:
-        self.name = f"tokens_{len(self.done):06d}.bin"
+        self.name = dataset.shard_name(len(self.done))
         self.file = open(self.workspace / self.name, "wb")  # noqa: SIM115 -- open across many add() calls
         self.n, self.unknown, self.hash = 0, 0, hashlib.sha256()
 

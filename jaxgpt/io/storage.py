@@ -37,29 +37,48 @@ from jaxgpt.errors import StorageError, UserError, optional_import
 # scheme -> the fsspec package that reads and writes it
 SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
 Location = Path | epath.Path  # what `location` returns
+# What a setting that names a place takes (`check`): a local path or a bucket URL; a local path only (a file
+# read or written with plain file calls: a ranks file, a text file, a PNG); or a weight source
+# (`jaxgpt.io.weights`: workdir:LOCATION, hf:LOCATION, preset:NAME), whose location follows its kind.
+ANYWHERE, LOCAL, SOURCE = "anywhere", "local", "source"
 
 
 def is_bucket(where: str | os.PathLike[str]) -> bool:
     return str(where).startswith(tuple(f"{s}://" for s in SCHEMES))
 
 
-def location(text: str | os.PathLike[str], flag: str) -> Location:
+def location(text: str | os.PathLike[str], flag: str, buckets: bool = True, *, given: str | None = None) -> Location:
     """The place `text` names: an absolute local path, or a bucket URL (checked, its client configured).
 
-    `flag` is the setting that gave it (e.g. --config.workdir), for the one-line errors.
+    `flag` is the setting that gave it (e.g. --config.workdir) and `given` its whole value when `text` is part
+    of it, for the one-line errors. Any other URL is refused rather than taken for a relative path
+    (`ftp://host/x` would be the directory `ftp:/host/x`), and so is a bucket URL where `buckets` is False: a
+    file that only plain file calls read or write.
     """
     text = os.fspath(text)
     if "://" not in text:
         return Path(text).expanduser().absolute()
     scheme, _, rest = text.partition("://")
+    setting = f"{flag}={given or text}"
+    if not buckets:
+        raise UserError(f"{setting} is a URL, but {flag} takes a local path: copy the file to this machine and pass "
+                        "its path")
     if scheme not in SCHEMES:
-        raise UserError(f"{flag}={text}: {scheme}:// is not a supported location: use a local path, "
-                        "gs://BUCKET/PATH or s3://BUCKET/PATH")
+        raise UserError(f"{setting}: {scheme}:// is not a supported location: use a local path, gs://BUCKET/PATH or "
+                        "s3://BUCKET/PATH")
     if not rest.strip("/"):
-        raise UserError(f"{flag}={text} names no bucket: use {scheme}://BUCKET/PATH")
-    optional_import(SCHEMES[scheme], f"{flag}={text}", otherwise="use a local path")
+        raise UserError(f"{setting} names no bucket: use {scheme}://BUCKET/PATH")
+    optional_import(SCHEMES[scheme], setting, otherwise="use a local path")
     _configure()
     return epath.Path(f"{scheme}://{rest.rstrip('/')}")
+
+
+def check(text: str | os.PathLike[str], flag: str, kind: str = ANYWHERE) -> None:
+    """Refuse a place that setting `flag` cannot use (`kind`: ANYWHERE, LOCAL or SOURCE), before any work:
+    one line naming `flag`, where a URL no client reads would otherwise become a local directory named after
+    its scheme ("ftp:"), or fail late with a traceback from the library that got it."""
+    text = os.fspath(text)
+    location(text.partition(":")[2] if kind == SOURCE else text, flag, buckets=kind != LOCAL, given=text)
 
 
 @functools.cache

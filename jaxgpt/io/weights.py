@@ -89,22 +89,22 @@ def short(error: BaseException, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
-def hf_directory(arg: str) -> Path:
+def hf_directory(arg: str, flag: str = "hf:") -> Path:
     """The local directory of `hf:ARG`: ARG itself, or a Hub repository's snapshot (downloaded once, cached).
 
     Anything short of a complete download (no network, no such repository, no huggingface_hub) is one
-    line that says how to pass a local directory instead.
+    line that says how to pass a local directory instead. `flag` names ARG in the error of a URL that no
+    client reads (`storage.location`).
     """
-    if storage.is_bucket(arg):  # an export in a bucket: its files, staged once into the local cache
-        source = storage.location(arg, "hf:")
-        names = storage.files(source)
+    where = storage.location(arg, flag)
+    if storage.is_bucket(where):  # an export in a bucket: its files, staged once into the local cache
+        names = storage.files(where)
         if "config.json" not in names:
             raise UserError(f"hf:{arg} holds no config.json: pass the --out of `jaxgpt hf export` (or another Hugging "
                             "Face GPT-2 directory)")
-        return storage.stage(source, names)
-    path = Path(arg).expanduser()
-    if path.exists() or not HUB_ID.fullmatch(arg):
-        return path
+        return storage.stage(where, names)
+    if where.exists() or not HUB_ID.fullmatch(arg):
+        return where
     offline = (f"download it where there is network (hf download {arg} --local-dir DIR) and pass "
                "hf:/path/to/DIR")
     snapshot_download = optional_import("huggingface_hub", f"hf:{arg} is not a local directory, and fetching it "

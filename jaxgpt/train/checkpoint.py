@@ -8,14 +8,12 @@ orbax recorded, and training passes the abstract state of its own layout (`jaxgp
 
 from __future__ import annotations
 
-import contextlib
-import io
+import asyncio
 import logging
 import math
 import os
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +27,6 @@ from jaxgpt.io import storage
 from jaxgpt.train.rundir import disk_error, free_bytes
 
 CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
-
-
-def _settle(stream: io.StringIO, quiet_polls: int = 4, poll_s: float = 0.05, limit_s: float = 3.0) -> None:
-    """Wait until nothing more is written to `stream` for `quiet_polls` polls in a row (at most `limit_s`)."""
-    size, quiet, deadline = -1, 0, time.monotonic() + limit_s
-    while quiet < quiet_polls and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        quiet, size = (quiet + 1, size) if stream.tell() == size else (0, stream.tell())
 
 
 class CheckpointReadError(UserError):
@@ -67,6 +57,49 @@ def _quiet_closed_loop() -> None:
 
     hook.jaxgpt_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+DRAIN_S = 60.0  # at most this long for the reads still pending when one has failed to end (see below)
+
+
+async def _cancelling_on_failure(work: Coroutine[Any, Any, Any]) -> Any:
+    """`await work`; when it raises, first cancel every other task of this event loop and wait for their end.
+
+    Orbax runs each restore in a fresh event loop of its own and closes that loop as soon as the restore
+    raises. When one array of a checkpoint cannot be read, the reads of the others are still pending there:
+    left so, each is destroyed at exit and prints a traceback ("Exception ignored in: <coroutine ...
+    _read_array_index_and_device_put>", hundreds of lines after the one-line error). Cancelled and awaited
+    here, they end before the loop closes, as `asyncio.run` would end them.
+    """
+    try:
+        return await work
+    except BaseException:
+        pending = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=DRAIN_S)
+        for task in pending:  # (their failures are the one being raised, or its consequence: seen, not reported)
+            if task.done() and not task.cancelled():
+                task.exception()
+        raise
+
+
+def _end_pending_reads() -> None:
+    """Route orbax's synchronous runner through `_cancelling_on_failure` (once per process). Every orbax call
+    that runs a coroutine to completion goes through `asyncio_utils.run_sync`, each in its own event loop
+    (a fresh one, or one in a thread of its own), so "every other task of this event loop" is this call's."""
+    from orbax.checkpoint._src import asyncio_utils
+
+    run_sync = asyncio_utils.run_sync
+    if getattr(run_sync, "jaxgpt_cancelling", False):
+        return
+
+    def run_sync_cancelling(coro: Coroutine[Any, Any, Any]) -> Any:
+        return run_sync(_cancelling_on_failure(coro))
+
+    run_sync_cancelling.jaxgpt_cancelling = True  # type: ignore[attr-defined]
+    asyncio_utils.run_sync = run_sync_cancelling
 
 
 def state_bytes(tree: Any) -> int:
@@ -101,6 +134,7 @@ class Checkpointer:
         with storage.guard(self.directory, "opening checkpoints in"):
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._bytes = 0  # of the last state saved, for the message of a full disk
+        _end_pending_reads()
         if not read_only:
             _quiet_closed_loop()
 
@@ -187,22 +221,12 @@ class Checkpointer:
         return self._reading(step, read)["params"]
 
     def _reading(self, step: int, read: Callable[[], Any]) -> Any:
-        """`read()`, whatever the library's reason for failing turned into one CheckpointReadError.
-
-        When one array of a step cannot be read, orbax raises at once while tensorstore's reads of the other
-        arrays are still in flight; each then calls back into the event loop orbax has already closed, and
-        Python prints a traceback for every one. What the read writes to stderr is held back until the reads
-        have settled, and dropped when it failed: the error is the one line the caller reports.
-        """
-        held = io.StringIO()
-        with contextlib.redirect_stderr(held):
-            try:
-                result = read()
-            except Exception as e:
-                _settle(held)
-                raise CheckpointReadError(self.directory, step, e) from None
-        sys.stderr.write(held.getvalue())
-        return result
+        """`read()`, whatever the library's reason for failing turned into one CheckpointReadError (the reads
+        of the step's other arrays still pending then are ended first: `_cancelling_on_failure`)."""
+        try:
+            return read()
+        except Exception as e:
+            raise CheckpointReadError(self.directory, step, e) from None
 
     def wait(self) -> None:
         """Block until the background save has committed (its tmp directory renamed into place)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import typing
@@ -20,6 +21,7 @@ from typing import Any
 from ml_collections import ConfigDict, config_dict
 
 from jaxgpt.errors import UserError
+from jaxgpt.io import storage
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
 from jaxgpt.model.presets import get_preset
 from jaxgpt.train.optim import OptimConfig
@@ -29,6 +31,14 @@ TASKS = ("lm", "classify", "seq2seq")
 _UNSET_TYPES = {"head_dim": int, "d_ff": int, "pad_id": int, "vocab_size": int}
 # The closing sample's length: its tokens are int32 positions and a (1, n) buffer; beyond this it is a typo.
 MAX_NEW_TOKENS = 1 << 20
+
+
+# The keys that name a file or directory, and what each takes (`storage.check`): all checked before anything
+# runs. workdir, data.dir and the cache may be bucket URLs; a built-in task name is no path and passes.
+LOCATION_KEYS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "data.dir": storage.ANYWHERE,
+                 "data.bpe_file": storage.LOCAL, "data.csv": storage.LOCAL, "classify.data": storage.LOCAL,
+                 "seq2seq.data": storage.LOCAL, "eval.hellaswag_data": storage.LOCAL,
+                 "compilation_cache_dir": storage.ANYWHERE}
 
 
 def _at_least(where: str, values: dict[str, Any], low: int) -> None:
@@ -206,6 +216,9 @@ class TrainConfig:
             raise UserError(f"config.task={self.task!r} is unknown: choose one of {TASKS}")
         if not self.workdir:
             raise UserError("config.workdir is empty: pass --config.workdir=DIR (where checkpoints and logs go)")
+        for key, kind in LOCATION_KEYS.items():
+            if value := functools.reduce(getattr, key.split("."), self):
+                storage.check(value, f"config.{key}", kind)
         _at_least("", {k: getattr(self, k) for k in ("batch_size", "grad_accum", "max_steps", "log_interval",
                                                      "eval_interval", "eval_batches", "ckpt_interval",
                                                      "keep_checkpoints")}, 1)
