@@ -33,29 +33,34 @@ def _value_and_grads(dot_general, dims, x, kernel, cotangent):
 @pytest.mark.parametrize("dims,x_shape,kernel_shape", PROJECTIONS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_projection_matches_dot_general(dims, x_shape, kernel_shape, dtype):
-    """Value and both gradients equal lax.dot_general's: exactly in float32 (the same program), and
-    in bfloat16 to bf16 rounding (both accumulate in float32 and round the result once)."""
+    """Value and both gradients equal lax.dot_general's exactly in float32 (the same program), and in
+    bfloat16 are the float32 products rounded once. In bfloat16 the reference is float32, not lax's own
+    bf16 product: since jax 0.11 XLA:CPU accumulates a plain bf16 weight gradient with bf16 partial sums
+    (7 ulps off at K = 32 rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], x_shape).astype(dtype)
     kernel = jax.random.normal(keys[1], kernel_shape).astype(dtype)
     n = len(dims[0][0])
     cotangent = jax.random.normal(keys[2], x_shape[:-n] + kernel_shape[n:]).astype(dtype)
     ours = jax.jit(lambda *a: _value_and_grads(projection_dot_general, dims, *a))(x, kernel, cotangent)
-    plain = jax.jit(lambda *a: _value_and_grads(jax.lax.dot_general, dims, *a))(x, kernel, cotangent)
+    f32 = [a.astype(jnp.float32) for a in (x, kernel, cotangent)]
+    with jax.default_matmul_precision("highest"):
+        plain = jax.jit(lambda *a: _value_and_grads(jax.lax.dot_general, dims, *a))(*f32)
     for a, b in zip(ours, plain, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.dtype == dtype and a.shape == b.shape
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         if dtype == "float32":
             np.testing.assert_array_equal(a, b)
-        else:  # one bf16 rounding of values of this size: 2^-8 relative, plus float32 summation order
-            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+        else:  # half a bf16 ulp (2^-9 relative) plus float32 summation order
+            np.testing.assert_allclose(a, b, rtol=2**-8, atol=1e-3 * np.abs(b).max())
 
 
 @pytest.mark.parametrize("K,N", [(64, 128), (128, 64)])
 def test_bf16_products_run_as_bf16_on_cpu(K: int, N: int):
     """The forward, input-gradient and both halves of the weight-gradient product of a bf16 projection
     read bf16 operands in the compiled program, whichever of X and dY the weight gradient transposes;
-    plain lax.dot_general's are converted to float32 first (what made bf16 training slow)."""
+    plain lax.dot_general's are not all (on jax 0.10's XLA:CPU none is, which made bf16 training slow;
+    since jax 0.11 two of its three products are)."""
     x, kernel, weights = (jnp.ones(shape, jnp.bfloat16) for shape in ((256, K), (K, N), (256, N)))
     dims = (((1,), (0,)), ((), ()))
 
@@ -70,7 +75,7 @@ def test_bf16_products_run_as_bf16_on_cpu(K: int, N: int):
     if jax.default_backend() != "cpu":
         pytest.skip("a CPU-only rewrite")
     assert bf16_operand_dots(projection_dot_general) == 4
-    assert bf16_operand_dots(jax.lax.dot_general) == 0
+    assert bf16_operand_dots(jax.lax.dot_general) < 4
 
 
 def _loss_curve(data_dir, dtype: str, steps: int) -> np.ndarray:

@@ -30,6 +30,8 @@ from jaxgpt.model.gpt import GPT, GPTClassifier, stack_layers, unstack_layers
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers are not installed")
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers (which writes the exported tokenizer) is not installed")
 
 # HF GPT2Config keyword sets, all small. "head24" is the 3-layer model with head size 96/4 = 24; "vocab50257"
 # has GPT-2's real vocabulary and head size 64; the others vary activation, n_inner and epsilon.
@@ -432,6 +434,7 @@ def test_cli_inspect_and_errors(good_checkpoint, tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
+@needs_transformers
 def test_cli_export(tmp_path, monkeypatch, capsys):
     """Exports what `weights.load("workdir:...")` returns (faked here: the training side is tested elsewhere),
     leaving out a classifier head."""

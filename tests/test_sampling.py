@@ -550,7 +550,8 @@ def test_max_new_tokens_out_of_range_is_one_line(value: str, char_workdir: Path,
 
 @functools.cache
 def trained_counter() -> tuple[dict, ModelConfig]:
-    """A tiny model trained (200 AdamW steps) on a deterministic sequence, so its argmax margins are wide.
+    """A tiny model trained (300 AdamW steps) on a deterministic sequence, so its argmax margins are wide
+    (200 left one margin at 0.46 of a logit on jax 0.12, under twice the bf16 tolerance; 300: 1.4 and 4.0).
 
     Each token is the previous one plus the one before it, mod 13: the next token depends on two positions, so
     attention has to work, and every prediction is certain once learned.
@@ -573,7 +574,7 @@ def trained_counter() -> tuple[dict, ModelConfig]:
         return optax.apply_updates(params, updates), opt_state
 
     opt_state = opt.init(params)
-    for i in range(200):
+    for i in range(300):
         params, opt_state = step(params, opt_state, jnp.asarray(windows_NT[(np.arange(16) * 23 + i * 7) % 384]))
     return params, cfg
 

@@ -128,6 +128,7 @@ def test_push_to_hub_needs_a_repository_id(char_run: Path, tmp_path: Path, capsy
 
 
 def test_an_offline_hub_id_is_one_line_and_writes_nothing(tmp_path: Path, data_dir: Path, capsys, monkeypatch) -> None:
+    pytest.importorskip("huggingface_hub")  # (without it the same flag is one line naming the package)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # this machine is offline; be quick
     args = ["train.py", f"--config={ROOT / 'tests' / 'tiny_config.py'}", f"--config.workdir={tmp_path / 'run'}",
             f"--config.data.dir={data_dir}", "--config.init_from=hf:jaxgpt-tests/no-such-model"]
