@@ -113,6 +113,7 @@ def _task(model: ModelConfig, loss_chunk: int) -> LanguageModelling:
     return LanguageModelling(from_config_dict(c), None)
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("tied", [True, False])
 def test_chunked_loss_equals_the_dense_loss_and_gradients(tied: bool) -> None:
     cfg = ModelConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32, tie_embeddings=tied)

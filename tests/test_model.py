@@ -82,12 +82,14 @@ def assert_matches_reference(cfg: ModelConfig, seed: int, padded: bool) -> None:
 SEED_PRESETS = ["seed000", "seed001", "seed002", "seed004", "gpt2", "gpt2-medium"]
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("name", SEED_PRESETS)
 def test_presets_match_reference(name: str, padded: bool) -> None:
     assert_matches_reference(shrink(get_preset(name)), seed=1, padded=padded)
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("name", ["seed000", "seed001", "gpt2"])
 def test_query_blocked_attention_matches_reference(name: str) -> None:
     """At 128 tokens the einsum path splits the queries into causal blocks (the tiny configs use one)."""
@@ -96,6 +98,7 @@ def test_query_blocked_attention_matches_reference(name: str) -> None:
     assert_matches_reference(cfg, seed=5, padded=True)
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("padded", [False, True])
 def test_blocked_attention_gradients_equal_dense_attention(padded: bool) -> None:
     """The einsum path's hand-written backward (per query block, `ops.attention._blocked`) against autodiff

@@ -85,6 +85,7 @@ assert {shrink(c) for c in PRESETS.values()} == {shrink(PRESETS[n]) for n in ("s
                                                                             "seed004", "gpt2")}
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("name", SWEEP)
 def test_cached_equals_uncached_for_short_and_long_prompts(name: str) -> None:
     """Two rows decode with the kernels as declared, one row with output-major ones (on CPUs): both exact."""

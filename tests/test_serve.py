@@ -14,10 +14,10 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 

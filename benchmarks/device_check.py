@@ -1,0 +1,641 @@
+"""One command for a GPU or TPU host: the environment, the accelerator test subset and speed against PyTorch.
+
+    python benchmarks/device_check.py                  # on the accelerator host (docs/accelerators.md)
+    python benchmarks/device_check.py --smoke --out /tmp/check.json   # every part at tiny shapes on the CPU
+    python benchmarks/device_check.py --parts generate,hf_generate --attention xla   # some parts again
+
+An accelerator host is lent for minutes, offline, so everything it should tell is collected by this one run and
+written as one JSON file (--out; default benchmarks/results/device_check-<device>-<date>.json) and one table.
+Each part runs in a subprocess of its own under its own time limit, inside a budget for the whole run
+(--budget): a failure, a hang, an out-of-memory abort or a crash of one part is recorded in its row, with its
+one-line error and the tail of its log, and the next part runs. The parent process never imports JAX, so it
+holds no device memory and every part has the whole device to itself.
+
+Parts (docs/accelerators.md describes each): env (devices, versions, CUDA/cuDNN or TPU runtime, memory,
+missing imports); tests (`pytest -m accelerator tests/`); train (GPT-2 124M as configs/gpt2_124m.py trains
+it, through bench_train's real train step, at the largest per-device batch that fits: tokens/s, MFU);
+torch_train (the same model in PyTorch: torch.compile, flash SDPA, bf16 autocast); generate and hf_generate
+(cached greedy generation at batch 1 and 64, jaxgpt's and transformers'); serve (the continuous-batching
+engine under 1 and 64 concurrent clients, driven in process rather than over HTTP, so that the host needs no
+FastAPI: benchmarks/bench_serve.py measures the app). The table ends with jaxgpt's ratios to PyTorch's.
+
+--smoke runs every part on the CPU at tiny shapes (a 2-layer model, 64 positions, a few steps and small
+batches); PyTorch's parts are skipped with the reason where torch is not installed, torch.compile is left out
+(inductor's C++ build would take most of the smoke's time), and the tests part runs the tests the ordinary
+CPU run cannot (two fake CPU devices) and one more: the rest run in every CI run anyway.
+tests/test_accelerator.py runs the smoke, so this script cannot rot unnoticed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # jaxgpt and configs/ from the checkout, installed or not
+
+PARTS = ("env", "tests", "train", "torch_train", "generate", "hf_generate", "serve")
+# jaxgpt's imports that accelerator images often lack (docs/accelerators.md lists what must travel as wheels)
+OFTEN_MISSING = ("ml_collections", "tensorboardX", "torch", "transformers", "fastapi", "uvicorn", "pydantic")
+VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu", "flax", "optax", "orbax-checkpoint",
+            "numpy", "tiktoken", "torch", "transformers", "ml_collections", "tensorboardX")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What every part runs: GPT-2 124M on a device; a tiny model on the CPU for --smoke."""
+
+    model: dict[str, int]  # changes to configs/gpt2_124m.py's model ({}: GPT-2 124M itself)
+    loss_chunk: int | None  # None: the config's
+    batches: tuple[int, ...]  # per-device training batches, tried largest first until one fits
+    steps: int  # timed training steps, after the warm-up
+    prompt_len: int
+    new_tokens: int  # generated per row (generate, hf_generate)
+    serve_tokens: int  # generated per request (serve)
+    gen_batches: tuple[int, ...]
+    clients: tuple[int, ...]
+    requests: int  # per client, one after another
+    compile_torch: bool
+    tests: tuple[str, ...]  # pytest's arguments after -m accelerator
+    cpu_devices: int  # > 0: the tests part's XLA CPU devices (XLA_FLAGS)
+    budget: float  # seconds for the whole run
+    limits: dict[str, float]  # seconds for each part
+
+
+FULL = Shapes(model={}, loss_chunk=None, batches=(64, 32, 16, 8, 4), steps=10, prompt_len=16, new_tokens=256,
+              serve_tokens=64, gen_batches=(1, 64), clients=(1, 64), requests=4, compile_torch=True,
+              tests=("tests/",), cpu_devices=0, budget=480,
+              limits=dict(env=60, tests=180, train=150, torch_train=150, generate=90, hf_generate=60, serve=90))
+SMOKE = Shapes(model=dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64), loss_chunk=16,
+               batches=(8, 4), steps=2, prompt_len=8, new_tokens=8, serve_tokens=8, gen_batches=(1, 4),
+               clients=(1, 4), requests=2, compile_torch=False,
+               tests=("tests/test_accelerator.py", "-k", "two_devices or float64_reference"), cpu_devices=2,
+               budget=420, limits=dict(env=60, tests=150, train=90, torch_train=90, generate=90, hf_generate=90,
+                                       serve=90))
+
+
+class UnavailableError(Exception):
+    """A part that cannot run here (no torch): recorded as skipped, with the reason, rather than as failed."""
+
+
+def one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers of the parts (each part runs in its own process: see `run_part`)
+
+
+def recipe(shapes: Shapes, attention: str | None) -> tuple[Any, int]:
+    """configs/gpt2_124m.py's model (sizes replaced by --smoke's, attention by --attention) and its loss chunk."""
+    from configs.gpt2_124m import get_config
+    from jaxgpt.train.config import from_config_dict
+
+    run = from_config_dict(get_config())
+    cfg = run.model.replace(**shapes.model, **({"attention_impl": attention} if attention else {}))
+    return cfg, shapes.loss_chunk or run.loss_chunk
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """XLA's RESOURCE_EXHAUSTED and PyTorch's OutOfMemoryError, by their messages (one rule for both)."""
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def largest_fitting(run: Callable[[int], Any], batches: tuple[int, ...], cleanup: Callable[[], None] = gc.collect
+                    ) -> tuple[int, Any, list[str]]:
+    """(batch, run(batch)) for the first of `batches` that does not run out of device memory, and the
+    out-of-memory lines of the larger ones. Other errors propagate: they are the part's failure. `cleanup` runs
+    after the failed attempt's exception, and with it the frames holding its arrays, is gone."""
+    misses = []
+    for batch in batches:
+        try:
+            return batch, run(batch), misses
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            misses.append(f"batch {batch}: {one_line(e)}")
+            print(misses[-1], flush=True)
+        cleanup()
+    raise RuntimeError(f"even batch {batches[-1]} ran out of memory")
+
+
+def batches_of(shapes: Shapes, args: argparse.Namespace) -> tuple[int, ...]:
+    return tuple(int(b) for b in args.batches.split(",")) if args.batches else shapes.batches
+
+
+def accelerator_libraries(device: Any) -> dict[str, Any]:
+    """The runtime's version string, and for NVIDIA GPUs the CUDA, cuDNN and driver versions of JAX's plugin."""
+    info: dict[str, Any] = {"platform_version": getattr(device.client, "platform_version", None),
+                            "compute_capability": getattr(device, "compute_capability", None)}
+    try:
+        from jax._src.lib import cuda_versions  # JAX keeps them here (private; absent without its CUDA plugin)
+    except ImportError:
+        cuda_versions = None
+    if cuda_versions is not None and device.platform == "gpu":
+        for name in ("cuda_runtime", "cuda_driver", "cudnn", "cublas", "cufft", "cusolver", "cusparse"):
+            with contextlib.suppress(Exception):
+                info[name] = getattr(cuda_versions, f"{name}_get_version")()
+    return info
+
+
+# ----------------------------------------------------------------------------------------------------
+# The parts: each returns {"summary": one line, "metrics": numbers, "details": anything JSON}
+
+
+def part_env(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """What the host is: devices, versions, libraries, memory, missing imports."""
+    import importlib.metadata
+    import importlib.util
+    import platform
+
+    import jax
+
+    print(jax.print_environment_info(return_string=True), flush=True)  # nvidia-smi's table too, where there is one
+    devices = jax.devices()
+    versions = {}
+    for dist in VERSIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist] = importlib.metadata.version(dist)
+    memory = [d.memory_stats() or {} for d in devices]
+    missing = [m for m in OFTEN_MISSING if importlib.util.find_spec(m) is None]
+    limit = memory[0].get("bytes_limit")
+    summary = (f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}"
+               + (f", {limit / 2**30:.1f} GiB usable per device" if limit else "")
+               + (f"; missing: {', '.join(missing)}" if missing else ""))
+    return {"summary": summary, "metrics": {"device_count": len(devices), "bytes_limit": limit},
+            "details": {"device_kind": devices[0].device_kind, "platform": devices[0].platform,
+                        "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
+                        "versions": versions, "libraries": accelerator_libraries(devices[0]), "memory": memory,
+                        "missing_imports": missing}}
+
+
+def pytest_counts(output: str) -> dict[str, int]:
+    """Outcome counts from pytest's closing line, or, if it never came (a timeout), from its -vv test lines."""
+    closing = re.findall(r"^=+ (.+?) in [\d.]+s\b.*=+$", output, re.M)
+    if closing:
+        return {word.rstrip("s") if word.startswith("error") else word: int(n)
+                for n, word in re.findall(r"(\d+) (\w+)", closing[-1])}
+    counts: dict[str, int] = {}
+    for outcome in re.findall(r"^\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", output, re.M):
+        key = {"XFAIL": "xfailed", "XPASS": "xpassed"}.get(outcome, outcome.lower())
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def part_tests(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """`pytest -m accelerator` on this backend; its output goes to this part's log."""
+    env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    env.setdefault("JAX_PLATFORMS", "")  # tests/conftest.py pins the CPU unless this is set ("": JAX's choice)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # small tests; a test's own subprocess needs memory too
+    if shapes.cpu_devices:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={shapes.cpu_devices}"
+    # A test module that cannot be imported on this host (a package it lacks) is one error, not a stop to the run.
+    cmd = [sys.executable, "-m", "pytest", "-m", "accelerator", *shapes.tests, "-vv", "-rfE", "-p", "no:cacheprovider",
+           "--color=no", "--continue-on-collection-errors"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.part_limit - 15)
+        output, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # keep what it printed: the tests that ran are counted
+        output, rc = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"), None
+    print(output, flush=True)
+    counts = pytest_counts(output)
+    failures = [line[:300] for line in re.findall(r"^(?:FAILED|ERROR) .+$", output, re.M)][:10]
+    summary = ", ".join(f"{counts.get(k, 0)} {k}" for k in ("passed", "failed", "error", "skipped"))
+    record = {"summary": summary + (" (--smoke's selection)" if args.smoke else ""), "metrics": counts,
+              "details": {"command": cmd[1:], "failures": failures}}
+    if rc is None:
+        return {**record, "status": "timeout", "error": f"pytest still running after {args.part_limit - 15:.0f} s"}
+    if rc != 0 or not counts.get("passed"):
+        error = failures[0] if failures else f"pytest exit status {rc}" + (": no test selected" if rc == 5 else "")
+        return {**record, "status": "failed", "error": error}
+    return record
+
+
+def part_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """jaxgpt's GPT-2 124M recipe, data parallel over every device, at the largest batch that fits."""
+    import bench_train
+    import jax
+
+    from jaxgpt.train.chips import peak_flops_for
+    from jaxgpt.train.flops import flops_per_token
+
+    cfg, chunk = recipe(shapes, args.attention)
+    devices = jax.devices()
+    n = len(devices)
+    steps = args.steps or shapes.steps
+    batch, (compile_s, step_s), misses = largest_fitting(
+        lambda b: bench_train.time_steps(cfg, b * n, steps, n_devices=n, loss_chunk=chunk), batches_of(shapes, args))
+    tok_s = batch * n * cfg.block_size / step_s
+    peak = peak_flops_for(devices)
+    mfu = tok_s * flops_per_token(cfg) / peak if peak else None
+    mfu_text = f"MFU {mfu:.1%}" if mfu is not None else f"no published peak for {devices[0].device_kind!r}"
+    return {"summary": f"{tok_s:,.0f} tokens/s, {mfu_text} ({n} x {batch} x {cfg.block_size} tokens per step, "
+                       f"{step_s * 1e3:.1f} ms; compile {compile_s:.0f} s)",
+            "metrics": {"tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / n, "mfu": mfu,
+                        "step_s": step_s, "compile_s": compile_s, "batch_per_device": batch},
+            "details": {"model": cfg.to_dict(), "loss_chunk": chunk, "out_of_memory": misses}}
+
+
+def torch_device(args: argparse.Namespace) -> str:
+    """"cuda" on an NVIDIA host, "cpu" for --smoke; elsewhere (a TPU host) PyTorch has no device to compare on."""
+    import torch
+
+    if args.smoke:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise UnavailableError("PyTorch sees no CUDA device (on TPUs jaxgpt has no PyTorch peer here)")
+    return "cuda"
+
+
+def torch_train_seconds(cfg: Any, batch: int, device: str, compile_model: bool, steps: int) -> tuple[float, float]:
+    """(seconds of the two warm-up steps, which compile, and the median step) of torch_reference's model trained
+    as nanoGPT/llm.c do on a GPU: bf16 autocast, flash SDPA (forced, so that a fallback fails loudly), fused
+    AdamW, gradient clipping at 1 as jaxgpt's optimizer clips."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812 (the PyTorch convention)
+    import torch_reference
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.set_default_device(device)  # the model's parameters and its position indices are made there
+    model = torch_reference._model(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd)
+    forward = torch.compile(model) if compile_model else model
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device == "cuda")
+    x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.block_size)) for _ in range(2))
+    flash = (lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)) if device == "cuda" else contextlib.nullcontext
+
+    def step() -> float:
+        t = time.perf_counter()
+        with flash(), torch.autocast(device, dtype=torch.bfloat16):
+            loss = F.cross_entropy(forward(x).view(-1, cfg.vocab_size), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    warm_up = step() + step()
+    return warm_up, statistics.median(step() for _ in range(steps))
+
+
+def part_torch_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """The same model in PyTorch on one device, at jaxgpt's per-device batch (smaller ones if it does not fit)."""
+    import torch_reference
+
+    if not torch_reference.available():
+        raise UnavailableError("PyTorch is not installed")
+    import torch
+
+    device = torch_device(args)
+    cfg, _ = recipe(shapes, args.attention)
+    batches = batches_of(shapes, args)
+    if args.batch:  # jaxgpt's, and smaller ones if PyTorch needs more memory
+        batches = tuple(b for b in batches if b <= args.batch) or (args.batch,)
+    cleanup = lambda: (gc.collect(), torch.cuda.empty_cache() if device == "cuda" else None)
+    batch, (warm_s, step_s), misses = largest_fitting(
+        lambda b: torch_train_seconds(cfg, b, device, shapes.compile_torch, args.steps or shapes.steps), batches,
+        cleanup)
+    tok_s = batch * cfg.block_size / step_s
+    how = "torch.compile" if shapes.compile_torch else "eager"
+    return {"summary": f"{tok_s:,.0f} tokens/s on one {device} device ({how}, bf16 autocast; batch {batch} x "
+                       f"{cfg.block_size}, {step_s * 1e3:.1f} ms; warm-up {warm_s:.0f} s)",
+            "metrics": {"tokens_per_s": tok_s, "step_s": step_s, "warm_up_s": warm_s, "batch": batch},
+            "details": {"torch": torch.__version__, "device": device, "compiled": shapes.compile_torch,
+                        "out_of_memory": misses}}
+
+
+def part_generate(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """jaxgpt's cached greedy generation, bf16, per batch: tokens/s of the best of two warm runs."""
+    import jax
+    import numpy as np
+    from bench_sample import best_seconds, seconds
+
+    from jaxgpt.generate.sampling import generate
+    from jaxgpt.model.gpt import init_params
+
+    cfg, _ = recipe(shapes, args.attention)
+    params = init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    metrics = {}
+    for batch in shapes.gen_batches:
+        prompt = rng.integers(0, cfg.vocab_size, (batch, shapes.prompt_len))
+        run = lambda prompt=prompt: generate(params, cfg, prompt, max_new_tokens=shapes.new_tokens, temperature=0,
+                                             dtype="bfloat16")
+        first = seconds(run)
+        best = best_seconds(run, 2)
+        metrics[f"batch{batch}_tokens_per_s"] = batch * shapes.new_tokens / best
+        metrics[f"batch{batch}_compile_s"] = first - best
+        print(f"batch {batch}: {metrics[f'batch{batch}_tokens_per_s']:,.0f} tokens/s", flush=True)  # if it stops later
+    return {"summary": generation_summary(metrics, shapes), "metrics": metrics,
+            "details": {"attention_impl": cfg.attention_impl, "new_tokens": shapes.new_tokens}}
+
+
+def generation_summary(metrics: dict[str, float], shapes: Shapes) -> str:
+    return "; ".join(f"batch {b}: {metrics[f'batch{b}_tokens_per_s']:,.0f} tokens/s" for b in shapes.gen_batches)
+
+
+def part_hf_generate(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """transformers' cached greedy `generate` on a random GPT2LMHeadModel of the same shape, bf16, per batch."""
+    try:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as e:
+        raise UnavailableError(f"{e.name} is not installed") from e
+    from bench_sample import best_seconds, seconds
+
+    device = torch_device(args)
+    cfg, _ = recipe(shapes, args.attention)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                        n_head=cfg.n_head, bos_token_id=0, eos_token_id=None)
+    model = GPT2LMHeadModel(config).to(device=device, dtype=torch.bfloat16).eval()
+    metrics = {}
+    for batch in shapes.gen_batches:
+        ids = torch.randint(0, cfg.vocab_size, (batch, shapes.prompt_len), device=device)
+
+        def run(ids: Any = ids) -> None:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=shapes.new_tokens,
+                                 min_new_tokens=shapes.new_tokens, do_sample=False, use_cache=True, pad_token_id=0,
+                                 eos_token_id=None)
+            assert out.shape[1] == shapes.prompt_len + shapes.new_tokens, out.shape
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        with torch.inference_mode():
+            first = seconds(run)
+            best = best_seconds(run, 2)
+        metrics[f"batch{batch}_tokens_per_s"] = batch * shapes.new_tokens / best
+        metrics[f"batch{batch}_warm_up_s"] = first - best
+    return {"summary": generation_summary(metrics, shapes), "metrics": metrics,
+            "details": {"transformers": sys.modules["transformers"].__version__, "device": device}}
+
+
+def drive(engine: Any, cfg: Any, clients: int, shapes: Shapes, new_tokens: int, seed: int
+          ) -> tuple[float, list[float]]:
+    """(aggregate tokens/s, request latencies) of `clients` threads, each submitting `shapes.requests` requests
+    one after another and waiting for each to finish, as a chat client does (temperature 1, a seed each)."""
+    import numpy as np
+
+    from jaxgpt.generate.engine import Request
+
+    prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, (clients * shapes.requests, shapes.prompt_len))
+
+    def one_request(i: int) -> int:
+        """Submit request i, wait for it to finish, check it gave every token; its token count."""
+        got: list[int] = []
+        reasons: list[str] = []
+        finished = threading.Event()
+
+        def done(reason: str) -> None:
+            reasons.append(reason)
+            finished.set()
+
+        request = Request(prompts[i].tolist(), new_tokens, emit=lambda token, *_: got.append(token), done=done,
+                          seed=seed + i)
+        while not engine.submit(request):  # the queue is full: retry, as a client retries a 429
+            time.sleep(0.001)
+        finished.wait()
+        if reasons != ["length"] or len(got) != new_tokens:
+            raise RuntimeError(f"request {i} ended {reasons} after {len(got)} of {new_tokens} tokens")
+        return len(got)
+
+    def one_client(c: int) -> tuple[int, list[float]]:
+        tokens, latencies = 0, []
+        for i in range(c * shapes.requests, (c + 1) * shapes.requests):
+            t = time.perf_counter()
+            tokens += one_request(i)
+            latencies.append(time.perf_counter() - t)
+        return tokens, latencies
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one_client, range(clients)))
+    return sum(t for t, _ in results) / (time.perf_counter() - t0), [x for _, lat in results for x in lat]
+
+
+def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """The engine (one slot per client of the largest load) under 1 and under many concurrent clients."""
+    import jax
+    import numpy as np
+
+    from jaxgpt.generate.engine import Engine
+    from jaxgpt.model.gpt import init_params
+
+    cfg, _ = recipe(shapes, args.attention)
+    slots = max(shapes.clients)
+    engine = Engine(init_params(cfg, jax.random.key(0)), cfg, slots=slots, max_waiting=slots * shapes.requests)
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    metrics, rows = {}, []
+    try:
+        t = time.perf_counter()
+        drive(engine, cfg, slots, dataclasses.replace(shapes, requests=1), 2, seed=10**6)  # compiles prefill and step
+        metrics["compile_s"] = time.perf_counter() - t
+        for clients in shapes.clients:
+            rate, latencies = drive(engine, cfg, clients, shapes, shapes.serve_tokens, seed=clients)
+            p50, p99 = np.percentile(latencies, [50, 99])
+            metrics.update({f"clients{clients}_tokens_per_s": rate, f"clients{clients}_p50_s": p50,
+                            f"clients{clients}_p99_s": p99})
+            rows.append(f"{clients} client{'s' * (clients > 1)}: {rate:,.0f} tokens/s, p50 {p50:.2f} s, "
+                        f"p99 {p99:.2f} s")
+            print(rows[-1], flush=True)  # in the log even if a later load runs out of time
+    finally:
+        engine.stop()
+        thread.join()
+    return {"summary": "; ".join(rows), "metrics": metrics,
+            "details": {"slots": slots, "requests_per_client": shapes.requests, "new_tokens": shapes.serve_tokens,
+                        "prompt_len": shapes.prompt_len, "attention_impl": cfg.attention_impl}}
+
+
+PART_FUNCTIONS: dict[str, Callable[[Shapes, argparse.Namespace], dict[str, Any]]] = {
+    "env": part_env, "tests": part_tests, "train": part_train, "torch_train": part_torch_train,
+    "generate": part_generate, "hf_generate": part_hf_generate, "serve": part_serve}
+
+
+def child(args: argparse.Namespace) -> int:
+    """Run one part in this process and write its record to --result (a failure's one-line error first)."""
+    result = Path(args.result)
+    try:
+        record = PART_FUNCTIONS[args.run_part](SMOKE if args.smoke else FULL, args)
+    except UnavailableError as e:
+        record = {"status": "skipped", "error": str(e)}
+    except BaseException as e:
+        result.write_text(json.dumps({"status": "failed", "error": one_line(e)}))
+        raise
+    result.write_text(json.dumps(record, default=str))
+    print(f"{args.run_part}: {record.get('summary') or record.get('error')}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The parent: parts in subprocesses, then the table and the JSON
+
+
+def part_environment(name: str, smoke: bool) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if smoke:
+        env["JAX_PLATFORMS"] = "cpu"
+    if name == "train":  # the largest batch that fits: let JAX's allocator take most of the device, as PyTorch may
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    return env
+
+
+def run_part(name: str, limit: float, args: argparse.Namespace, extra: list[str], log: Path) -> dict[str, Any]:
+    """One part in a new process group, killed whole at `limit` seconds; its record, status and log tail (the
+    whole output goes to `log`)."""
+    forwarded = [*(["--smoke"] if args.smoke else []), *(["--steps", str(args.steps)] if args.steps else []),
+                 *(["--attention", args.attention] if args.attention else []),
+                 *(["--batches", args.batches] if args.batches else [])]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--run_part", name, "--result", str(result),
+               "--part_limit", str(limit), *forwarded, *extra]
+        t0 = time.monotonic()
+        with log.open("wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env=part_environment(name, args.smoke), start_new_session=True)
+            try:
+                rc = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                rc = None
+            with contextlib.suppress(ProcessLookupError):  # its group: pytest's and the compilers' children too
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        seconds = time.monotonic() - t0
+        record = json.loads(result.read_text()) if result.exists() else {}
+    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-40:]
+    status = record.pop("status", None) or ("ok" if rc == 0 else "timeout" if rc is None else "failed")
+    if status in ("failed", "timeout") and not record.get("error"):
+        record["error"] = (f"no result within its {limit:.0f} s limit" if rc is None else
+                           f"exit status {rc}: {tail[-1][:300] if tail else 'no output'}")
+    return {"status": status, "seconds": round(seconds, 1), "summary": "", "metrics": {}, "details": {}, **record,
+            "log": str(log), "log_tail": tail}
+
+
+def comparisons(records: dict[str, dict[str, Any]], shapes: Shapes) -> dict[str, float]:
+    """jaxgpt over PyTorch: training tokens/s per device, and cached generation's tokens/s per batch."""
+    get = lambda part, key: records.get(part, {}).get("metrics", {}).get(key)
+    out = {}
+    if get("train", "tokens_per_s_per_device") and get("torch_train", "tokens_per_s"):
+        out["training tokens/s per device: jaxgpt / PyTorch"] = (get("train", "tokens_per_s_per_device")
+                                                                 / get("torch_train", "tokens_per_s"))
+    for b in shapes.gen_batches:
+        ours, theirs = get("generate", f"batch{b}_tokens_per_s"), get("hf_generate", f"batch{b}_tokens_per_s")
+        if ours and theirs:
+            out[f"cached generation at batch {b}: jaxgpt / transformers"] = ours / theirs
+    return out
+
+
+def report(records: dict[str, dict[str, Any]], ratios: dict[str, float], header: str) -> None:
+    print(f"\n{header}\n{'part':<12}{'status':<9}{'seconds':>8}  result")
+    for name, r in records.items():
+        text = r["summary"] if r["status"] == "ok" else "; ".join(filter(None, [r["summary"], r.get("error")]))
+        print(f"{name:<12}{r['status']:<9}{r['seconds']:>8.1f}  {text}")
+    for what, ratio in ratios.items():
+        print(f"{what}: {ratio:.2f}x")
+
+
+def default_out(records: dict[str, dict[str, Any]]) -> Path:
+    kind = records.get("env", {}).get("details", {}).get("device_kind", "unknown")
+    slug = re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
+    return ROOT / "benchmarks" / "results" / f"device_check-{slug}-{datetime.date.today().isoformat()}.json"
+
+
+def write_results(out: Path, records: dict[str, dict[str, Any]], logs: Path, args: argparse.Namespace,
+                  elapsed: float) -> tuple[str, dict[str, float]]:
+    """The JSON, and the logs so far in the folder beside it named after it: rewritten after every part, so
+    that a run stopped from outside (a lease running out) still leaves what it measured. (header, ratios)."""
+    kept = out.with_name(out.stem + "-logs")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(logs, kept, dirs_exist_ok=True)
+    for name, r in records.items():
+        r["log"] = str(kept / f"{name}.log") if (logs / f"{name}.log").exists() else None
+    shapes = SMOKE if args.smoke else FULL
+    ratios = comparisons(records, shapes)
+    env = records.get("env", {}).get("summary") or "environment unknown"
+    header = (f"device_check{' --smoke' if args.smoke else ''}: {env}; {elapsed:.0f} s in all, "
+              f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+    out.write_text(json.dumps({"header": header, "smoke": args.smoke, "argv": sys.argv[1:],
+                               "budget_s": args.budget or shapes.budget, "total_s": round(elapsed, 1),
+                               "parts": records, "comparisons": ratios}, indent=1, default=str) + "\n")
+    return header, ratios
+
+
+def parent(args: argparse.Namespace) -> int:
+    """Every selected part in turn within the budget, the results written after each; the table. Exit status 1
+    if a part failed or ran out of time."""
+    shapes = SMOKE if args.smoke else FULL
+    limits = {**shapes.limits, **{k: float(v) for k, v in (item.split("=", 1) for item in args.limit)}}
+    budget = args.budget or shapes.budget
+    start, records = time.monotonic(), {}
+    where = lambda: Path(args.out) if args.out else default_out(records)  # default_out names the device: after env
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp)
+        for name in args.parts.split(","):
+            left = budget - (time.monotonic() - start)
+            if left < 20:
+                records[name] = {"status": "skipped", "seconds": 0.0, "summary": "", "metrics": {}, "details": {},
+                                 "error": f"the run's --budget of {budget:.0f} s was spent"}
+                continue
+            train_batch = records.get("train", {}).get("metrics", {}).get("batch_per_device")
+            extra = ["--batch", str(train_batch)] if name == "torch_train" and train_batch else []
+            print(f"{name}: running (limit {min(limits[name], left):.0f} s)", flush=True)
+            records[name] = r = run_part(name, min(limits[name], left), args, extra, logs / f"{name}.log")
+            print(f"{name}: {r['status']} in {r['seconds']:.0f} s: {r['summary'] or r.get('error')}", flush=True)
+            if len(records) == 1:  # an earlier run's logs under the same name go
+                shutil.rmtree(where().with_name(where().stem + "-logs"), ignore_errors=True)
+            write_results(where(), records, logs, args, time.monotonic() - start)
+        out = where()
+        header, ratios = write_results(out, records, logs, args, time.monotonic() - start)
+    report(records, ratios, header)
+    print(f"written: {out} (whole logs in {out.stem}-logs/ beside it)")
+    return int(any(r["status"] in ("failed", "timeout") for r in records.values()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="every part at tiny shapes on the CPU")
+    parser.add_argument("--out", help="the JSON file (default benchmarks/results/device_check-<device>-<date>.json)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, run in this order (default "
+                        f"{','.join(PARTS)})")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 480; --smoke 420)")
+    parser.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS", help="one part's time limit")
+    parser.add_argument("--steps", type=int, help="timed training steps (default 10; --smoke 2)")
+    parser.add_argument("--batches", help="per-device training batches to try, largest first (default "
+                        f"{','.join(map(str, FULL.batches))})")
+    parser.add_argument("--attention", help="the model's attention_impl instead of the recipe's auto (e.g. xla)")
+    parser.add_argument("--run_part", choices=PARTS, help=argparse.SUPPRESS)  # a part's own process
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--part_limit", type=float, default=600.0, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)  # torch_train: jaxgpt's per-device batch
+    args = parser.parse_args()
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown or any(item.split("=")[0] not in PARTS for item in args.limit):
+        parser.error(f"parts are {', '.join(PARTS)}")
+    return child(args) if args.run_part else parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

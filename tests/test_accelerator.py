@@ -1,0 +1,264 @@
+"""What must hold on a GPU or TPU as on a CPU: the checks benchmarks/device_check.py runs on an accelerator host.
+
+The tests marked `accelerator` run on whatever backend JAX has, at the same small shapes
+everywhere: on this CPU in the ordinary run, on the device under `pytest -m accelerator tests/` (device_check
+sets JAX_PLATFORMS for it, since tests/conftest.py otherwise pins the CPU). The fast paths exist only there:
+cuDNN attention on NVIDIA GPUs, splash on TPUs, bf16 products on their matrix units; each is compared with the
+float32 einsum path. Products of float32 operands run at precision "highest" (the `highest_precision`
+fixture): by default a GPU multiplies float32 in TF32 and a TPU in bf16 passes, which exact comparisons would
+read as errors. Checks that other files already make carry the marker there (see docs/accelerators.md).
+The last two tests, not marked, check device_check itself on this CPU (its --smoke run, and what that cannot
+reach), so that the command an accelerator host gets minutes for cannot rot between such hosts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_kernels as kernels
+from test_model import assert_matches_reference, shrink
+from test_sampling import prompts, random_params
+from tests_helpers import load_tiny, logged_losses, train_run
+
+from jaxgpt.data.dataset import load_dataset
+from jaxgpt.generate.sampling import generate
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import GPT, init_params
+from jaxgpt.model.presets import get_preset
+from jaxgpt.tasks.lm import LanguageModelling
+from jaxgpt.train import sharding as layout
+from jaxgpt.train.config import TrainConfig, from_config_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16_TOL = 0.05  # of the largest magnitude: bf16 keeps 8 bits, and its roundings compound over two layers
+
+
+@pytest.fixture(autouse=True)
+def highest_precision() -> Iterator[None]:
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One persistent compilation cache for this module's training runs: a resumed run compiles nothing new."""
+    return str(tmp_path_factory.mktemp("xla"))
+
+
+def needs(platform: str, what: str) -> None:
+    """Skip unless JAX's default backend is `platform` (the fast path `what` exists only there)."""
+    if jax.default_backend() != platform:
+        pytest.skip(f"{what} runs on {platform} only; this backend is {jax.default_backend()}")
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_fused_attention_model_matches_the_float64_reference(impl: str) -> None:
+    """The whole model at 128 positions, padded rows included (the einsum path: tests/test_model.py)."""
+    if impl == "splash":
+        needs("tpu", "splash attention (tests/test_kernels.py checks its interpret mode on CPUs)")
+    assert_matches_reference(shrink(get_preset("gpt2")).replace(block_size=128, attention_impl=impl), seed=5,
+                             padded=True)
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("impl", "dtype"), [("xla", "float32"), ("cudnn", "bfloat16"), ("splash", "float32")])
+def test_attention_paths_equal_einsum_forward_and_gradients(impl: str, dtype: str, padded: bool) -> None:
+    """Each fused path against the einsum path on the same inputs (cuDNN takes 16-bit ones only: the reference
+    then gets the bf16-rounded values in float32). Padding queries' outputs are not compared (see
+    tests/test_kernels.py)."""
+    if impl != "xla":
+        needs({"cudnn": "gpu", "splash": "tpu"}[impl], f"{impl} attention")
+    B, H, T, D = 2, 2, 128, 64
+    pad = None
+    if padded:
+        pad = np.zeros((B, T), bool)
+        pad[0, :37], pad[1, -50:] = True, True  # left padding, right padding
+    real_BT = np.ones((B, T), bool) if pad is None else ~pad
+    weight = jax.random.normal(jax.random.key(1), (B, T, H, D)) * jnp.asarray(real_BT)[:, :, None, None]
+    inputs = [x.astype(dtype) for x in (*kernels._qkv(B, H, T, D), weight)]
+    visible = kernels._visible(B, T, pad)
+    got_y, got_grads = kernels._outputs_and_grads(impl, *inputs[:3], visible, inputs[3])
+    want_y, want_grads = kernels._outputs_and_grads("einsum", *(x.astype(jnp.float32) for x in inputs[:3]), visible,
+                                                    inputs[3].astype(jnp.float32))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for name, got, want in [("y", got_y, want_y), *zip(("dq", "dk", "dv"), got_grads, want_grads, strict=True)]:
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if name == "y":
+            got, want = got[real_BT], want[real_BT]
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max(), err_msg=name)
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_cached_bf16_decoding_follows_the_float32_forward_pass(impl: str) -> None:
+    """Greedy bf16 decoding with the KV cache (auto: cuDNN on a GPU, splash for the prefill on a TPU): the logits
+    of every step within bf16 rounding of the float32 einsum model run once over the tokens it chose."""
+    cfg = ModelConfig(vocab_size=61, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    params = random_params(cfg)
+    prompt = prompts(cfg, 5)
+    fast = cfg.replace(dtype="bfloat16", attention_impl=impl)
+    tokens, logits = generate(params, fast, prompt, max_new_tokens=20, temperature=0, return_logits=True)
+    sequence = jnp.asarray(np.concatenate([prompt, tokens], axis=1)[:, :-1])
+    want = np.asarray(GPT(cfg).apply({"params": params}, sequence))[:, prompt.shape[1] - 1:]
+    np.testing.assert_allclose(logits, want, rtol=0, atol=BF16_TOL * np.abs(want).max())
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+
+
+def _run_losses(workdir: Path, data_dir: Path, cache: str, steps: int, loss_chunk: int, **model: object
+                ) -> np.ndarray:
+    """The train loss of every step of the tiny config through the training loop."""
+    c = load_tiny(workdir=str(workdir), data_dir=str(data_dir), max_steps=steps, log_interval=1,
+                  eval_interval=steps, ckpt_interval=steps, loss_chunk=loss_chunk, compilation_cache_dir=cache)
+    c.model.update(block_size=128, **model)
+    train_run(c)
+    return np.array([loss for _, loss in logged_losses(workdir)])
+
+
+@pytest.mark.accelerator
+def test_bf16_recipe_tracks_float32_for_50_steps(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
+    """configs/gpt2_124m.py's numerics (bf16 compute over float32 parameters, `auto` attention, the chunked
+    loss) against float32 einsum attention and the dense loss, by tests/test_bf16.py's tolerance: running
+    means of five steps within 2%, and the final ones. 128 positions: splash tiles them on a TPU."""
+    f32 = _run_losses(tmp_path / "f32", data_dir, xla_cache, 50, 0)
+    bf16 = _run_losses(tmp_path / "bf16", data_dir, xla_cache, 50, 32, dtype="bfloat16", attention_impl="auto")
+    assert len(f32) == len(bf16) == 50 and f32[-5:].mean() < f32[0] - 0.5  # it learns
+    window = np.ones(5) / 5
+    smooth_f32, smooth_bf16 = np.convolve(f32, window, "valid"), np.convolve(bf16, window, "valid")
+    assert (np.abs(smooth_bf16 - smooth_f32) / smooth_f32).max() <= 0.02
+    assert abs(bf16[-5:].mean() - f32[-5:].mean()) <= 0.02 * f32[-5:].mean()
+
+
+@pytest.mark.accelerator
+def test_twenty_steps_then_resume_equal_forty_straight(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
+    """Bitwise: parameters and every logged loss. Dropout is on, so its randomness must resume too; the first
+    half stops at 20 with the 40-step run's schedule (an explicit decay_steps), so no update differs."""
+    def run(name: str, steps: int) -> dict:
+        c = load_tiny(workdir=str(tmp_path / name), data_dir=str(data_dir), max_steps=steps,
+                      compilation_cache_dir=xla_cache)
+        c.optim.decay_steps = 40
+        c.model.resid_dropout = 0.1
+        return train_run(c)
+
+    straight = run("straight", 40)
+    assert run("halves", 20)["steps"] == 20
+    resumed = run("halves", 40)
+    assert resumed["steps"] == 20
+    for a, b in zip(jax.tree.leaves(straight["state"]["params"]), jax.tree.leaves(resumed["state"]["params"]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert logged_losses(tmp_path / "halves") == logged_losses(tmp_path / "straight")
+
+
+def _sharded_losses(tiny: tuple[TrainConfig, LanguageModelling, dict], mesh: jax.sharding.Mesh) -> list[float]:
+    """Five steps' losses of the trainer's sharded program (`layout.build_program`) on `mesh`, from `tiny`'s
+    parameters; the optimizer state is initialized under jit, in place, as the training loop does."""
+    cfg, task, params = tiny
+    prog = layout.build_program(task, cfg.optim, mesh, cfg.batch_size)
+    params = jax.device_put(params, prog.state_sh["params"])
+    state = {"params": params, "opt_state": jax.jit(prog.tx.init, out_shardings=prog.state_sh["opt_state"])(params),
+             "step": jax.device_put(jnp.zeros((), jnp.int32), prog.state_sh["step"])}
+    losses = []
+    with prog.activate():
+        for i in range(5):
+            batch = jax.device_put(jax.tree.map(lambda rows: rows[None], task.train_rows(i, 0, 1)), prog.batch_sh)
+            state, metrics = prog.train_step(state, batch, jax.random.key(1))
+            losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def tiny(data_dir: Path) -> tuple[TrainConfig, LanguageModelling, dict]:
+    """The tiny config, its task and initial parameters (on the host), where there are two devices to use."""
+    if jax.device_count() < 2:
+        pytest.skip("needs two devices (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    cfg = from_config_dict(load_tiny(workdir="unused", data_dir=str(data_dir)))
+    task = LanguageModelling(cfg, load_dataset(data_dir))
+    return cfg, task, jax.device_get(init_params(task.model_cfg, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def one_device(tiny: tuple[TrainConfig, LanguageModelling, dict]) -> list[float]:
+    return _sharded_losses(tiny, layout.make_mesh((1, 1, 1), jax.devices()[:1]))
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["data", "fsdp", "tensor"])
+def test_two_devices_train_like_one(mesh: tuple[int, int, int], tiny: tuple[TrainConfig, LanguageModelling, dict],
+                                    one_device: list[float]) -> None:
+    """Data parallel, FSDP and tensor parallel over two devices: the losses of one device (as
+    tests/test_sharding.py checks on eight fake CPU devices), here on the backend's own devices and collectives."""
+    two = _sharded_losses(tiny, layout.make_mesh(mesh, jax.devices()[:2]))
+    np.testing.assert_allclose(two, one_device, rtol=0, atol=1e-5)
+    assert two[-1] < two[0]
+
+
+@pytest.fixture(scope="module")
+def device_check() -> Iterator[ModuleType]:
+    """benchmarks/device_check.py as a module (its module level imports the standard library only)."""
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["device_check"]
+
+
+def test_device_check_falls_back_past_out_of_memory_and_counts_unfinished_pytest_runs(device_check: ModuleType
+                                                                                      ) -> None:
+    """What --smoke cannot reach on a CPU: the next smaller batch after XLA's or PyTorch's out-of-memory error
+    (any other error is the part's failure), and pytest's counts from its test lines when a timeout cut off its
+    closing line."""
+    def run(batch: int) -> str:
+        if batch > 16:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes.")
+        if batch == 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return f"ran {batch}"
+
+    batch, result, misses = device_check.largest_fitting(run, (64, 32, 16, 8, 4), cleanup=lambda: None)
+    assert (batch, result, len(misses)) == (8, "ran 8", 3) and "RESOURCE_EXHAUSTED" in misses[0]
+    with pytest.raises(ValueError):
+        device_check.largest_fitting(lambda b: int("x"), (2, 1))
+    with pytest.raises(RuntimeError, match="even batch 1"):
+        device_check.largest_fitting(lambda b: run(64), (2, 1), cleanup=lambda: None)
+    cut = "tests/test_a.py::test_x[1] PASSED  [ 10%]\ntests/test_a.py::test_y SKIPPED (no gpu) [ 20%]\n" \
+          "tests/test_b.py::test_z FAILED  [ 30%]\ntests/test_b.py::test_w "
+    assert device_check.pytest_counts(cut) == {"passed": 1, "skipped": 1, "failed": 1}
+    closing = cut + "\n===== 1 failed, 7 passed, 2 skipped, 1 error, 40 deselected in 12.50s (0:00:12) =====\n"
+    assert device_check.pytest_counts(closing) == {"failed": 1, "passed": 7, "skipped": 2, "error": 1,
+                                                   "deselected": 40}
+
+
+def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: ModuleType) -> None:
+    """`benchmarks/device_check.py --smoke`: a row for every part in its JSON, each passed; PyTorch's parts are
+    skipped, with the reason, only where torch (or transformers) is not installed."""
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=570, cwd=ROOT)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    parts = result["parts"]
+    missing = {name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None}
+    may_skip = ({"torch_train"} if "torch" in missing else set()) | ({"hf_generate"} if missing else set())
+    assert list(parts) == list(device_check.PARTS)
+    for name, part in parts.items():
+        expected = {"ok", "skipped"} if name in may_skip else {"ok"}
+        assert part["status"] in expected, (name, part.get("error"), part["log_tail"][-15:])
+        assert part["status"] == "ok" or "not installed" in part["error"]
+        assert Path(part["log"]).is_file()
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert parts["tests"]["metrics"]["passed"] >= 4 and not parts["tests"]["metrics"].get("failed")  # 2 devices ran
+    assert parts["train"]["metrics"]["tokens_per_s"] > 0 and parts["serve"]["metrics"]["clients4_tokens_per_s"] > 0
+    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2)
