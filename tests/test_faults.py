@@ -381,7 +381,7 @@ def test_a_model_setting_added_after_a_run_was_saved_counts_as_its_default() -> 
     older = {"model.n_layer": 2, "optim.lr": 0.001}  # saved before attn_resid_dropout existed
     assert changed_keys(older, now) == []
     assert changed_keys(older, {**now, "model.attn_resid_dropout": False}) == ["model.attn_resid_dropout"]
-    assert changed_keys({**older, "seed": 1}, now) == ["seed"]  # only model keys have a default to assume
+    assert changed_keys({**older, "seed": 1}, now) == ["seed"]  # only model and optim keys have a default to assume
 
 
 def test_resume_on_a_different_dataset_of_the_same_vocabulary_is_refused(run_copy: Path, data_dir: Path,

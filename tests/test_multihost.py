@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import traverse_util
-from tests_helpers import logged_eval, logged_losses, write_hellaswag_fixture
+from tests_helpers import fake_devices_env, logged_eval, logged_losses, write_hellaswag_fixture
 
 from jaxgpt.io.weights import load
 from jaxgpt.train import sharding as layout
@@ -42,7 +42,7 @@ def start(workdir: Path | str, data_dir: Path, devices: int, *extra: str, log: P
     """train.py under `timeout`, in its own session (so a kill takes the whole process group)."""
     cmd = ["timeout", str(seconds), sys.executable, str(ROOT / "train.py"), f"--config={TINY}",
            f"--config.workdir={workdir}", f"--config.data.dir={data_dir}", *COMMON, *extra]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(devices)
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:  # files, not pipes: no pipe deadlock
         return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
 

@@ -7,7 +7,6 @@ in the test process, which stays on one device.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from jax.sharding import AbstractMesh
-from tests_helpers import logged_losses
+from tests_helpers import fake_devices_env, logged_losses
 
 from jaxgpt.errors import UserError
 from jaxgpt.train import sharding as layout
@@ -64,7 +63,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     root = tmp_path_factory.mktemp("meshes")
     script = WORKER.format(tests=str(ROOT / "tests"), data=str(data_dir), overrides=OVERRIDES, meshes=MESHES,
                            root=str(root), saved=SAVED_AT, steps=STEPS)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     proc = subprocess.run(["timeout", "900", sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=960)
     assert proc.returncode == 0 and "WORKER-DONE" in proc.stdout, proc.stderr[-4000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -24,6 +25,13 @@ def load_tiny(**overrides: object) -> ConfigDict:
     for key, value in overrides.items():
         c[key] = value
     return c
+
+
+def fake_devices_env(count: int) -> dict[str, str]:
+    """A subprocess's environment with `count` CPU devices (a flag read when jax starts), keeping the suite's
+    other XLA flags (conftest's optimisation level)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
 
 
 def prepare_test_corpus(out: Path) -> Path:
