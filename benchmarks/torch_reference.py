@@ -49,7 +49,7 @@ def _model(vocab: int, block: int, n_layer: int, n_head: int, n_embd: int) -> nn
             self.head.weight = self.wte.weight
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in self.blocks:
                 x = block(x)
             return self.head(self.ln_f(x))

@@ -6,16 +6,21 @@ Everything is computed in float64 with plain numpy, deterministically (dropout i
 any mismatch larger than float32 round-off points at a real bug in one of the two implementations.
 
 Shape suffixes on variable names follow the usual convention:
-    B batch, T sequence length, C n_embd, H n_head, D head_dim, F d_ff, V vocab_size, K classes,
-    P rows of a position table.
+    B batch, T sequence length, C n_embd, H n_head, D head_dim, F d_ff, V vocab_size, K classes (in
+    classifier code) or key/value heads (in attention), G = H / K query heads per key/value head, P rows of a
+    position table.
 E.g. ``x_BTC`` has shape (B, T, C) and ``att_BHTT`` has shape (B, H, T_query, T_key).
 
 Parameter tree (nested dicts of arrays)::
 
     {"wte": {"embedding": (V, C)},
      "wpe": {"embedding": (P, C)},                       # position == "learned" only
-     "h_0": {"ln_1": {"scale": (C,), "bias": (C,)},      # "bias" only if use_bias
-             "attn": {"qkv": {"kernel": (C, 3, H, D), "bias": (3, H, D)},
+     "ln_emb": {...},                                    # embd_norm only
+     "h_0": {"ln_1": {"scale": (C,), "bias": (C,)},      # "scale" only if norm_scale, "bias" only if use_bias
+             "attn": {"qkv": {"kernel": (C, 3, H, D), "bias": (3, H, D)},     # n_kv_head == n_head
+                      "q": {"kernel": (C, H, D), "bias": (H, D)},             # n_kv_head = K < n_head:
+                      "kv": {"kernel": (C, 2, K, D), "bias": (2, K, D)},      #   separate q and kv
+                      "q_norm": {"scale": (D,)}, "k_norm": {"scale": (D,)},  # qk_norm and norm_scale
                       "out": {"kernel": (H, D, C), "bias": (C,)}},
              "ln_2": {...},
              "mlp": {"fc": {"kernel": (C, F), "bias": (F,)},
@@ -38,8 +43,8 @@ Params = Mapping[str, Any]
 Config = Mapping[str, Any]
 
 POSITION_KINDS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
-NORM_KINDS = ("layernorm", "unbiased_std")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+NORM_KINDS = ("layernorm", "unbiased_std", "rmsnorm")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2")
 
 # math.erf applied element-wise: numpy has no erf and scipy is deliberately not a dependency.
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -90,6 +95,8 @@ def activation(x: np.ndarray, kind: str) -> np.ndarray:
         return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
     if kind == "gelu_tanh":
         return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if kind == "relu2":  # squared ReLU (So et al., "Primer", 2021)
+        return np.where(x > 0.0, x * x, 0.0)
     raise ValueError(f"unknown activation {kind!r}; expected one of {ACTIVATIONS}")
 
 
@@ -105,17 +112,28 @@ def _maybe_bias(value: np.ndarray, layer: Params, use_bias: bool) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------
 
 
-def norm(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
-    """Normalise over the feature axis, then apply the learned scale (and bias if use_bias).
+def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm without its scale (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) over the last axis."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
-    Two variants exist in the seed material and give different numbers, so both are supported:
+
+def norm(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
+    """Normalise over the feature axis, then apply the learned scale (if norm_scale) and bias (if use_bias).
+
+    Three variants exist in the seed material and the 2026 recipes, and give different numbers:
       * "layernorm": standard LayerNorm, biased (population) variance, eps inside the square root.
       * "unbiased_std": the Annotated-Transformer LayerNorm, which uses the unbiased (n-1) standard
         deviation and adds eps to the standard deviation rather than to the variance.
+      * "rmsnorm": no centring, divide by the root mean square (`rms_norm`).
+    norm_scale=False (nanochat's parameter-free RMSNorm) leaves out the scale.
     """
     kind = cfg["norm"]
     eps = float(cfg["norm_eps"])
     n_features = x_BTC.shape[-1]
+    scaled = cfg.get("norm_scale", True)
+    if kind == "rmsnorm":
+        normed_BTC = rms_norm(x_BTC, eps)
+        return _maybe_bias(normed_BTC * p["scale"] if scaled else normed_BTC, p, bool(cfg["use_bias"]))
     mean_BT1 = np.mean(x_BTC, axis=-1, keepdims=True)
     centred_BTC = x_BTC - mean_BT1
     sum_sq_BT1 = np.sum(centred_BTC**2, axis=-1, keepdims=True)
@@ -129,7 +147,7 @@ def norm(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
         normed_BTC = centred_BTC / (std_BT1 + eps)
     else:
         raise ValueError(f"unknown norm {kind!r}; expected one of {NORM_KINDS}")
-    return _maybe_bias(normed_BTC * p["scale"], p, bool(cfg["use_bias"]))
+    return _maybe_bias(normed_BTC * p["scale"] if scaled else normed_BTC, p, bool(cfg["use_bias"]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -241,6 +259,26 @@ def attention_visibility(is_pad_BT: np.ndarray) -> np.ndarray:
     return causal_TT[None] & (key_real_B1T | diagonal_TT[None])
 
 
+def rotary(x_BTHD: np.ndarray, theta: float) -> np.ndarray:
+    """Rotary position embedding (Su et al., RoFormer) of the token at index t of its row.
+
+    Each head's dimension pair (i, i + D/2) is read as the complex number x_i + 1j x_{i+D/2} and multiplied by
+    e^{1j t omega_i} with omega_i = theta ** (-2 i / D): a rotation by the angle t omega_i.
+    """
+    seq_len, dim = x_BTHD.shape[1], x_BTHD.shape[-1]
+    half = dim // 2
+    omega_h = theta ** (-2.0 * np.arange(half, dtype=np.float64) / dim)
+    z_BTHh = x_BTHD[..., :half] + 1j * x_BTHD[..., half:]
+    z_BTHh = z_BTHh * np.exp(1j * np.arange(seq_len)[:, None] * omega_h)[None, :, None, :]
+    return np.concatenate([z_BTHh.real, z_BTHh.imag], axis=-1)
+
+
+def _qk_norm(x_BTHD: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
+    """QK-norm: RMSNorm of each head's vector over D, times a learned (D,) scale if norm_scale; no bias."""
+    normed = rms_norm(x_BTHD, float(cfg["norm_eps"]))
+    return normed * p["scale"] if cfg.get("norm_scale", True) else normed
+
+
 def attention(
     x_BTC: np.ndarray, p: Params, visible_BTT: np.ndarray, cfg: Config
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -248,14 +286,29 @@ def attention(
 
     Returns (output_BTC, probabilities_BHTT).  Heads have their own size D = head_dim, which need not
     equal C / H (seed 004's Keras layer sets a per-head key_dim independently of the model width).
+    With n_kv_head = K < H (grouped-query attention) the keys and values have K heads and query head h
+    reads key/value head h // (H / K). Rotary positions (rope_theta) rotate queries and keys, then
+    QK-norm (qk_norm) normalises them: nanochat's order.
     """
     use_bias = bool(cfg["use_bias"])
     head_dim = int(cfg["head_dim"])
-    w_C3HD = p["qkv"]["kernel"]
-    qkv_3BTHD = np.einsum("btc,cshd->sbthd", x_BTC, w_C3HD)
-    if use_bias:
-        qkv_3BTHD = qkv_3BTHD + p["qkv"]["bias"][:, None, None, :, :]
-    q_BTHD, k_BTHD, v_BTHD = qkv_3BTHD[0], qkv_3BTHD[1], qkv_3BTHD[2]
+    if "qkv" in p:
+        qkv_3BTHD = np.einsum("btc,cshd->sbthd", x_BTC, p["qkv"]["kernel"])
+        if use_bias:
+            qkv_3BTHD = qkv_3BTHD + p["qkv"]["bias"][:, None, None, :, :]
+        q_BTHD, k_BTKD, v_BTKD = qkv_3BTHD[0], qkv_3BTHD[1], qkv_3BTHD[2]
+    else:
+        q_BTHD = _maybe_bias(np.einsum("btc,chd->bthd", x_BTC, p["q"]["kernel"]), p["q"], use_bias)
+        kv_2BTKD = np.einsum("btc,cskd->sbtkd", x_BTC, p["kv"]["kernel"])
+        if use_bias:
+            kv_2BTKD = kv_2BTKD + p["kv"]["bias"][:, None, None, :, :]
+        k_BTKD, v_BTKD = kv_2BTKD[0], kv_2BTKD[1]
+    if cfg.get("rope_theta"):
+        q_BTHD, k_BTKD = rotary(q_BTHD, float(cfg["rope_theta"])), rotary(k_BTKD, float(cfg["rope_theta"]))
+    if cfg.get("qk_norm", False):
+        q_BTHD, k_BTKD = _qk_norm(q_BTHD, p.get("q_norm"), cfg), _qk_norm(k_BTKD, p.get("k_norm"), cfg)
+    group = q_BTHD.shape[2] // k_BTKD.shape[2]
+    k_BTHD, v_BTHD = np.repeat(k_BTKD, group, axis=2), np.repeat(v_BTKD, group, axis=2)
 
     scores_BHTT = np.einsum("bqhd,bkhd->bhqk", q_BTHD, k_BTHD) / math.sqrt(head_dim)
     scores_BHTT = np.where(visible_BTT[:, None, :, :], scores_BHTT, -np.inf)
@@ -284,13 +337,13 @@ def block(
     """
     placement = cfg["norm_placement"]
     if placement == "pre":
-        att_out_BTC, att_BHTT = attention(norm(x_BTC, p["ln_1"], cfg), p["attn"], visible_BTT, cfg)
+        att_out_BTC, att_BHTT = attention(norm(x_BTC, p.get("ln_1", {}), cfg), p["attn"], visible_BTT, cfg)
         x_BTC = x_BTC + att_out_BTC
-        x_BTC = x_BTC + mlp(norm(x_BTC, p["ln_2"], cfg), p["mlp"], cfg)
+        x_BTC = x_BTC + mlp(norm(x_BTC, p.get("ln_2", {}), cfg), p["mlp"], cfg)
     elif placement == "post":
         att_out_BTC, att_BHTT = attention(x_BTC, p["attn"], visible_BTT, cfg)
-        x_BTC = norm(x_BTC + att_out_BTC, p["ln_1"], cfg)
-        x_BTC = norm(x_BTC + mlp(x_BTC, p["mlp"], cfg), p["ln_2"], cfg)
+        x_BTC = norm(x_BTC + att_out_BTC, p.get("ln_1", {}), cfg)
+        x_BTC = norm(x_BTC + mlp(x_BTC, p["mlp"], cfg), p.get("ln_2", {}), cfg)
     else:
         raise ValueError(f"unknown norm_placement {placement!r}; expected 'pre' or 'post'")
     return x_BTC, att_BHTT
@@ -321,22 +374,30 @@ def hidden_states(
     tokens_BT = _check_tokens(tokens, cfg)
     visible_BTT = attention_visibility(padding_mask(tokens_BT, cfg, mask))
     x_BTC = embed(params, tokens_BT, cfg, mask)
+    if cfg.get("embd_norm", False):
+        x_BTC = norm(x_BTC, params.get("ln_emb", {}), cfg)
     attentions: list[np.ndarray] = []
     for layer in range(int(cfg["n_layer"])):
         x_BTC, att_BHTT = block(x_BTC, params[f"h_{layer}"], visible_BTT, cfg)
         attentions.append(att_BHTT)
     if cfg["final_norm"]:
-        x_BTC = norm(x_BTC, params["ln_f"], cfg)
+        x_BTC = norm(x_BTC, params.get("ln_f", {}), cfg)
     return x_BTC, attentions
 
 
 def lm_logits(params: Params, h_BTC: np.ndarray, cfg: Config) -> np.ndarray:
-    """Vocabulary logits from final hidden states: tied (h @ wte^T, no bias) or a separate lm_head."""
+    """Vocabulary logits from final hidden states: tied (h @ wte^T, no bias) or a separate lm_head.
+
+    With logit_softcap = c they are squashed into (-c, c): c * tanh(logits / c) (Gemma 2, nanochat).
+    """
     params = to_float64(params)
     if cfg["tie_embeddings"]:
-        return h_BTC @ params["wte"]["embedding"].T
-    head = params["lm_head"]
-    return _maybe_bias(h_BTC @ head["kernel"], head, bool(cfg["use_bias"]))
+        logits_BTV = h_BTC @ params["wte"]["embedding"].T
+    else:
+        head = params["lm_head"]
+        logits_BTV = _maybe_bias(h_BTC @ head["kernel"], head, bool(cfg["use_bias"]))
+    cap = cfg.get("logit_softcap")
+    return logits_BTV if cap is None else cap * np.tanh(logits_BTV / cap)
 
 
 def forward(
@@ -422,8 +483,9 @@ def random_params(cfg: Config, seed: int = 0, n_classes: int | None = None, std:
     """
     rng = np.random.default_rng(seed)
     n_embd, n_head, head_dim = int(cfg["n_embd"]), int(cfg["n_head"]), int(cfg["head_dim"])
+    n_kv_head = int(cfg.get("n_kv_head") or n_head)
     d_ff, vocab = int(cfg["d_ff"]), int(cfg["vocab_size"])
-    use_bias = bool(cfg["use_bias"])
+    use_bias, scaled = bool(cfg["use_bias"]), bool(cfg.get("norm_scale", True))
 
     def normal(*shape: int) -> np.ndarray:
         return rng.normal(0.0, std, size=shape)
@@ -434,22 +496,32 @@ def random_params(cfg: Config, seed: int = 0, n_classes: int | None = None, std:
             layer["bias"] = normal(*bias_shape)
         return layer
 
-    def norm_params() -> dict:
-        layer = {"scale": 1.0 + normal(n_embd)}
-        if use_bias:
-            layer["bias"] = normal(n_embd)
+    def norm_params(width: int = n_embd, bias: bool = True) -> dict:
+        layer = {"scale": 1.0 + normal(width)} if scaled else {}
+        if use_bias and bias:
+            layer["bias"] = normal(width)
         return layer
+
+    def attention_params() -> dict:
+        if n_kv_head == n_head:
+            attn = {"qkv": dense(n_embd, 3, n_head, head_dim, bias_shape=(3, n_head, head_dim))}
+        else:
+            attn = {"q": dense(n_embd, n_head, head_dim, bias_shape=(n_head, head_dim)),
+                    "kv": dense(n_embd, 2, n_kv_head, head_dim, bias_shape=(2, n_kv_head, head_dim))}
+        if cfg.get("qk_norm", False):
+            attn["q_norm"], attn["k_norm"] = norm_params(head_dim, bias=False), norm_params(head_dim, bias=False)
+        attn["out"] = dense(n_head, head_dim, n_embd, bias_shape=(n_embd,))
+        return attn
 
     params: dict[str, Any] = {"wte": {"embedding": normal(vocab, n_embd)}}
     if cfg["position"] == "learned":
         params["wpe"] = {"embedding": normal(position_table_rows(cfg), n_embd)}
+    if cfg.get("embd_norm", False):
+        params["ln_emb"] = norm_params()
     for layer in range(int(cfg["n_layer"])):
         params[f"h_{layer}"] = {
             "ln_1": norm_params(),
-            "attn": {
-                "qkv": dense(n_embd, 3, n_head, head_dim, bias_shape=(3, n_head, head_dim)),
-                "out": dense(n_head, head_dim, n_embd, bias_shape=(n_embd,)),
-            },
+            "attn": attention_params(),
             "ln_2": norm_params(),
             "mlp": {
                 "fc": dense(n_embd, d_ff, bias_shape=(d_ff,)),
@@ -462,4 +534,10 @@ def random_params(cfg: Config, seed: int = 0, n_classes: int | None = None, std:
         params["lm_head"] = dense(n_embd, vocab, bias_shape=(vocab,))
     if n_classes is not None:
         params["cls_head"] = {"kernel": normal(n_embd, n_classes), "bias": normal(n_classes)}
-    return params
+    return _without_empty(params)
+
+
+def _without_empty(tree: dict) -> dict:
+    """The tree without empty sub-trees: a parameter-free norm has no entry at all (as in Flax)."""
+    pruned = {key: _without_empty(value) if isinstance(value, dict) else value for key, value in tree.items()}
+    return {key: value for key, value in pruned.items() if not (isinstance(value, dict) and not value)}

@@ -35,6 +35,7 @@ from jaxgpt.generate.sampling import generate
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, init_params
 from jaxgpt.model.presets import get_preset
+from jaxgpt.ops.attention import attend
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.config import TrainConfig, from_config_dict
@@ -124,6 +125,28 @@ def _run_losses(workdir: Path, data_dir: Path, cache: str, steps: int, loss_chun
     c.model.update(block_size=128, **model)
     train_run(c)
     return np.array([loss for _, loss in logged_losses(workdir)])
+
+
+def test_one_new_token_takes_no_fused_kernel_even_under_vmap() -> None:
+    """The serving engine decodes its slots under vmap, where jax's cuDNN attention fails (its batching rule
+    mis-reshapes the mask; seen on an H100): one new token must take the one-token path whatever the model's
+    `attention_impl`. Here "cudnn", which on a CPU raises if reached, gives the einsum path's values."""
+    slots, K, H, S, D = 3, 2, 4, 8, 16
+    rng = np.random.default_rng(0)
+    q_N11HD = jnp.asarray(rng.normal(size=(slots, 1, 1, H, D)), jnp.float32)
+    k_N1K1D, v_N1K1D = (jnp.asarray(rng.normal(size=(slots, 1, K, 1, D)), jnp.float32) for _ in range(2))
+    cache_N1KSD = {name: jnp.asarray(rng.normal(size=(slots, 1, K, S, D)), jnp.float32) for name in ("k", "v")}
+    index_N = jnp.array([2, 5, 7])
+
+    def decode(impl: str) -> tuple[jax.Array, dict]:
+        def one_slot(q: jax.Array, k: jax.Array, v: jax.Array, cache: dict, index: jax.Array) -> tuple:
+            y, _, cache = attend(q, k, v, jnp.ones((1, 1, S), bool), impl=impl, dtype="float32", causal=True,
+                                 cache=cache, cache_index=index)
+            return y, cache
+        return jax.vmap(one_slot)(q_N11HD, k_N1K1D, v_N1K1D, cache_N1KSD, index_N)
+
+    got, want = decode("cudnn"), decode("einsum")
+    jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 @pytest.mark.accelerator

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,8 @@ import numpy_reference as ref
 import pytest
 
 from jaxgpt.errors import UserError
-from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import GPT, GPTClassifier, init_params, stack_layers, unstack_layers
+from jaxgpt.model.config import RUNTIME_FIELDS, ModelConfig, Seq2SeqConfig
+from jaxgpt.model.gpt import GPT, GPTClassifier, abstract_variables, init_params, stack_layers, unstack_layers
 from jaxgpt.model.presets import PRESETS, get_preset
 from jaxgpt.ops.attention import attend, query_blocks
 from jaxgpt.tools.summary import count_params, param_shapes, summary
@@ -99,14 +101,15 @@ def test_query_blocked_attention_matches_reference(name: str) -> None:
 
 
 @pytest.mark.accelerator
-@pytest.mark.parametrize("padded", [False, True])
-def test_blocked_attention_gradients_equal_dense_attention(padded: bool) -> None:
+@pytest.mark.parametrize(("padded", "K"), [(False, 2), (True, 2), (True, 1)])
+def test_blocked_attention_gradients_equal_dense_attention(padded: bool, K: int) -> None:
     """The einsum path's hand-written backward (per query block, `ops.attention._blocked`) against autodiff
-    of one dense masked softmax over all keys, at 256 tokens (four blocks), with and without padding."""
+    of one dense masked softmax over all keys, at 256 tokens (four blocks), with and without padding, and with
+    K = 1 key/value head for the H = 2 query heads (against keys and values repeated to H heads)."""
     B, T, H, D = 2, 256, 2, 8
     kq, kk, kv, kc = jax.random.split(jax.random.key(3), 4)
     q, cot = jax.random.normal(kq, (B, T, H, D)), jax.random.normal(kc, (B, H, T, D))
-    k, v = jax.random.normal(kk, (B, H, T, D)), jax.random.normal(kv, (B, H, T, D))
+    k, v = jax.random.normal(kk, (B, K, T, D)), jax.random.normal(kv, (B, K, T, D))
     visible = jnp.tril(jnp.ones((T, T), bool))[None]
     if padded:  # the second row's first 40 tokens are padding: no query attends to them
         visible = visible & (jnp.arange(T)[None, None, :] >= jnp.array([0, 40])[:, None, None])
@@ -116,6 +119,7 @@ def test_blocked_attention_gradients_equal_dense_attention(padded: bool) -> None
         return attend(q, k, v, visible, impl="einsum", dtype="float32", causal=True)[0].transpose(0, 2, 1, 3)
 
     def dense(q, k, v):
+        k, v = jnp.repeat(k, H // K, axis=1), jnp.repeat(v, H // K, axis=1)
         att = jnp.einsum("bthd,bhsd->bhts", q, k) / np.sqrt(D)
         return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(jnp.where(visible[:, None], att, -1e30), -1), v)
 
@@ -339,3 +343,111 @@ def test_bf16_compute_stays_close_to_float32() -> None:
 def test_config_validation_names_the_problem(changes: dict, message: str) -> None:
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace(")", r"\)")):
         ModelConfig(**changes)
+
+
+# ---- the 2026 options (issue 37): each alone, nanochat's set, and GQA with rotary under padding ----------------
+
+MODERN = {
+    "rotary": dict(position="none", rope_theta=1000.0),
+    "rmsnorm": dict(norm="rmsnorm"),
+    "rmsnorm-no-scale": dict(norm="rmsnorm", norm_scale=False),
+    "embd-norm": dict(embd_norm=True),
+    "qk-norm": dict(qk_norm=True),
+    "relu2": dict(activation="relu2"),
+    "no-bias": dict(use_bias=False),
+    "softcap": dict(logit_softcap=2.0),
+    "gqa": dict(n_kv_head=2),
+    "mqa": dict(n_kv_head=1),
+}
+# nanochat's full set (shrunk), with grouped queries, scanned layers and XLA's attention too; rotary then a
+# scaled QK-norm (the order matters only with a scale); GQA with rotary (padded inputs below).
+MODERN_COMBOS = {
+    "nanochat": {},
+    "nanochat-gqa-scan-xla": dict(n_kv_head=2, scan_layers=True, attention_impl="xla"),
+    "rotary-qk-norm-scaled": dict(norm_scale=True),
+    "gqa-rotary": dict(n_kv_head=2, qk_norm=False, embd_norm=False, norm="layernorm", norm_scale=True,
+                       use_bias=True, activation="gelu_tanh", logit_softcap=None),
+}
+
+
+def modern(name: str) -> ModelConfig:
+    """A tiny model with one option (`MODERN`) on top of GPT-2, or a variant of shrunk nanochat-d12."""
+    if name in MODERN:
+        return shrink(get_preset("gpt2")).replace(**MODERN[name])
+    return shrink(get_preset("nanochat-d12")).replace(**MODERN_COMBOS[name])
+
+
+# The options that act across positions (attention, the cache), and the combinations, which hold every option;
+# the others act on each position alone, and padding can change nothing for them that the combinations miss.
+ACROSS_POSITIONS = ["rotary", "qk-norm", "gqa", "mqa", *MODERN_COMBOS]
+
+
+@pytest.mark.parametrize(("name", "padded"), [(name, False) for name in [*MODERN, *MODERN_COMBOS]]
+                         + [(name, True) for name in ACROSS_POSITIONS])
+def test_modern_options_match_reference(name: str, padded: bool) -> None:
+    assert_matches_reference(modern(name), seed=2, padded=padded)
+
+
+def test_softcap_bounds_the_logits_and_rotary_sees_only_distances() -> None:
+    """Checks that hold whatever the reference says: |logits| < cap, and with rotary (no position table) a
+    sequence shifted by a few tokens, seen through a causal mask, gives the same logits at the same tokens."""
+    cfg = modern("nanochat")
+    params = to_jax(ref.random_params(cfg.to_dict(), seed=4, std=0.3))
+    idx = np.random.default_rng(4).integers(1, cfg.vocab_size, size=(1, cfg.block_size))
+    logits, _ = _apply(cfg)(params, jnp.asarray(idx), jnp.ones(idx.shape, bool))  # one compilation for both
+    assert np.abs(np.asarray(logits)).max() < cfg.logit_softcap
+    shifted = np.concatenate([idx[:, :3], idx[:, :-3]], axis=1)  # tokens 3.. repeat the row from position 3 on
+    mask = np.arange(cfg.block_size)[None] >= 3
+    out, _ = _apply(cfg)(params, jnp.asarray(shifted), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(out)[:, 3:], np.asarray(logits)[:, :-3], atol=2e-5)
+
+
+def test_modern_parameter_trees() -> None:
+    """GQA has cross-attention's `q` and `kv` kernels with K heads, parameter-free norms have no entry, and the
+    layout is the reference's; default models keep their names (`test_init_layout_...` above). Shapes only."""
+    shapes = lambda cfg: jax.tree.map(lambda a: a.shape, nn.unbox(abstract_variables(cfg)["params"]))
+    cfg = modern("nanochat-gqa-scan-xla").replace(scan_layers=False, norm_scale=True)
+    params = shapes(cfg)
+    assert params == jax.tree.map(np.shape, ref.random_params(cfg.to_dict()))
+    attn = params["h_0"]["attn"]
+    assert attn["kv"]["kernel"] == (32, 2, 2, cfg.head_dim) and attn["q_norm"]["scale"] == (8,)
+    free = shapes(modern("nanochat"))
+    assert sorted(free) == ["h_0", "h_1", "lm_head", "wte"] and sorted(free["h_0"]) == ["attn", "mlp"]
+
+
+def test_zero_init_proj_zeroes_only_the_residual_projections() -> None:
+    cfg = shrink(get_preset("gpt2")).replace(zero_init_proj=True, n_layer=1)
+    layer = init_params(cfg, jax.random.key(0))["h_0"]
+    assert not layer["attn"]["out"]["kernel"].any() and not layer["mlp"]["proj"]["kernel"].any()
+    assert layer["attn"]["qkv"]["kernel"].all() and layer["mlp"]["fc"]["kernel"].all()
+    assert "zero_init_proj" in RUNTIME_FIELDS  # it changes no shape or meaning: fine-tuning may set it either way
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(n_head=4, n_kv_head=3), "model.n_head=4 is not a multiple of model.n_kv_head=3"),
+        (dict(n_kv_head=0), "model.n_kv_head=0 must be a positive integer"),
+        (dict(position="none", head_dim=7, rope_theta=1e4), "model.rope_theta needs an even model.head_dim"),
+        (dict(rope_theta=1e4), "model.rope_theta=10000.0 with model.position='learned'"),
+        (dict(position="none", rope_theta=-1.0), "model.rope_theta=-1.0 must be positive"),
+        (dict(logit_softcap=0.0), "model.logit_softcap=0.0 must be positive"),
+        (dict(logit_softcap=-15.0), "model.logit_softcap=-15.0 must be positive"),
+        (dict(norm="rms"), "model.norm='rms' is unknown"),
+        (dict(qk_norm=1), "model.qk_norm=1 must be True or False"),
+    ],
+)
+def test_modern_config_errors_name_the_keys(changes: dict, message: str) -> None:
+    with pytest.raises(UserError, match=re.escape(message)):
+        ModelConfig(**changes)
+
+
+def test_modern_config_defaults_and_derived_kv_heads() -> None:
+    cfg = ModelConfig(n_head=4, n_embd=32)
+    assert (cfg.n_kv_head, cfg.rope_theta, cfg.logit_softcap, cfg.rotary) == (4, None, None, False)
+    assert cfg.replace(n_head=8).n_kv_head == 8  # derived: follows n_head, like head_dim
+    assert cfg.replace(position="none", rope_theta=0).rope_theta is None  # 0 is "off" too, stored as None
+    with pytest.raises(UserError, match="rope_theta=None"):
+        Seq2SeqConfig(model=cfg.replace(position="none", rope_theta=1e4))
+    nanochat = get_preset("nanochat-d12")
+    assert (nanochat.head_dim, nanochat.n_kv_head, nanochat.d_ff) == (128, 6, 3072)

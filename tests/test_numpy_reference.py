@@ -536,3 +536,57 @@ def test_fully_padded_row_stays_finite() -> None:
     assert np.all(np.isfinite(logits))
     for att in atts:
         np.testing.assert_array_equal(att[0], np.broadcast_to(np.eye(5), (cfg["n_head"], 5, 5)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The 2026 options (issue 37): hand-computed cases and properties
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_rmsnorm_hand_computed_with_and_without_scale() -> None:
+    x = np.array([[[1.0, 2.0, 3.0, 4.0]]])  # mean square 7.5
+    p = {"scale": np.array([1.0, 2.0, 1.0, 1.0])}
+    plain = np.array([1.0, 2.0, 3.0, 4.0]) / math.sqrt(7.5 + 0.5)
+    cfg = make_cfg(norm="rmsnorm", norm_eps=0.5, n_embd=4, use_bias=False)
+    np.testing.assert_allclose(ref.norm(x, p, cfg)[0, 0], plain * p["scale"], rtol=1e-14)
+    np.testing.assert_allclose(ref.norm(x, {}, {**cfg, "norm_scale": False})[0, 0], plain, rtol=1e-14)
+
+
+def test_rotary_hand_computed_and_relative() -> None:
+    """D = 4, base 100: pair (0, 2) turns by t rad, pair (1, 3) by t / 10; scores depend on distance only."""
+    x = np.zeros((1, 3, 1, 4))
+    x[0, :, 0] = [1.0, 1.0, 0.0, 0.0]
+    got = ref.rotary(x, 100.0)[0, :, 0]
+    expected = [[math.cos(t), math.cos(t / 10), math.sin(t), math.sin(t / 10)] for t in range(3)]
+    np.testing.assert_allclose(got, expected, rtol=1e-14, atol=1e-15)
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(1, 1, 1, 6)), rng.normal(size=(1, 1, 1, 6))
+    seq = lambda v, at: np.concatenate([np.zeros((1, at, 1, 6)), v], axis=1)  # v at index `at`
+    score = lambda tq, tk: float(ref.rotary(seq(q, tq), 1e4)[0, tq, 0] @ ref.rotary(seq(k, tk), 1e4)[0, tk, 0])
+    assert score(5, 2) == pytest.approx(score(3, 0), rel=1e-12) and score(5, 2) != pytest.approx(score(4, 2))
+
+
+def test_relu2_and_softcap_hand_computed() -> None:
+    np.testing.assert_array_equal(ref.activation(np.array([-1.0, 0.0, 0.5, 2.0]), "relu2"), [0.0, 0.0, 0.25, 4.0])
+    cfg = make_cfg(tie_embeddings=True, logit_softcap=2.0)
+    params = {"wte": {"embedding": np.array([[1.0, 0.0], [0.0, 100.0]])}}
+    np.testing.assert_allclose(ref.lm_logits(params, np.array([[[1.0, 1.0]]]), cfg)[0, 0],
+                               [2.0 * math.tanh(0.5), 2.0 * math.tanh(50.0)], rtol=1e-14)
+
+
+def test_grouped_query_attention_is_attention_with_shared_key_value_heads() -> None:
+    """K = 1 key/value head for 3 query heads equals multi-head attention whose heads' keys and values are copies,
+    with rotary positions and QK-norm, under padding."""
+    gqa = make_cfg(n_head=3, head_dim=4, n_kv_head=1, rope_theta=50.0, qk_norm=True, position="none")
+    mha = {**gqa, "n_kv_head": 3}
+    p = ref.random_params(gqa)["h_0"]["attn"]
+    kv = p["kv"]["kernel"]  # (C, 2, 1, D)
+    tiled = {"qkv": {"kernel": np.concatenate([p["q"]["kernel"][:, None], np.repeat(kv, 3, axis=2)], axis=1),
+                     "bias": np.concatenate([p["q"]["bias"][None], np.repeat(p["kv"]["bias"], 3, axis=1)])},
+             **{name: p[name] for name in ("q_norm", "k_norm", "out")}}
+    x = np.random.default_rng(3).normal(size=(2, 5, gqa["n_embd"]))
+    visible = ref.attention_visibility(np.array([[True, False, False, True, False], [False] * 5]))
+    got, got_att = ref.attention(x, p, visible, gqa)
+    want, want_att = ref.attention(x, tiled, visible, mha)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got_att, want_att, rtol=1e-12, atol=1e-12)

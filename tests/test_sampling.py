@@ -17,6 +17,7 @@ import numpy_reference as ref
 import optax
 import pytest
 from sampling_reference import generate_uncached
+from test_model import ACROSS_POSITIONS, MODERN, modern
 
 from jaxgpt.commands import sample as cli
 from jaxgpt.data.tokenizer import CharTokenizer
@@ -25,6 +26,7 @@ from jaxgpt.generate import sampling, strategies
 from jaxgpt.generate.sampling import generate, stream
 from jaxgpt.generate.strategies import filter_logits, pick_tokens
 from jaxgpt.io import weights
+from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import stack_layers
 from jaxgpt.model.presets import PRESETS
@@ -80,9 +82,9 @@ SWEEP = {
     "gpt2-nobias": shrink(PRESETS["gpt2"], use_bias=False),
 }
 # The GPT-2 family (and the 6.7B shape) differ only in size, so shrunk they are one config: these five
-# cover every preset.
+# cover every preset but nanochat's, which `test_modern_options_decode_equal_uncached` covers.
 assert {shrink(c) for c in PRESETS.values()} == {shrink(PRESETS[n]) for n in ("seed000", "seed001", "seed002",
-                                                                            "seed004", "gpt2")}
+                                                                            "seed004", "gpt2", "nanochat-d12")}
 
 
 @pytest.mark.accelerator
@@ -92,6 +94,27 @@ def test_cached_equals_uncached_for_short_and_long_prompts(name: str) -> None:
     cfg = SWEEP[name]
     for length, batch in ((5, 2), (cfg.block_size + 7, 1)):  # 30 new tokens: the window fills and slides
         assert_same_generation(cfg, prompts(cfg, length, batch), max_new_tokens=30, temperature=0)
+
+
+@pytest.mark.parametrize("name", [*ACROSS_POSITIONS[:3], "nanochat", "nanochat-gqa-scan-xla",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in MODERN
+                                    if n not in ACROSS_POSITIONS[:3])])
+def test_modern_options_decode_equal_uncached(name: str) -> None:
+    """Each 2026 option alone (two rows, declared kernels), and nanochat's set (one row, output-major kernels on
+    CPUs, a prompt past the context so the window slides and the rotary positions restart with it). The options
+    that act on each position alone are all in nanochat's set, and multi-query attention is grouped-query
+    attention's code with one group; alone they run with the slow tests."""
+    cfg = modern(name)
+    batch, length = (1, cfg.block_size + 3) if name.startswith("nanochat") else (2, 5)
+    assert_same_generation(cfg, prompts(cfg, length, batch), max_new_tokens=12, temperature=0)
+
+
+def test_grouped_query_cache_holds_the_key_value_heads() -> None:
+    """The cache stores n_kv_head heads, never the keys and values repeated for every query head."""
+    for name, heads in (("gqa", 2), ("mqa", 1)):
+        cache = init_cache(modern(name), batch_size=3, length=8)
+        assert [c["k"].shape for c in cache] == [(3, heads, 8, 8)] * 2
+    assert init_cache(modern("nanochat-gqa-scan-xla"), 3, 8)["v"].shape == (2, 3, 2, 8, 8)
 
 
 FULL_SWEEP = _distinct([shrink(c, scan_layers=scan) for c in PRESETS.values() for scan in (False, True)]

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,14 +45,16 @@ def free_port() -> int:
 class Server:
     """The app on a free port in a thread of this process (uvicorn, as `jaxgpt serve` runs it)."""
 
-    def __init__(self, slots: int = 4, max_waiting: int = 64, model: tuple | None = None) -> None:
-        """`model`: (params, config, codec, specials) of another model than the tiny GPT."""
+    def __init__(self, slots: int = 4, max_waiting: int = 64, model: tuple | None = None,
+                 **app_options: Any) -> None:
+        """`model`: (params, config, codec, specials) of another model than the tiny GPT; `app_options` go to
+        `create_app` (`api_key` too, and the client sends it)."""
         self.params, cfg, codec, specials = model or (random_params(CFG), CFG, TOKENIZER, None)
         self.engine = Engine(self.params, cfg, slots=slots, max_waiting=max_waiting, specials=specials,
                              eot_token=codec.eot_token)
         self.port = free_port()
-        config = uvicorn.Config(create_app(self.engine, codec, "tiny"), host="127.0.0.1", port=self.port,
-                                log_level="warning")
+        app = create_app(self.engine, codec, "tiny", **app_options)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -60,7 +63,8 @@ class Server:
             assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=self.url, api_key=app_options.get("api_key") or "unused",
+                                    max_retries=0, timeout=60)
 
     def expected(self, prompt: str, max_tokens: int, temperature: float, seed: int, top_p: float = 1.0) -> str:
         tokens = sampling.generate(self.params, CFG, TOKENIZER.encode(prompt), max_new_tokens=max_tokens, key=seed,
@@ -177,9 +181,11 @@ def test_full_queue_is_a_429():
 
 
 def test_serve_command_finishes_requests_in_flight_on_sigterm(tmp_path):
+    """Also: the run's chat_template.jinja serves chat, and JAXGPT_API_KEY guards the server."""
     run = save_run(tmp_path / "run", CFG, random_params(CFG), TOKENIZER.to_meta())
+    (run / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAXGPT_API_KEY": "k"}
     proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", f"--workdir={run}", f"--port={port}"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -191,7 +197,11 @@ def test_serve_command_finishes_requests_in_flight_on_sigterm(tmp_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=60)
+        chat = client.chat.completions.create(model="run", messages=[{"role": "user", "content": "abc"}],
+                                              max_tokens=3, temperature=0)
+        assert len(chat.choices[0].message.content) == 3
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(client.completions.create, model="run", prompt="abc", max_tokens=40, temperature=0)
             time.sleep(0.5)

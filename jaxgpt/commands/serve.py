@@ -3,14 +3,22 @@
     jaxgpt serve --workdir runs/stdlib_char                 # http://127.0.0.1:8000/v1/completions
     jaxgpt serve --init_from hf:openai-community/gpt2 --port 8080 --slots 16
     jaxgpt serve --preset gpt2                              # random weights: for load tests
+    jaxgpt serve --workdir gs://bucket/run --follow         # each new checkpoint of a run still training
 
-Any OpenAI client talks to it (base_url http://HOST:PORT/v1, any api_key). A request's prompt and max_tokens
-must fit in the model's context. An encoder-decoder run (task seq2seq) takes the source as the
-prompt. SIGTERM (or Ctrl-C) stops accepting requests, finishes those in flight, exits.
+Any OpenAI client talks to it (base_url http://HOST:PORT/v1; with --api_key or JAXGPT_API_KEY set, that key,
+else any). /v1/chat/completions renders messages with the run's chat_template.jinja or --chat_template FILE;
+/metrics is Prometheus's text format. A request's prompt and max_tokens must fit in the model's context. An
+encoder-decoder run (task seq2seq) takes the source as the prompt. SIGTERM (or Ctrl-C) stops accepting
+requests, finishes those in flight, exits.
+
+--follow polls the run every --follow_interval seconds and serves its newest checkpoint (of --which) once the
+requests in flight have finished with the previous one; one that cannot be read, or whose model differs, is
+one line on stderr and the previous weights stay. Answers' system_fingerprint and /v1/models say the step.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +27,8 @@ from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.commands.sample import MODEL_LOCATIONS, define_model, load_model
-from jaxgpt.errors import optional_import
+from jaxgpt.errors import UserError, optional_import
+from jaxgpt.io import storage
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.tasks.pairs import PairText
 
@@ -32,15 +41,31 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_integer("slots", 8, "requests decoded at once (KV-cache slots)", lower_bound=1, flag_values=flags_)
     flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429", lower_bound=0,
                          flag_values=flags_)
+    flags.DEFINE_string("chat_template", None, "a Jinja2 chat template (Hugging Face format) for "
+                        "/v1/chat/completions, instead of the run's chat_template.jinja", flag_values=flags_)
+    flags.DEFINE_string("api_key", None, "the key clients must send (Authorization: Bearer KEY) on every path but "
+                        "/health; default: the JAXGPT_API_KEY environment variable, else none", flag_values=flags_)
+    flags.DEFINE_bool("follow", False, "--workdir: serve each new checkpoint the run commits while it trains",
+                      flag_values=flags_)
+    flags.DEFINE_float("follow_interval", 5.0, "--follow: seconds between looks at the run's checkpoints",
+                       lower_bound=0.05, flag_values=flags_)
+    flags.DEFINE_integer("max_body_bytes", None, "larger request bodies are a 413 (default: 1 MiB)", lower_bound=1,
+                         flag_values=flags_)
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
     no_arguments(args)
     uvicorn = optional_import("uvicorn", "jaxgpt serve", package="jaxgpt[serve]")
     optional_import("fastapi", "jaxgpt serve", package="jaxgpt[serve]")
+    optional_import("prometheus_client", "jaxgpt serve", package="jaxgpt[serve]")
+    optional_import("jinja2", "jaxgpt serve", package="jaxgpt[serve]")
     from jaxgpt.generate.engine import Engine
     from jaxgpt.serve.app import create_app
+    from jaxgpt.serve.chat import ChatTemplate, load_template
+    from jaxgpt.serve.follow import Follower, version
 
+    if flags_.follow and flags_.workdir is None:
+        raise UserError("--follow follows a training run's checkpoints: give it with --workdir")
     loaded, tokenizer = load_model(flags_)
     name = Path(flags_.workdir).name if flags_.workdir is not None else flags_.init_from or flags_.preset
     cfg, specials = loaded.model, loaded.meta.get("seq2seq")
@@ -49,14 +74,24 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     vocab = cfg.model.vocab_size if isinstance(cfg, Seq2SeqConfig) else cfg.vocab_size
     engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting,
                     eot_token=tokenizer.eot_token, specials=specials,
-                    vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < vocab else None)
-    print(f"serving {name!r} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots)", flush=True)
-    uvicorn.run(create_app(engine, tokenizer, name), host=flags_.host, port=flags_.port, log_level="warning",
-                timeout_graceful_shutdown=60)
+                    vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < vocab else None,
+                    version=version(loaded.meta["step"]) if flags_.workdir is not None else None)
+    follower = (Follower(engine, flags_.workdir, flags_.which, loaded, flags_.follow_interval) if flags_.follow
+                else None)
+    source = load_template(flags_.workdir, flags_.chat_template)
+    eos = tokenizer.decode([tokenizer.eot_token]) if tokenizer.eot_token is not None else ""
+    template = ChatTemplate(source, bos_token=eos, eos_token=eos) if source is not None else None
+    api_key = flags_.api_key or os.environ.get("JAXGPT_API_KEY") or None
+    limit = {"max_body_bytes": flags_.max_body_bytes} if flags_.max_body_bytes is not None else {}
+    app = create_app(engine, tokenizer, name, chat_template=template, api_key=api_key, follower=follower, **limit)
+    print(f"serving {name!r} {engine.version or ''} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots; "
+          f"chat: {'yes' if template else 'no template'}; API key: {'required' if api_key else 'none'}"
+          f"{f'; following every {flags_.follow_interval:g} s' if follower else ''})", flush=True)
+    uvicorn.run(app, host=flags_.host, port=flags_.port, log_level="warning", timeout_graceful_shutdown=60)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv, MODEL_LOCATIONS)
+    return run_command(__doc__, define, run, argv, {**MODEL_LOCATIONS, "chat_template": storage.ANYWHERE})
 
 
 if __name__ == "__main__":

@@ -7,10 +7,16 @@ Evaluation batches are fixed per split (`eval_batches`), so losses compare acros
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
 
 from jaxgpt.data.tokens import TokenStream
 from jaxgpt.errors import UserError
+
+Item = TypeVar("Item")
 
 Tokens = np.ndarray | TokenStream  # a split's ids: an array, or a stream over shard files
 
@@ -140,3 +146,18 @@ def batch_indices(seed: int, step: int, n: int, batch_size: int) -> np.ndarray:
         sel = epochs == epoch
         out[sel] = permutation([seed, EXAMPLE_STREAM, int(epoch)], n)[offsets[sel]]
     return out
+
+
+def held_out_split(items: list[Item], key: Callable[[Item], bytes], val_fraction: float, what: str,
+                   flag: str) -> tuple[list[Item], list[Item]]:
+    """(train, val): an item is held out by a hash of `key(item)`, so the split is the same for every run and
+    seed, and items that share a key (a source with several translations, a prompt asked twice) are on one
+    side only. `what` names the items and `flag` the fraction's key in the one-line error for too few."""
+    bound = int(val_fraction * 2**32)
+    held = [int.from_bytes(hashlib.sha256(key(item)).digest()[:4], "little") < bound for item in items]
+    train = [item for item, h in zip(items, held, strict=True) if not h]
+    val = [item for item, h in zip(items, held, strict=True) if h]
+    if not train or not val:
+        raise UserError(f"{len(items)} {what} are too few to hold out {val_fraction:.0%} for validation and keep "
+                        f"some for training: add {what} or change {flag}")
+    return train, val

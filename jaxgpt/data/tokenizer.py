@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import os
 import re
 from abc import ABC, abstractmethod
@@ -266,6 +267,50 @@ class WordTokenizer(Tokenizer):
         return {"type": "word", "words": list(self.words), "vocab_size": self.vocab_size}
 
 
+class WithSpecialTokens(Tokenizer):
+    """A tokenizer plus special tokens (a chat format's role and end markers) whose ids follow its vocabulary.
+
+    The literal text of a special token anywhere in a string is that token, as "<|endoftext|>" is for BPE: so a
+    chat template rendered to text (`jaxgpt.data.conversations`) encodes to the ids the model was fine-tuned on,
+    whichever tokenizer is underneath (characters, words or GPT-2 BPE), and `decode` writes each back as its
+    literal. The text between special tokens is encoded by the base tokenizer piece by piece, which is what
+    tiktoken does with its own special tokens, so one code path serves all three tokenizers.
+    """
+
+    def __init__(self, base: Tokenizer, specials: Sequence[str]) -> None:
+        specials = list(specials)
+        bad = [t for t in specials if not isinstance(t, str) or not t or t == EOT_TEXT or t in WORD_SPECIALS]
+        if not specials or bad or len(set(specials)) != len(specials) or isinstance(base, WithSpecialTokens):
+            raise UserError(f"special tokens {specials[:6]} are empty, repeated or clash with the tokenizer's own "
+                            "(corrupt meta.json?): re-run the fine-tuning that wrote them")
+        self.base, self.specials = base, specials
+        self.name = base.name
+        self.vocab_size = base.vocab_size + len(specials)
+        self.eot_token = base.eot_token
+        self.unk_token = base.unk_token
+        self.special_ids = {t: base.vocab_size + i for i, t in enumerate(specials)}
+        # Longest first, so that a special token that is a prefix of another never splits it.
+        self._split = re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
+
+    def encode_array(self, text: str) -> np.ndarray:
+        pieces = [np.array([self.special_ids[piece]], np.int64) if i % 2 else self.base.encode_array(piece)
+                  for i, piece in enumerate(self._split.split(text)) if piece]
+        return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        _check_ids(ids, self.vocab_size)
+        n = self.base.vocab_size
+        return "".join(self.base.decode(list(run)) if ordinary else "".join(self.specials[i - n] for i in run)
+                       for ordinary, run in itertools.groupby((int(i) for i in ids), key=lambda i: i < n))
+
+    def to_meta(self) -> dict[str, Any]:
+        return {**self.base.to_meta(), "vocab_size": self.vocab_size, "special_tokens": list(self.specials)}
+
+    def unknown_words(self, text: str) -> list[str]:
+        return [w for i, piece in enumerate(self._split.split(text)) if not i % 2
+                for w in self.base.unknown_words(piece)]
+
+
 def read_bpe_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
     """Read and sha256-check a `.tiktoken` ranks file (lines of `base64(token) rank`).
 
@@ -362,6 +407,9 @@ def load_bpe(name: str = "gpt2", bpe_file: str | os.PathLike[str] | None = None)
 
 def tokenizer_from_meta(meta: dict[str, Any], bpe_file: str | os.PathLike[str] | None = None) -> Tokenizer:
     """Rebuild the tokenizer described by `Tokenizer.to_meta()` (from a dataset or checkpoint)."""
+    if "special_tokens" in meta:
+        base = tokenizer_from_meta({k: v for k, v in meta.items() if k != "special_tokens"}, bpe_file)
+        return WithSpecialTokens(base, meta["special_tokens"])
     kind = meta.get("type")
     if kind == "char" and isinstance(meta.get("chars"), str):
         return CharTokenizer(meta["chars"])
@@ -376,6 +424,8 @@ def tokenizer_from_meta(meta: dict[str, Any], bpe_file: str | os.PathLike[str] |
 
 def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two tokenizer metas give the same ids ("gpt2" and "r50k_base" are one BPE under two names)."""
+    if a.get("special_tokens") != b.get("special_tokens"):
+        return False
     if a.get("type") == b.get("type") == "bpe":
         family = lambda m: "gpt2" if m.get("encoding", "gpt2") in BPE_ENCODINGS else m.get("encoding")
         return family(a) == family(b)
@@ -385,6 +435,10 @@ def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def describe_tokenizer(meta: dict[str, Any]) -> str:
+    if specials := meta.get("special_tokens"):
+        base = describe_tokenizer({**{k: v for k, v in meta.items() if k != "special_tokens"},
+                                   "vocab_size": meta.get("vocab_size", len(specials)) - len(specials)})
+        return f"{base} + {len(specials)} special tokens"
     if meta.get("type") == "word":
         return f"a {meta.get('vocab_size')}-word vocabulary"
     if meta.get("type") == "bpe":

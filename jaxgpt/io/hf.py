@@ -144,6 +144,10 @@ def gpt2_export_problems(cfg: ModelConfig) -> list[str]:
         (cfg.tie_embeddings, "tie_embeddings=False (GPT-2 ties its LM head to wte)"),
         (cfg.use_bias, "use_bias=False (GPT-2 has biases everywhere)"),
         (cfg.activation in OUR_ACTIVATIONS, f"activation={cfg.activation!r}"),
+        (cfg.norm_scale, "norm_scale=False (GPT-2's LayerNorms have a scale)"),
+        (cfg.n_kv_head == cfg.n_head, f"n_kv_head={cfg.n_kv_head} (GPT-2 has a key/value head per query head)"),
+        *[(not getattr(cfg, name), f"{name}={getattr(cfg, name)!r} (GPT-2 has no such option)")
+          for name in ("rope_theta", "qk_norm", "embd_norm", "logit_softcap")],
         (cfg.head_dim * cfg.n_head == cfg.n_embd,
          f"head_dim*n_head={cfg.head_dim}*{cfg.n_head} != n_embd={cfg.n_embd} (GPT-2 splits n_embd into heads)"),
     ]

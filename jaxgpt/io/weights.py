@@ -61,7 +61,7 @@ class Weights:
         return tokenizer_from_meta(self.tokenizer_meta, bpe_file)
 
 
-def _model_from_meta(meta: dict[str, Any]) -> ModelConfig | Seq2SeqConfig:
+def model_from_meta(meta: dict[str, Any]) -> ModelConfig | Seq2SeqConfig:
     """A checkpoint's model: an encoder-decoder when its meta has the seq2seq task's specials ("seq2seq"),
     whose flat model dict is `Seq2SeqConfig.to_dict()`; a GPT otherwise."""
     values = dict(meta["model"])
@@ -69,6 +69,14 @@ def _model_from_meta(meta: dict[str, Any]) -> ModelConfig | Seq2SeqConfig:
         return model_config_from_dict(values)
     own = {name: values.pop(name) for name in SEQ2SEQ_FIELDS}
     return Seq2SeqConfig(model_config_from_dict(values), **own)
+
+
+def changed_model_settings(saved_meta: dict[str, Any], cfg: ModelConfig | Seq2SeqConfig) -> list[str]:
+    """The model keys on which a checkpoint's run (its meta) and `cfg` differ. Keys added to the config since
+    that run was saved read as their defaults, which is what it computed (an added option defaults to off, an
+    added size follows the others), so a run saved by an older jaxgpt resumes."""
+    then, now = model_from_meta(saved_meta).to_dict(), cfg.to_dict()
+    return sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
 
 
 def require_gpt(source: str, cfg: ModelConfig | Seq2SeqConfig, use: str = "initialize a GPT") -> ModelConfig:
@@ -137,7 +145,7 @@ def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqC
     if kind == "workdir" and arg and _is_run_dir(arg):
         ckpt, _, meta = open_checkpoint(arg, which, f"train a model in {arg} first or pass the right work directory")
         ckpt.close()
-        return _model_from_meta(meta), meta.get("tokenizer")
+        return model_from_meta(meta), meta.get("tokenizer")
     if kind == "hf" and arg:
         from jaxgpt.io.hf import CONFIG_FILE, hf_config_to_model_config, read_hf_config
 
@@ -166,7 +174,7 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
             params = ckpt.restore_params(step)
         finally:
             ckpt.close()
-        return Weights(params, _model_from_meta(meta), meta.get("tokenizer"), meta,
+        return Weights(params, model_from_meta(meta), meta.get("tokenizer"), meta,
                        f"{Path(arg).name} ({which}, step {step})")
     if kind == "hf" and arg:
         from jaxgpt.io.hf import load_hf_gpt2, read_hf_config
@@ -193,7 +201,7 @@ def _is_default(name: str, cfg: ModelConfig, defaults: Mapping[str, Any], vocab_
     """Whether the config leaves `name` at the base config's value (derived sizes: following their rule)."""
     if name == "vocab_size":
         return vocab_from_data
-    if name in ("head_dim", "d_ff"):
+    if name in ("head_dim", "d_ff", "n_kv_head"):
         return cfg.is_derived(name)
     return getattr(cfg, name) == defaults.get(name)
 

@@ -13,8 +13,8 @@ from jaxgpt.errors import UserError
 
 POSITIONS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
 NORM_PLACEMENTS = ("pre", "post")
-NORMS = ("layernorm", "unbiased_std")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+NORMS = ("layernorm", "unbiased_std", "rmsnorm")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2")  # relu2: relu(x)^2 (modded-nanogpt, nanochat)
 # gpt2: normal(0.02), residual projections / sqrt(2 L), zero biases. xavier: Xavier-uniform matrices, zero biases.
 # xavier_torch: seed 000 (the Annotated Transformer), Xavier-uniform matrices with PyTorch's default Linear biases
 # U(+-1/sqrt(fan_in)). gpt1_torch: seed 001, PyTorch's default Linear (weights and biases U(+-1/sqrt(fan_in))) in
@@ -30,7 +30,7 @@ REMATS = ("none", "full", "save_dots")
 # under any other (fine-tuning, sampling, export).
 RUNTIME_FIELDS = frozenset({"embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout", "dtype", "param_dtype",
                             "attention_impl", "scan_layers", "remat", "init", "embd_dropout_site",
-                            "attn_resid_dropout"})
+                            "attn_resid_dropout", "zero_init_proj"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,20 +49,31 @@ class ModelConfig:
     n_embd: int = 64
     head_dim: int | None = None  # per-head size D; None -> n_embd // n_head (seed 004 sets its own)
     d_ff: int | None = None  # feed-forward width F; None -> 4 * n_embd
+    n_kv_head: int | None = None  # key/value heads K (grouped-query attention, 1 = multi-query); None -> n_head
     # Positions and embeddings.
     position: str = "learned"
     pad_positions: bool = False  # seed 001: real tokens at positions 1..T, padding at 0
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(n_embd) (seed 000, 002)
     pad_id: int | None = None  # tokens equal to this id are padding: masked as keys
+    # Rotary positions (RoPE) of queries and keys with this base (nanochat: 100000); None or 0: off. They replace
+    # position embeddings (position="none"). Each head's dimensions i and i + D/2 are the pair rotated by
+    # position * base^(-2i/D) (the split-halves layout of GPT-NeoX and Llama in transformers).
+    rope_theta: float | None = None
     # Normalization.
     norm_placement: str = "pre"
     final_norm: bool = True
     norm: str = "layernorm"
     norm_eps: float = 1e-5
+    norm_scale: bool = True  # the norms have a learned scale; False: parameter-free (nanochat's RMSNorm)
+    embd_norm: bool = False  # a norm right after the embedding (nanochat), `ln_emb`
+    # RMSNorm of each head's queries and keys over D, after the rotary (nanochat's order), with a learned (D,)
+    # scale when norm_scale; never a bias
+    qk_norm: bool = False
     # Feed-forward, biases, output head.
     activation: str = "gelu_tanh"
     use_bias: bool = True
     tie_embeddings: bool = True
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (nanochat: 15); None: off
     # Dropout: embeddings, attention probabilities, sublayer outputs, inside the feed-forward.
     embd_dropout: float = 0.0
     attn_dropout: float = 0.0
@@ -72,6 +83,7 @@ class ModelConfig:
     attn_resid_dropout: bool = True  # resid_dropout on attention outputs too; False: only after the feed-forward
     # Initialization, numerics, performance.
     init: str = "gpt2"
+    zero_init_proj: bool = False  # the residual projections (attention out, MLP proj) start at zero (modded-nanogpt)
     dtype: str = "float32"  # compute dtype of activations
     param_dtype: str = "float32"
     attention_impl: str = "einsum"
@@ -85,18 +97,21 @@ class ModelConfig:
         for name, value in self._derived().items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.rope_theta == 0:  # one value for "off": configs compare equal, checkpoints say None
+            object.__setattr__(self, "rope_theta", None)
         self._validate()
+        self._validate_modern()
 
     def _derived(self) -> dict[str, int]:
-        """The rule for sizes left unset (None): head_dim = n_embd / n_head, d_ff = 4 n_embd."""
-        return {"head_dim": self.n_embd // max(self.n_head, 1), "d_ff": 4 * self.n_embd}
+        """The rule for sizes left unset (None): head_dim = n_embd / n_head, d_ff = 4 n_embd, n_kv_head = n_head."""
+        return {"head_dim": self.n_embd // max(self.n_head, 1), "d_ff": 4 * self.n_embd, "n_kv_head": self.n_head}
 
     def is_derived(self, name: str) -> bool:
-        """Whether `name` (head_dim or d_ff) has the value the rule gives: it then follows n_embd and n_head."""
+        """Whether `name` (head_dim, d_ff or n_kv_head) has the value the rule gives: it then follows the sizes."""
         return getattr(self, name) == self._derived()[name]
 
     def _validate(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_dim", "d_ff"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_dim", "d_ff", "n_kv_head"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"model.{name}={value!r} must be a positive integer")
@@ -130,6 +145,30 @@ class ModelConfig:
                             "set attn_dropout=0 or use attention_impl='einsum'")
         if self.pad_id is not None and not 0 <= self.pad_id < self.vocab_size:
             raise UserError(f"model.pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_modern(self) -> None:
+        """The 2026 options (issue 37): each alone, and the pairs that cannot go together, named by their keys."""
+        for name in ("norm_scale", "embd_norm", "qk_norm", "zero_init_proj"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"model.{name}={getattr(self, name)!r} must be True or False")
+        if self.n_head % self.n_kv_head:
+            raise UserError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}: "
+                            "each key/value head serves a whole group of query heads")
+        if self.rope_theta is not None:
+            if self.rope_theta < 0:
+                raise UserError(f"model.rope_theta={self.rope_theta} must be positive (or 0 / None: no rotary)")
+            if self.head_dim % 2:
+                raise UserError(f"model.rope_theta needs an even model.head_dim, got {self.head_dim}: "
+                                "rotary positions rotate pairs of dimensions")
+            if self.position != "none":
+                raise UserError(f"model.rope_theta={self.rope_theta} with model.position={self.position!r}: "
+                                "rotary positions replace position embeddings, set position='none'")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise UserError(f"model.logit_softcap={self.logit_softcap} must be positive (None: no soft-cap)")
+
+    @property
+    def rotary(self) -> bool:
+        return self.rope_theta is not None
 
     @property
     def n_positions(self) -> int:
@@ -194,7 +233,8 @@ class Seq2SeqConfig:
         if self.model.pad_id is not None and self.model.pad_id >= self.src_vocab_size:
             raise UserError(f"model.pad_id={self.model.pad_id} is outside the source vocabulary "
                             f"[0, {self.src_vocab_size})")
-        unsupported = {"scan_layers": False, "remat": "none", "pad_positions": False}
+        unsupported = {"scan_layers": False, "remat": "none", "pad_positions": False, "rope_theta": None,
+                       "n_kv_head": self.model.n_head, "qk_norm": False, "embd_norm": False, "logit_softcap": None}
         for name, plain in unsupported.items():
             if getattr(self.model, name) != plain:
                 raise UserError(f"model.{name}={getattr(self.model, name)!r} is not available for the "

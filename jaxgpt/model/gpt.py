@@ -77,6 +77,8 @@ class GPT(nn.Module):
         self.wpe = embedding_table(cfg, cfg.n_positions, ("position", "embed"), "position") \
             if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.embd_dropout)
+        if cfg.embd_norm:
+            self.ln_emb = Norm(cfg)
         block = _block_class(cfg)
         if cfg.scan_layers:
             self.h = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
@@ -97,7 +99,9 @@ class GPT(nn.Module):
         return pad
 
     def _embed(self, idx_BT: Array, pos_BT: Array, deterministic: bool) -> Array:
-        return embed(self.cfg, self.wte, self.wpe, self.drop, idx_BT, pos_BT, self.cfg.n_positions, deterministic)
+        """The embedding (`layers.embed`), normalized by `ln_emb` with embd_norm."""
+        x_BTC = embed(self.cfg, self.wte, self.wpe, self.drop, idx_BT, pos_BT, self.cfg.n_positions, deterministic)
+        return self.ln_emb(x_BTC) if self.cfg.embd_norm else x_BTC
 
     def _layers(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
                 cache_index: Array | None = None) -> tuple[Array, Any]:
@@ -125,7 +129,7 @@ class GPT(nn.Module):
         return self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC
 
     def logits(self, h_BTC: Array) -> Array:
-        return logits(self.wte, self.lm_head, h_BTC)
+        return logits(self.wte, self.lm_head, h_BTC, self.cfg.logit_softcap)
 
     def __call__(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
         return self.logits(self.hidden(idx_BT, mask_BT, deterministic))

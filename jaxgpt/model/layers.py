@@ -25,6 +25,7 @@ ACTIVATIONS = {
     "relu": nn.relu,
     "gelu": lambda x: nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
+    "relu2": lambda x: jnp.square(nn.relu(x)),
 }
 
 
@@ -43,8 +44,12 @@ def param_init(cfg: ModelConfig, names: tuple[str | None, ...], *, residual: boo
     per projection when given, so the fused (C, 3, H, D) kernel gets the bounds of three separate
     (C, H*D) matrices. `role` ("attn", "mlp", "token", "position", "head", "classes") matters only to
     gpt1_torch: seed 001 initializes some modules explicitly and leaves the others at PyTorch's defaults.
+    `zero_init_proj` starts the residual projections at zero, whatever the rule: each layer then begins as the
+    identity and learns its update (modded-nanogpt).
     """
-    if cfg.init in ("xavier", "xavier_torch"):
+    if residual and cfg.zero_init_proj:
+        init = nn.initializers.zeros
+    elif cfg.init in ("xavier", "xavier_torch"):
         def init(key: Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
             fan_in, fan_out = fans or (shape[-2], shape[-1])
             return _uniform(math.sqrt(6.0 / (fan_in + fan_out)))(key, shape, dtype)
@@ -78,27 +83,37 @@ def zeros_init(names: tuple[str | None, ...]) -> nn.initializers.Initializer:
 
 
 class Norm(nn.Module):
-    """LayerNorm, or seed 000's variant that divides by (unbiased std + eps).
+    """LayerNorm, seed 000's variant that divides by (unbiased std + eps), or RMSNorm, over the last axis.
 
-    Statistics are computed in float32 whatever the compute dtype: bf16 means lose too much.
+    Statistics are computed in float32 whatever the compute dtype: bf16 means lose too much. The scale is
+    learned unless norm_scale is off; the bias follows use_bias. QK-norm asks for RMSNorm without a bias
+    (`kind`, `bias`) and for the attention's work dtype (`out_dtype`).
     """
 
     cfg: ModelConfig
+    kind: str | None = None  # None: the model's norm
+    bias: bool = True  # a bias when the model has biases
+    out_dtype: str | None = None  # None: the model's dtype
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.cfg
+        kind = self.kind or cfg.norm
         x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        if cfg.norm == "layernorm":
+        if kind == "rmsnorm":
+            y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.norm_eps)
+        elif kind == "layernorm":
+            mean = x32.mean(-1, keepdims=True)
             y = (x32 - mean) * jax.lax.rsqrt(x32.var(-1, keepdims=True) + cfg.norm_eps)
         else:
+            mean = x32.mean(-1, keepdims=True)
             y = (x32 - mean) / (jnp.std(x32, axis=-1, keepdims=True, ddof=1) + cfg.norm_eps)
-        y = y * self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (x.shape[-1],), cfg.param_dtype)
-        if cfg.use_bias:
+        if cfg.norm_scale:
+            y = y * self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                               (x.shape[-1],), cfg.param_dtype)
+        if cfg.use_bias and self.bias:
             y = y + self.param("bias", zeros_init(("norm",)), (x.shape[-1],), cfg.param_dtype)
-        return y.astype(cfg.dtype)
+        return y.astype(self.out_dtype or cfg.dtype)
 
 
 class EinsumDense(nn.Module):
@@ -219,7 +234,23 @@ def lm_head(cfg: ModelConfig, kernel_storage: str = projection.DECLARED) -> Eins
                        kernel_storage=kernel_storage)
 
 
-def logits(tokens: nn.Embed, head: EinsumDense | None, h_BTC: Array) -> Array:
-    """Float32 next-token logits (B, T, V) of hidden states: the untied head's, or the token table's transpose."""
-    logits_BTV = tokens.attend(h_BTC) if head is None else head(h_BTC)
-    return logits_BTV.astype(jnp.float32)
+def logits(tokens: nn.Embed, head: EinsumDense | None, h_BTC: Array, softcap: float | None = None) -> Array:
+    """Float32 next-token logits (B, T, V) of hidden states: the untied head's, or the token table's transpose.
+
+    `softcap` (logit_softcap) bounds them smoothly to (-cap, cap): cap * tanh(logits / cap).
+    """
+    logits_BTV = (tokens.attend(h_BTC) if head is None else head(h_BTC)).astype(jnp.float32)
+    return logits_BTV if softcap is None else softcap * jnp.tanh(logits_BTV / softcap)
+
+
+def rotary(x_BTHD: Array, pos_T: Array, theta: float) -> Array:
+    """Rotary positions: each head's pair (i, i + D/2) rotated by the angle pos * theta^(-2i/D), in float32.
+
+    The product of a rotated query and key then depends on their positions only through their distance.
+    Returns x's dtype.
+    """
+    half = x_BTHD.shape[-1] // 2
+    angle_TD = pos_T.astype(jnp.float32)[:, None] * theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    cos, sin = jnp.cos(angle_TD)[:, None], jnp.sin(angle_TD)[:, None]  # (T, 1, D/2): every head alike
+    x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHD.dtype)

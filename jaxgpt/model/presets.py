@@ -71,6 +71,16 @@ PRESETS: dict[str, ModelConfig] = _Named({
     "gpt2-xl": ModelConfig(n_layer=48, n_embd=1600, n_head=25, **_GPT2),
     # A GPT-3-family 6.7B shape (32 x 4096, 2048 context) for pod-scale planning.
     "gpt-6.7b": ModelConfig(n_layer=32, n_embd=4096, n_head=32, **{**_GPT2, "block_size": 2048}),
+    # nanochat's GPT at depth 12 (its d12: 12 layers, 768 wide, 6 heads of 128, a 2^16-token vocabulary,
+    # 2048 context): rotary positions (base 100000) instead of position embeddings, QK-norm, ReLU^2, no biases,
+    # parameter-free RMSNorm before each sub-layer, after the embedding and at the end, an untied head, logits
+    # soft-capped at 15, zero-initialised residual projections. Grouped-query attention is an option there
+    # (n_kv_head), off by default as here.
+    "nanochat-d12": ModelConfig(
+        vocab_size=65536, block_size=2048, n_layer=12, n_embd=768, n_head=6, position="none", rope_theta=100000.0,
+        norm_placement="pre", final_norm=True, norm="rmsnorm", norm_scale=False, norm_eps=1e-6, embd_norm=True,
+        qk_norm=True, activation="relu2", use_bias=False, tie_embeddings=False, logit_softcap=15.0,
+        zero_init_proj=True),
 })
 
 

@@ -1,6 +1,7 @@
 """Attention as each backend runs it fastest: the one attention function the model calls (`attend`).
 
-Shapes: B batch, T queries, S keys (the cache length when decoding), H heads, D head_dim.
+Shapes: B batch, T queries, S keys (the cache length when decoding), H heads, D head_dim, K key/value heads
+(H, or fewer with grouped-query attention), G = H / K query heads per key/value head.
 
 Paths (`attention_impl`): "einsum" (products and a float32 softmax, per causal query block, with a
 hand-written backward), "xla" (`jax.nn.dot_product_attention`), "cudnn" (its cuDNN flash attention), "splash"
@@ -22,7 +23,7 @@ from jaxgpt.ops import splash
 from jaxgpt.ops.platform import current_platform
 
 Array = jax.Array
-Cache = dict[str, Array]  # one layer's {"k", "v"}: (B, H, S, D); (L, B, H, S, D) when layers are scanned
+Cache = dict[str, Array]  # one layer's {"k", "v"}: (B, K, S, D); (L, B, K, S, D) when layers are scanned
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 Blocks = tuple[tuple[int, int, int], ...]  # (t0, t1, s1) per query block, `query_blocks`
 
@@ -48,6 +49,25 @@ def scaled_queries(q_BTHD: Array, dtype: str) -> Array:
     """Head-major queries times 1/sqrt(D): scaling the (T, D) queries costs less than the (T, S) scores."""
     scaled = q_BTHD.astype(jnp.float32) / math.sqrt(q_BTHD.shape[-1])
     return scaled.astype(dtype).transpose(0, 2, 1, 3)
+
+
+def query_rows(q_BHTD: Array, K: int) -> Array:
+    """Queries by the key/value head they read: (B, K, R, D), R = T G rows per key/value head, row t G + g being
+    token t's query head k G + g (G = H / K).
+
+    Grouped-query attention's G query heads of one key/value head thus form one product with its keys and
+    values as they are, instead of against keys and values repeated G times; a causal block of tokens stays a
+    block of rows. With G = 1 (multi-head attention) the queries are as given.
+    """
+    B, H, T, D = q_BHTD.shape
+    return q_BHTD.reshape(B, K, H // K, T, D).transpose(0, 1, 3, 2, 4).reshape(B, K, T * (H // K), D)
+
+
+def heads_of_rows(x_BKRX: Array, H: int) -> Array:
+    """The inverse of `query_rows` for its results: (B, K, T G, X) -> (B, H, T, X)."""
+    B, K, R, X = x_BKRX.shape
+    G = H // K
+    return x_BKRX.reshape(B, K, R // G, G, X).transpose(0, 1, 3, 2, 4).reshape(B, H, R // G, X)
 
 
 def work_dtype(dtype: str) -> str:
@@ -81,44 +101,45 @@ def resolve_impl(impl: str, dtype: str) -> str:
     return "einsum"
 
 
-def _block_probs(q_BHTD: Array, k_BHSD: Array, visible_BTS: Array, block: tuple[int, int, int]) -> Array:
-    """Float32 softmax probabilities of one query block over its prefix of keys."""
-    t0, t1, s1 = block
-    att_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD[:, :, t0:t1], k_BHSD[:, :, :s1]).astype(jnp.float32)
-    return jax.nn.softmax(jnp.where(visible_BTS[:, None, t0:t1, :s1], att_BHTS, NEG_INF), axis=-1)
+def _block_probs(q_BKRD: Array, k_BKSD: Array, visible_BRS: Array, block: tuple[int, int, int]) -> Array:
+    """Float32 softmax probabilities of one block of query rows over its prefix of keys."""
+    r0, r1, s1 = block
+    att_BKRS = jnp.einsum("bhtd,bhsd->bhts", q_BKRD[:, :, r0:r1], k_BKSD[:, :, :s1]).astype(jnp.float32)
+    return jax.nn.softmax(jnp.where(visible_BRS[:, None, r0:r1, :s1], att_BKRS, NEG_INF), axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _blocked(q_BHTD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, blocks: Blocks) -> Array:
+def _blocked(q_BKRD: Array, k_BKSD: Array, v_BKSD: Array, visible_BRS: Array, blocks: Blocks) -> Array:
     """softmax(q k^T) v per query block, with a backward written out block by block.
 
     Autodiff's backward of the block slices is a chain of pads and adds over every block's key and value
     gradients, which XLA:CPU fused with the transposes back to the qkv projection into one slow loop
     (benchmarks/bench_train.py's bf16 step). Here each key block's gradient sums only the query blocks
-    that see it, and the float32 softmax gradient is formed once per block.
+    that see it, and the float32 softmax gradient is formed once per block. The G query heads of a key/value
+    head are rows of its queries (`query_rows`), so its gradient sums theirs.
     """
-    return _blocked_fwd(q_BHTD, k_BHSD, v_BHSD, visible_BTS, blocks)[0]
+    return _blocked_fwd(q_BKRD, k_BKSD, v_BKSD, visible_BRS, blocks)[0]
 
 
-def _blocked_fwd(q_BHTD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, blocks: Blocks
+def _blocked_fwd(q_BKRD: Array, k_BKSD: Array, v_BKSD: Array, visible_BRS: Array, blocks: Blocks
                  ) -> tuple[Array, tuple]:
-    probs = [_block_probs(q_BHTD, k_BHSD, visible_BTS, b) for b in blocks]
-    y_BHTD = jnp.concatenate([jnp.einsum("bhts,bhsd->bhtd", p.astype(v_BHSD.dtype), v_BHSD[:, :, :s1])
+    probs = [_block_probs(q_BKRD, k_BKSD, visible_BRS, b) for b in blocks]
+    y_BKRD = jnp.concatenate([jnp.einsum("bhts,bhsd->bhtd", p.astype(v_BKSD.dtype), v_BKSD[:, :, :s1])
                               for p, (_, _, s1) in zip(probs, blocks, strict=True)], axis=2)
-    return y_BHTD, (q_BHTD, k_BHSD, v_BHSD, probs)
+    return y_BKRD, (q_BKRD, k_BKSD, v_BKSD, probs)
 
 
-def _blocked_bwd(blocks: Blocks, res: tuple, dy_BHTD: Array) -> tuple[Array, Array, Array, None]:
-    q_BHTD, k_BHSD, v_BHSD, probs = res
-    dt = q_BHTD.dtype
+def _blocked_bwd(blocks: Blocks, res: tuple, dy_BKRD: Array) -> tuple[Array, Array, Array, None]:
+    q_BKRD, k_BKSD, v_BKSD, probs = res
+    dt = q_BKRD.dtype
     dq_parts, dk_parts, dv_parts = [], [], []
-    for p_BHTS, (t0, t1, s1) in zip(probs, blocks, strict=True):
-        dy = dy_BHTD[:, :, t0:t1]
-        dv_parts.append(jnp.einsum("bhts,bhtd->bhsd", p_BHTS.astype(dt), dy, preferred_element_type=jnp.float32))
-        dp_BHTS = jnp.einsum("bhtd,bhsd->bhts", dy, v_BHSD[:, :, :s1], preferred_element_type=jnp.float32)
-        ds_BHTS = (p_BHTS * (dp_BHTS - jnp.sum(p_BHTS * dp_BHTS, axis=-1, keepdims=True))).astype(dt)
-        dq_parts.append(jnp.einsum("bhts,bhsd->bhtd", ds_BHTS, k_BHSD[:, :, :s1]))
-        dk_parts.append(jnp.einsum("bhts,bhtd->bhsd", ds_BHTS, q_BHTD[:, :, t0:t1],
+    for p_BKRS, (r0, r1, s1) in zip(probs, blocks, strict=True):
+        dy = dy_BKRD[:, :, r0:r1]
+        dv_parts.append(jnp.einsum("bhts,bhtd->bhsd", p_BKRS.astype(dt), dy, preferred_element_type=jnp.float32))
+        dp_BKRS = jnp.einsum("bhtd,bhsd->bhts", dy, v_BKSD[:, :, :s1], preferred_element_type=jnp.float32)
+        ds_BKRS = (p_BKRS * (dp_BKRS - jnp.sum(p_BKRS * dp_BKRS, axis=-1, keepdims=True))).astype(dt)
+        dq_parts.append(jnp.einsum("bhts,bhsd->bhtd", ds_BKRS, k_BKSD[:, :, :s1]))
+        dk_parts.append(jnp.einsum("bhts,bhtd->bhsd", ds_BKRS, q_BKRD[:, :, r0:r1],
                                    preferred_element_type=jnp.float32))
 
     def prefix_sum(parts: list[Array]) -> Array:  # keys s0..s1 of block j: the parts of query blocks j, j+1, ...
@@ -126,71 +147,81 @@ def _blocked_bwd(blocks: Blocks, res: tuple, dy_BHTD: Array) -> tuple[Array, Arr
         return jnp.concatenate([sum(part[:, :, s0:s1] for part in parts[j:])
                                 for j, (s0, s1) in enumerate(zip([0, *ends[:-1]], ends, strict=True))], axis=2)
 
-    return (jnp.concatenate(dq_parts, axis=2), prefix_sum(dk_parts).astype(k_BHSD.dtype),
-            prefix_sum(dv_parts).astype(v_BHSD.dtype), None)
+    return (jnp.concatenate(dq_parts, axis=2), prefix_sum(dk_parts).astype(k_BKSD.dtype),
+            prefix_sum(dv_parts).astype(v_BKSD.dtype), None)
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
-def attend(q_BTHD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, *, impl: str, dtype: str,
+def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, impl: str, dtype: str,
            causal: bool, dropout: Callable[[Array], Array] | None = None, cache: Cache | None = None,
            cache_index: Array | None = None) -> tuple[Array, Array | None, Cache | None]:
     """softmax(q k^T / sqrt(D)) v over the keys `visible_BTS` allows (B or 1 rows): the model's one attention.
 
+    Keys and values have K heads, K dividing the H query heads (grouped-query attention when K < H: query
+    heads k G .. (k + 1) G - 1 read key/value head k, G = H / K); no path repeats them to H heads.
     `causal` says the visible keys are a subset of the causal ones, so the einsum path may skip the masked
-    triangle and splash may run. With a `cache` ({"k", "v"}: (B, H, S, D)), this call's keys and values are
+    triangle and splash may run. With a `cache` ({"k", "v"}: (B, K, S, D)), this call's keys and values are
     written at `cache_index` and the queries attend over the whole cache (one new token: `attend_one`).
     `impl` is the model's `attention_impl` ("auto": `resolve_impl`). Returns (y (B, T, H, D), the
     probabilities (B, H, T, S) on the einsum path else None, the updated cache or None); `dropout` applies
     to the probabilities (einsum path only). Splash needs a causal step whose shapes tile
-    (`splash.splash_fits`); other calls (decoding, a one-row init) take the XLA path.
+    (`splash.splash_fits`) and one key/value head per query head; other calls (a prefill, a one-row init,
+    grouped queries) take the XLA path, whose kernels (XLA's and cuDNN's) take fewer key/value heads as they are.
     """
     impl = resolve_impl(impl, dtype)
-    if cache is not None and q_BTHD.shape[1] == 1 and impl == "einsum":
-        y_BH1D, k_new, v_new = attend_one(q_BTHD, k_BHSD, v_BHSD, cache["k"], cache["v"], cache_index,
+    # One new token takes `attend_one` whatever the path: a fused kernel has nothing to fuse in one query row,
+    # and jax's cuDNN attention fails under vmap, which the serving engine decodes its slots with (its
+    # batching rule reshapes the broadcast mask into a per-head bias of the wrong size; jax 0.11.2, H100).
+    if cache is not None and q_BTHD.shape[1] == 1:
+        y_BH1D, k_new, v_new = attend_one(q_BTHD, k_BKSD, v_BKSD, cache["k"], cache["v"], cache_index,
                                           work_dtype(dtype))
         return y_BH1D.transpose(0, 2, 1, 3), None, write_cache(cache, k_new, v_new, cache_index)
     if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
-        cache = write_cache(cache, k_BHSD, v_BHSD, cache_index)
-        k_BHSD, v_BHSD, causal = cache["k"], cache["v"], False
+        cache = write_cache(cache, k_BKSD, v_BKSD, cache_index)
+        k_BKSD, v_BKSD, causal = cache["k"], cache["v"], False
     B, T, H, _ = q_BTHD.shape
-    if impl == "splash" and causal and splash.splash_fits(B, H, T):
-        y_BHTD = splash.splash_attention(scaled_queries(q_BTHD, dtype), k_BHSD.astype(dtype),
-                                         v_BHSD.astype(dtype), splash.padding_segments(visible_BTS))
+    if impl == "splash" and causal and k_BKSD.shape[1] == H and splash.splash_fits(B, H, T):
+        y_BHTD = splash.splash_attention(scaled_queries(q_BTHD, dtype), k_BKSD.astype(dtype),
+                                         v_BKSD.astype(dtype), splash.padding_segments(visible_BTS))
         return y_BHTD.transpose(0, 2, 1, 3), None, cache
-    if impl != "einsum":  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, H, D)
+    if impl != "einsum":  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, K, D)
         # One mask row for the batch under `causal` is exactly the causal triangle: say so (cuDNN then skips
         # the masked tiles and computes no mask gradient); padding needs the explicit mask.
         plain_causal = causal and visible_BTS.shape[0] == 1
         y_BTHD = jax.nn.dot_product_attention(
-            q_BTHD, k_BHSD.transpose(0, 2, 1, 3), v_BHSD.transpose(0, 2, 1, 3),
+            q_BTHD, k_BKSD.transpose(0, 2, 1, 3), v_BKSD.transpose(0, 2, 1, 3),
             mask=None if plain_causal else visible_BTS[:, None], is_causal=plain_causal,
             implementation="cudnn" if impl == "cudnn" else None)
         return y_BTHD, None, cache
-    y_BHTD, probs_BHTS = _einsum_attention(q_BTHD, k_BHSD, v_BHSD, visible_BTS, dtype, causal, dropout)
+    y_BHTD, probs_BHTS = _einsum_attention(q_BTHD, k_BKSD, v_BKSD, visible_BTS, dtype, causal, dropout)
     # heads and head_dim last: the output projection then reads them as its contracted axes, which on
     # XLA:CPU makes a bf16 one a native product (`projection.projection_dot_general`); XLA folds the
     # transpose into the product elsewhere (the same compiled program as contracting (h, d) of y_BHTD)
     return y_BHTD.transpose(0, 2, 1, 3), probs_BHTS, cache
 
 
-def _einsum_attention(q_BTHD: Array, k_BHSD: Array, v_BHSD: Array, visible_BTS: Array, dtype: str, causal: bool,
+def _einsum_attention(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, dtype: str, causal: bool,
                       dropout: Callable[[Array], Array] | None) -> tuple[Array, Array]:
     """The einsum path: per query block (`query_blocks`) in the work dtype; (y (B, H, T, D), probs (B, H, T, S))."""
     work = work_dtype(dtype)
-    q_BHTD, k_BHSD, v_BHSD = scaled_queries(q_BTHD, work), k_BHSD.astype(work), v_BHSD.astype(work)
-    blocks = query_blocks(T=q_BTHD.shape[1], S=k_BHSD.shape[2], causal=causal)
-    probs = [_block_probs(q_BHTD, k_BHSD, visible_BTS, block) for block in blocks]
+    _, T, H, _ = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    G = H // K  # each token's G query heads are G rows (`query_rows`): its visibility too, blocks of G T rows
+    q_BKRD = query_rows(scaled_queries(q_BTHD, work), K)
+    visible_BRS = jnp.repeat(visible_BTS, G, axis=1) if G > 1 else visible_BTS
+    blocks = tuple((t0 * G, t1 * G, s1) for t0, t1, s1 in query_blocks(T=T, S=S, causal=causal))
+    k_BKSD, v_BKSD = k_BKSD.astype(work), v_BKSD.astype(work)
+    probs = [_block_probs(q_BKRD, k_BKSD, visible_BRS, block) for block in blocks]
     if dropout is None:
-        y_BHTD = _blocked(q_BHTD, k_BHSD, v_BHSD, visible_BTS, blocks)
+        y_BKRD = _blocked(q_BKRD, k_BKSD, v_BKSD, visible_BRS, blocks)
     else:  # dropped probabilities: autodiff's backward
-        y_BHTD = jnp.concatenate([jnp.einsum("bhts,bhsd->bhtd", dropout(p).astype(work), v_BHSD[:, :, :s1])
+        y_BKRD = jnp.concatenate([jnp.einsum("bhts,bhsd->bhtd", dropout(p).astype(work), v_BKSD[:, :, :s1])
                                   for p, (_, _, s1) in zip(probs, blocks, strict=True)], axis=2)
-    S = k_BHSD.shape[2]
-    probs_BHTS = jnp.concatenate([jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, S - s1)))
+    probs_BKRS = jnp.concatenate([jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, S - s1)))
                                   for p, (_, _, s1) in zip(probs, blocks, strict=True)], axis=2)
-    return y_BHTD, probs_BHTS
+    return heads_of_rows(y_BKRD, H), heads_of_rows(probs_BKRS, H)
 
 
 def _ordering_zeros(x: Array) -> Array:
@@ -204,24 +235,27 @@ def _ordering_zeros(x: Array) -> Array:
     return jnp.nan_to_num(x * 0)
 
 
-def attend_one(q_B1HD: Array, k_BH1D: Array, v_BH1D: Array, old_k_BHSD: Array, old_v_BHSD: Array,
+def attend_one(q_B1HD: Array, k_BK1D: Array, v_BK1D: Array, old_k_BKSD: Array, old_v_BKSD: Array,
                index: Array, dtype: str) -> tuple[Array, Array, Array]:
     """One new token: attend over the cache as it was (slots < index) plus the new key/value.
 
     The same keys and values as attending over the updated cache, but the updated cache is then only
     written, never read, and the write is ordered after the reads (`_ordering_zeros`), so XLA updates it
-    in place; each copy of the cache it made otherwise cost as much as the attention. Returns y (B, H, 1, D)
-    and the key and value to write.
+    in place; each copy of the cache it made otherwise cost as much as the attention. The G query heads of
+    a key/value head are its G query rows (`query_rows`). Returns y (B, H, 1, D) and the key and value to
+    write (B, K, 1, D).
     """
-    q_BH1D = scaled_queries(q_B1HD, dtype)
-    old_BH1S = jnp.einsum("bhtd,bhsd->bhts", q_BH1D, old_k_BHSD.astype(dtype)).astype(jnp.float32)
-    old_BH1S = jnp.where(jnp.arange(old_BH1S.shape[-1]) < index, old_BH1S, NEG_INF)
-    self_BH11 = jnp.einsum("bhtd,bhtd->bht", q_BH1D, k_BH1D.astype(dtype)).astype(jnp.float32)[..., None]
-    probs = jax.nn.softmax(jnp.concatenate([old_BH1S, self_BH11], axis=-1), axis=-1)
-    y_BH1D = (jnp.einsum("bhts,bhsd->bhtd", probs[..., :-1].astype(dtype), old_v_BHSD.astype(dtype))
-              + probs[..., -1:].astype(dtype) * v_BH1D.astype(dtype))
-    zeros_BH1D = _ordering_zeros(y_BH1D)
-    return y_BH1D, k_BH1D + zeros_BH1D, v_BH1D + zeros_BH1D
+    H, K = q_B1HD.shape[2], k_BK1D.shape[1]
+    q_BKGD = query_rows(scaled_queries(q_B1HD, dtype), K)
+    old_BKGS = jnp.einsum("bhtd,bhsd->bhts", q_BKGD, old_k_BKSD.astype(dtype)).astype(jnp.float32)
+    old_BKGS = jnp.where(jnp.arange(old_BKGS.shape[-1]) < index, old_BKGS, NEG_INF)
+    k_BKGD = jnp.broadcast_to(k_BK1D, q_BKGD.shape)  # the one new key per query row: G copies of a (D,) vector
+    self_BKG1 = jnp.einsum("bhtd,bhtd->bht", q_BKGD, k_BKGD.astype(dtype)).astype(jnp.float32)[..., None]
+    probs = jax.nn.softmax(jnp.concatenate([old_BKGS, self_BKG1], axis=-1), axis=-1)
+    y_BKGD = (jnp.einsum("bhts,bhsd->bhtd", probs[..., :-1].astype(dtype), old_v_BKSD.astype(dtype))
+              + probs[..., -1:].astype(dtype) * v_BK1D.astype(dtype))
+    zeros_BK1D = _ordering_zeros(y_BKGD[:, :, :1])
+    return heads_of_rows(y_BKGD, H), k_BK1D + zeros_BK1D, v_BK1D + zeros_BK1D
 
 
 def write_cache(cache: Cache, k_BHTD: Array, v_BHTD: Array, index: Array) -> Cache:

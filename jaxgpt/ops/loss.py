@@ -3,6 +3,7 @@
 The loss is computed `chunk` positions at a time in a `lax.scan` whose body is rematerialized: the float32
 logits of one chunk exist at a time, forward and backward, instead of the whole tensor (which for GPT-2
 grows with tokens per chip times a 50k vocabulary). Shapes: B batch, T sequence, C n_embd, V vocabulary.
+The z-loss (`z_loss`) is added chunk by chunk too: it needs each position's log-partition, from the same logits.
 """
 
 from __future__ import annotations
@@ -16,9 +17,17 @@ import optax
 Array = jax.Array
 
 
+def z_loss(logits_BTV: Array) -> Array:
+    """Per-position squared log-partition log(sum exp logits)^2, (B, T): PaLM's auxiliary loss. Weighted
+    into the training loss it pulls log Z toward 0, so the logits cannot drift upward together (softmax
+    ignores a shared shift, the gradient of the cross-entropy alone never corrects it) and stay in range."""
+    return jnp.square(jax.nn.logsumexp(logits_BTV, axis=-1))
+
+
 def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, targets_BT: Array,
-                          chunk: int) -> Array:
-    """Mean next-token cross-entropy of hidden states, `chunk` positions at a time (chunk divides T).
+                          chunk: int, z_loss_weight: float = 0.0) -> Array:
+    """Mean next-token cross-entropy of hidden states, `chunk` positions at a time (chunk divides T), plus
+    `z_loss_weight` times the mean `z_loss` when it is non-zero.
 
     `logits_fn` is the model's head (hidden (B, t, C) -> float32 logits (B, t, V)), so tied and untied
     heads and their dtypes are exactly the dense path's. Chunks run along the sequence, keeping each
@@ -32,7 +41,11 @@ def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, tar
 
     @jax.checkpoint
     def chunk_sum(h_BtC: Array, y_Bt: Array) -> Array:
-        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(h_BtC), y_Bt).sum()
+        logits_BtV = logits_fn(h_BtC)
+        loss_Bt = optax.softmax_cross_entropy_with_integer_labels(logits_BtV, y_Bt)
+        if z_loss_weight:
+            loss_Bt = loss_Bt + z_loss_weight * z_loss(logits_BtV)
+        return loss_Bt.sum()
 
     def body(total: Array, xs: tuple[Array, Array]) -> tuple[Array, None]:
         return total + chunk_sum(*xs), None

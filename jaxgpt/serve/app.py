@@ -1,118 +1,115 @@
-"""An OpenAI-compatible completions server over the continuous-batching engine (`jaxgpt.generate.engine`).
+"""An OpenAI-compatible server over the continuous-batching engine (`jaxgpt.generate.engine`).
 
-Endpoints: `POST /v1/completions` (prompt as a string or a list, max_tokens, temperature, top_p, stop, n, seed,
-stream as server-sent events, logprobs up to 5), `GET /v1/models`, `GET /health`. The engine decodes in a
-thread of its own; each choice of a request is one engine request whose tokens reach the handler through an
-asyncio queue. A bad request is a 400 with OpenAI's error body and a full queue a 429; neither touches the
-engine. A client that disconnects cancels its choices, which free their slots before the next decode step.
-Choice j of a request with `seed` s samples with seed s + j, so choice 0 is `generate(..., key=s)`'s sample.
+Endpoints: `POST /v1/completions` (prompts as text or token ids, one or many; max_tokens, temperature, top_p,
+stop, n, seed, logit_bias, vLLM's ignore_eos; echo; logprobs up to 5, of the prompt's tokens too with echo;
+stream as server-sent events, with usage in a last chunk when stream_options.include_usage asks),
+`POST /v1/chat/completions` (messages rendered with the run's chat template, `jaxgpt.serve.chat`), vLLM's
+`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` (what lm-evaluation-harness's local-completions
+uses), `GET /v1/models`, `GET /metrics` (Prometheus), `GET /health`.
+
+Each choice of a request is one engine request whose tokens reach the handler through an asyncio queue. A bad
+request is a 400 with OpenAI's error body, a body over the limit a 413, a missing or wrong API key a 401 (on
+every path but /health) and a full queue a 429; none touches the engine. A client that disconnects cancels its
+choices, which free their slots before the next decode step. Choice j of a request with `seed` s samples with
+seed s + j, so choice 0 is `generate(..., key=s)`'s sample.
+
+Which weights answered: every answer (each streamed chunk too) has OpenAI's `system_fingerprint`, the engine's
+`version` of the weights its choices ran on (`step-N` for a run's checkpoint N; null for weights without
+steps), and /v1/models's entry has the version served now. They change when `jaxgpt serve --follow`
+(`jaxgpt.serve.follow`) swaps in a newer checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
+import functools
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
-from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.generate.engine import TOP_LOGPROBS, Engine, Request
+from jaxgpt.generate.engine import Engine, Request
+from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.serve.chat import ChatTemplate
+from jaxgpt.serve.choices import Choice, Codec, collect, stream, usage
+from jaxgpt.serve.follow import Follower
+from jaxgpt.serve.guard import Guard
+from jaxgpt.serve.metrics import Metrics
+from jaxgpt.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Sampling,
+    TokenizeRequest,
+    error_body,
+    responses,
+)
 from jaxgpt.tasks.pairs import PairText
 
-Codec = Tokenizer | PairText  # a GPT's tokenizer, or an encoder-decoder's source/target text
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
-    stream: bool = False
-    logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+MAX_BODY_BYTES = 1 << 20  # a request body larger than this is a 413
+NO_TEMPLATE = ("this model has no chat template: use /v1/completions, or start the server with "
+               "`jaxgpt serve --chat_template FILE` (a Jinja2 template in the Hugging Face format), or put the "
+               "template in the run's workdir as chat_template.jinja")
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+    return JSONResponse(error_body(message, kind, param), status)
 
 
-@dataclasses.dataclass
-class Choice:
-    """One choice's tokens as they arrive, its text so far, and where stop strings cut it."""
+class Header(Mapping[str, Any]):
+    """An answer's top-level fields. Its `system_fingerprint` is read as each chunk is made: which weights answer
+    is known only once the engine has admitted the choices (a swap waiting admits none)."""
 
-    index: int
-    tokenizer: Codec
-    stops: list[str]
-    eot_token: int | None
-    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters already streamed
-    finish_reason: str | None = None
-    request: Request | None = None
+    def __init__(self, fields: dict[str, Any], choices: list[Choice]) -> None:
+        self.fields, self.choices = fields, choices
 
-    def add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
-        if self.finish_reason is not None:  # decoded in the step that a stop string ended the choice
-            return
-        if token != self.eot_token:
-            self.ids.append(token)
-            self.logprobs.append((logprob, top))
-            self.text = self.tokenizer.decode(self.ids)
-        for stop in self.stops:
-            if (cut := self.text.find(stop)) >= 0:
-                self.text, self.finish_reason = self.text[:cut], "stop"
-                assert self.request is not None
-                self.request.cancelled = True  # the slot frees before the next step
+    def __getitem__(self, key: str) -> Any:
+        if key != "system_fingerprint":
+            return self.fields[key]
+        versions = dict.fromkeys(c.request.version for c in self.choices if c.request.version is not None)
+        return "+".join(versions) or None  # (choices split by a swap, n beyond the free slots: both versions)
 
-    def ready(self) -> str:
-        """Text that can be streamed now: none that a stop string could still claim or a partial character."""
-        if self.finish_reason is not None:
-            return self.text[self.sent:]
-        hold = max((len(s) - 1 for s in self.stops), default=0)
-        end = len(self.text) - hold
-        while end > self.sent and self.text[end - 1] == "\ufffd":
-            end -= 1
-        return self.text[self.sent:max(end, self.sent)]
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.fields, "system_fingerprint"])
 
-    def logprob_body(self, k: int) -> dict[str, Any]:
-        """OpenAI's logprobs object: each token, its log-probability, the `k` most likely alternatives."""
-        tokens = [self.tokenizer.decode([t]) for t in self.ids]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        keep = sum(1 for o in offsets if o < len(self.text)) if self.finish_reason == "stop" else len(tokens)
-        return {"tokens": tokens[:keep], "token_logprobs": [lp for lp, _ in self.logprobs[:keep]],
-                "top_logprobs": [{self.tokenizer.decode([i]): lp for i, lp in top[:k]}
-                                 for _, top in self.logprobs[:keep]],
-                "text_offset": offsets[:keep]}
+    def __len__(self) -> int:
+        return len(self.fields) + 1
 
 
-def create_app(engine: Engine, tokenizer: Codec, model_name: str) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        thread = threading.Thread(target=engine.run, name="jaxgpt-engine", daemon=True)
-        thread.start()
-        yield
-        engine.stop()  # the requests in flight finish first (uvicorn has stopped accepting new ones)
-        await asyncio.to_thread(thread.join)
+@contextlib.asynccontextmanager
+async def _lifespan(engine: Engine, follower: Follower | None, app: FastAPI) -> AsyncIterator[None]:
+    """The engine's thread (and the follower's) while the server runs."""
+    thread = threading.Thread(target=engine.run, name="jaxgpt-engine", daemon=True)
+    thread.start()
+    if follower is not None:
+        follower.start()
+    yield
+    if follower is not None:
+        await asyncio.to_thread(follower.stop)  # (a checkpoint being loaded is loaded first)
+    engine.stop()  # the requests in flight finish first (uvicorn has stopped accepting new ones)
+    await asyncio.to_thread(thread.join)
 
-    app = FastAPI(title="jaxgpt", lifespan=lifespan)
+
+def create_app(engine: Engine, tokenizer: Codec, model_name: str, *, chat_template: ChatTemplate | None = None,
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               follower: Follower | None = None) -> FastAPI:
+    """`follower` (`jaxgpt serve --follow`) runs while the server does."""
+    app = FastAPI(title="jaxgpt", lifespan=functools.partial(_lifespan, engine, follower))
+    metrics = Metrics(engine)
+    guarded = (401, 413) if api_key is not None else (413,)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics,
+                       paths=lambda: {route.path for route in app.routes})
+    context = engine.cfg.model.block_size if isinstance(engine.cfg, Seq2SeqConfig) else engine.cfg.block_size
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
@@ -120,124 +117,192 @@ def create_app(engine: Engine, tokenizer: Codec, model_name: str) -> FastAPI:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
+        kind = {429: "rate_limit_error"}.get(exc.status_code, "server_error" if exc.status_code >= 500
+                                             else "invalid_request_error")
+        answer = error(exc.status_code, str(exc.detail), kind)
+        answer.headers.update(exc.headers or {})  # a 405's Allow
+        return answer
+
+    @app.exception_handler(Exception)
+    async def failure(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        return error(500, f"the server failed on this request: {type(exc).__name__} (its log has the traceback)",
+                     "server_error")
+
+    @app.exception_handler(UserError)
+    async def user_error(_: HTTPRequest, exc: UserError) -> JSONResponse:
+        return error(400, str(exc))
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/metrics", response_class=Response, responses=responses(*guarded))
+    async def scrape() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", responses=responses(*guarded))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxgpt"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxgpt",
+                                            "max_model_len": context, "system_fingerprint": engine.version}]}
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
-        try:
-            encoded = _encode(body, tokenizer, engine)
-        except UserError as e:
-            return error(400, str(e))
-        choices = _choices(body, encoded, tokenizer, asyncio.get_running_loop())
-        for k, choice in enumerate(choices):
-            if not engine.submit(choice.request):
-                for earlier in choices[:k]:
-                    earlier.request.cancelled = True
-                return error(429, "the server's queue is full: retry later", kind="rate_limit_error")
-        created, rid = int(time.time()), f"cmpl-{secrets.token_hex(12)}"
-        header = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-        if body.stream:
-            return StreamingResponse(_events(choices, header), media_type="text/event-stream")
-        try:
-            await asyncio.gather(*(_finish(c, http) for c in choices))
-        except RuntimeError as e:
-            return error(500, str(e), kind="server_error")
-        finally:
-            for c in choices:
-                c.request.cancelled = c.request.cancelled or c.finish_reason is None
-        usage = {"prompt_tokens": sum(len(ids) for ids in encoded) * body.n,
-                 "completion_tokens": sum(len(c.ids) for c in choices)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {**header, "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                                       "logprobs": c.logprob_body(body.logprobs) if body.logprobs is not None else None}
-                                      for c in choices], "usage": usage}
-
+    _tokenizer_routes(app, tokenizer, context, chat_template, guarded)
+    _generation_routes(app, engine, tokenizer, model_name, chat_template, metrics, context, guarded)
     return app
 
 
-def _encode(body: CompletionRequest, tokenizer: Codec, engine: Engine) -> list[list[int]]:
-    """Each prompt's ids (an empty GPT prompt starts from end-of-text), every one checked; a UserError is a 400."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    if not prompts:
+def _tokenizer_routes(app: FastAPI, tokenizer: Codec, context: int, chat_template: ChatTemplate | None,
+                      guarded: tuple[int, ...]) -> None:
+    """vLLM's tokenizer endpoints, at the server's root as vLLM has them (lm-evaluation-harness looks there)."""
+    eos_text = tokenizer.decode([tokenizer.eot_token]) if tokenizer.eot_token is not None else None
+
+    @app.get("/tokenizer_info", responses=responses(*guarded))
+    async def tokenizer_info() -> dict[str, Any]:
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": eos_text, "bos_token": eos_text,
+                "pad_token": None, "model_max_length": context, "vocab_size": tokenizer.vocab_size,
+                "chat_template": chat_template.source if chat_template is not None else None}
+
+    @app.post("/tokenize", responses=responses(400, *guarded))
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ids = tokenizer.encode(body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": context}
+
+    @app.post("/detokenize", responses=responses(400, *guarded))
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
+            raise UserError(f"tokens: every id must be in [0, {tokenizer.vocab_size})")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def _generation_routes(app: FastAPI, engine: Engine, tokenizer: Codec, model_name: str,
+                       chat_template: ChatTemplate | None, metrics: Metrics, context: int,
+                       guarded: tuple[int, ...]) -> None:
+    """/v1/completions and /v1/chat/completions: both check the request, start its choices and answer whole or
+    as server-sent events; they differ in the prompt (given, or rendered from messages) and the answer's shape."""
+
+    @app.post("/v1/completions", response_model=None, responses=responses(400, 429, 500, *guarded))
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
+        arrived = time.perf_counter()
+        texts, encoded = _prompts(body, tokenizer)
+        if body.max_tokens == 0 and not body.echo:
+            raise UserError("max_tokens: 0 generates nothing; it is only meaningful with echo=true")
+        if body.echo and isinstance(tokenizer, PairText):
+            raise UserError("echo: an encoder-decoder's prompt is its source, which it does not score")
+        choices = _start(body, encoded, body.max_tokens, engine, tokenizer, metrics, arrived,
+                         score_prompt=body.echo and body.logprobs is not None)
+        if body.echo:
+            for c in choices:
+                c.prefix = texts[c.index // body.n]
+        header = Header({"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion",
+                         "created": int(time.time()), "model": model_name}, choices)
+
+        def chunk(c: Choice, text: str, first: bool) -> dict[str, Any]:
+            return {"index": c.index, "text": c.prefix + text if first else text, "finish_reason": c.finish_reason,
+                    "logprobs": None}
+
+        if body.stream:
+            return stream(choices, header, chunk, body, encoded)
+        await collect(choices, http)
+        answers = [{"index": c.index, "text": c.prefix + c.text, "finish_reason": c.finish_reason,
+                    "logprobs": c.completion_logprobs(body.logprobs) if body.logprobs is not None else None}
+                   for c in choices]
+        return {**header, "choices": answers, "usage": usage(choices, encoded, body.n)}
+
+    @app.post("/v1/chat/completions", response_model=None, responses=responses(400, 429, 500, *guarded))
+    async def chat(body: ChatRequest, http: HTTPRequest) -> Any:
+        arrived = time.perf_counter()
+        if chat_template is None:
+            raise UserError(NO_TEMPLATE)
+        text = chat_template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
+        encoded = [tokenizer.encode(text)]
+        if (body.top_logprobs or 0) > 0 and not body.logprobs:
+            raise UserError("top_logprobs: needs logprobs=true")
+        limit = body.max_completion_tokens or body.max_tokens or max(context - len(encoded[0]), 1)
+        choices = _start(body, encoded, limit, engine, tokenizer, metrics, arrived, score_prompt=False)
+        header = Header({"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
+                         "created": int(time.time()), "model": model_name}, choices)
+
+        def chunk(c: Choice, text: str, first: bool) -> dict[str, Any]:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": c.index, "delta": delta, "finish_reason": c.finish_reason, "logprobs": None}
+
+        if body.stream:
+            return stream(choices, header, chunk, body, encoded)
+        await collect(choices, http)
+        answers = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": c.chat_logprobs(body.top_logprobs or 0) if body.logprobs else None}
+                   for c in choices]
+        return {**header, "object": "chat.completion", "choices": answers, "usage": usage(choices, encoded, body.n)}
+
+
+def _prompts(body: CompletionRequest, tokenizer: Codec) -> tuple[list[str], list[list[int]]]:
+    """Each prompt's text and ids (an empty GPT prompt starts from end-of-text); ids are checked by the engine."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]  # type: ignore[list-item]
+    if not prompt:
         raise UserError("prompt: give at least one prompt")
-    if body.stop is not None and not all([body.stop] if isinstance(body.stop, str) else body.stop):
-        raise UserError("stop: every stop string must be non-empty")
-    if body.stream and body.logprobs is not None:
-        raise UserError("logprobs: not available with stream=true here; ask without streaming")
     starts = [] if isinstance(tokenizer, PairText) or tokenizer.eot_token is None else [tokenizer.eot_token]
-    encoded = [tokenizer.encode(p) if p else starts for p in prompts]
-    for ids in encoded:
-        engine.check(ids, body.max_tokens, body.temperature, body.top_p)
-    return encoded
+    texts, encoded = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            texts.append(p)
+            encoded.append(tokenizer.encode(p) if p else starts)
+        else:
+            if any(not 0 <= t < tokenizer.vocab_size for t in p):
+                raise UserError(f"prompt: token ids must be in [0, {tokenizer.vocab_size})", )
+            texts.append(tokenizer.decode(p))
+            encoded.append(list(p) or starts)
+    return texts, encoded
 
 
-def _choices(body: CompletionRequest, encoded: list[list[int]], tokenizer: Codec,
-             loop: asyncio.AbstractEventLoop) -> list[Choice]:
-    """`n` choices per prompt, each with the engine request that feeds it from the engine's thread."""
+def _logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
+    """The request's logit_bias with integer ids, each checked (OpenAI's range: a bias in [-100, 100])."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise UserError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})")
+        if not -100 <= value <= 100:
+            raise UserError(f"logit_bias: the bias {value} of token {key} is not in [-100, 100]")
+        bias[int(key)] = value
+    return bias
+
+
+def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_tokens: int, engine: Engine,
+           tokenizer: Codec, metrics: Metrics, arrived: float, *, score_prompt: bool) -> list[Choice]:
+    """Check the request, then submit `n` choices per prompt, each an engine request feeding it from the engine's
+    thread. A UserError is a 400 and a full queue a 429 (the choices already queued are cancelled)."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if not all(stops):
+        raise UserError("stop: every stop string must be non-empty")
+    if body.stream and (body.logprobs is not None if isinstance(body, CompletionRequest) else body.logprobs):
+        raise UserError("logprobs: not available with stream=true here; ask without streaming")
+    bias = _logit_bias(body, tokenizer.vocab_size)
+    for ids in encoded:
+        engine.check(ids, max_tokens, body.temperature, body.top_p)
+    loop = asyncio.get_running_loop()
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     choices: list[Choice] = []
     for ids in encoded:
         for j in range(body.n):
-            choice = Choice(len(choices), tokenizer, stops, tokenizer.eot_token)
+            choice = Choice(len(choices), tokenizer, stops, tokenizer.eot_token, metrics, arrived)
+            put = lambda kind, value, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, (kind, value))
             choice.request = Request(
-                ids, body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j,
-                emit=lambda *a, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, ("token", a)),
-                done=lambda reason, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, ("done", reason)))
+                ids, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j, logit_bias=bias,
+                ignore_eos=body.ignore_eos, emit=lambda *a, put=put: put("token", a),
+                done=lambda reason, put=put: put("done", reason),
+                prompt_logprobs=(lambda scored, put=put: put("prompt", scored)) if score_prompt else None)
+            if score_prompt:
+                choice.prompt_ids = ids
             choices.append(choice)
+    for k, choice in enumerate(choices):
+        if not engine.submit(choice.request):
+            for earlier in choices[:k]:
+                earlier.request.cancelled = True
+            raise HTTPException(429, "the server's queue is full: retry later")
+    metrics.prompt_tokens.inc(sum(len(ids) for ids in encoded) * body.n)
     return choices
 
 
-async def _next(choice: Choice) -> None:
-    """Take one engine event into the choice."""
-    kind, value = await choice.queue.get()
-    if kind == "token":
-        choice.add(*value)
-    elif value == "error":
-        raise RuntimeError("the engine failed while decoding this request (the server's log has the traceback)")
-    elif choice.finish_reason is None:
-        choice.finish_reason = "length" if value == "length" else "stop"
-
-
-async def _finish(choice: Choice, http: HTTPRequest) -> None:
-    """Wait for the choice's end; a disconnected client cancels it."""
-    while choice.finish_reason is None or not choice.queue.empty():
-        try:
-            await asyncio.wait_for(_next(choice), timeout=0.5)
-        except TimeoutError:
-            if await http.is_disconnected():
-                choice.request.cancelled = True
-                return
-        if choice.finish_reason is not None and choice.request.cancelled:
-            return
-
-
-async def _events(choices: list[Choice], header: dict[str, Any]) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per new piece of text of any choice, each choice's finish, then [DONE].
-    A disconnect cancels the generator here, and the choices with it."""
-    pending = {asyncio.ensure_future(_next(c)): c for c in choices}
-    try:
-        while pending:
-            finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in finished:
-                choice = pending.pop(task)
-                task.result()
-                text = choice.ready()
-                choice.sent += len(text)
-                if text or choice.finish_reason is not None:
-                    chunk = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason,
-                             "logprobs": None}
-                    yield f"data: {json.dumps({**header, 'choices': [chunk]})}\n\n"
-                if choice.finish_reason is None:
-                    pending[asyncio.ensure_future(_next(choice))] = choice
-        yield "data: [DONE]\n\n"
-    finally:
-        for task, choice in pending.items():
-            task.cancel()
-            choice.request.cancelled = True

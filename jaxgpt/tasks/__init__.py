@@ -2,8 +2,10 @@
 
 A task is the model, its data and its objective; the loop owns everything else (state, sharding,
 resume, evaluation cadence, checkpoints, logs). Language modelling (`lm`), seed 001's classification
-fine-tuning (`classify`) and the encoder-decoder on text pairs (`seq2seq`) are tasks; a new one implements
-`Task` and is added to `build`.
+fine-tuning (`classify`), the encoder-decoder on text pairs (`seq2seq`) and supervised fine-tuning on
+conversations (`chat`) are tasks; a new one implements `Task` and is added to `build`. A task may also have
+`run_files` ({name: text}), files the loop writes into the work directory when the run starts (the chat
+task's template).
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def build(cfg: TrainConfig) -> Task:
         from jaxgpt.tasks.seq2seq import Seq2Seq
 
         return Seq2Seq(cfg)
+    if cfg.task == "chat":
+        from jaxgpt.tasks.chat import Chat
+
+        return Chat(cfg)
     from jaxgpt.tasks.lm import LanguageModelling, open_dataset
 
     return LanguageModelling(cfg, open_dataset(cfg.data))

@@ -133,7 +133,7 @@ class Classification:
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         keys = ("labels", "cls_token_id", "max_len")
-        if saved_meta.get("model") != self.model_cfg.to_dict() or any(
+        if weights.changed_model_settings(saved_meta, self.model_cfg) or any(
                 saved_meta.get("classifier", {}).get(k) != self.meta["classifier"][k] for k in keys):
             raise UserError(f"{workdir} holds a classifier with a different model, labels, class token or "
                             "row width: choose a new --config.workdir")

@@ -21,7 +21,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import storage, weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, dummy_tokens
-from jaxgpt.ops.loss import chunked_cross_entropy
+from jaxgpt.ops.loss import chunked_cross_entropy, z_loss
 from jaxgpt.train.config import DataConfig, TrainConfig, base_config
 
 
@@ -151,15 +151,19 @@ class LanguageModelling:
     def _loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         """Mean cross-entropy: from all logits at once, or `loss_chunk` positions at a time (same value).
 
-        Training smooths the targets (`label_smoothing`); evaluation (`key` None) reports the plain loss."""
+        Training smooths the targets (`label_smoothing`) and adds the z-loss (`z_loss`); evaluation (`key`
+        None) reports the plain loss."""
         dropout = self._dropout and key is not None
         kwargs = {"deterministic": not dropout, "rngs": {"dropout": key} if dropout else None}
+        z_weight = self.cfg.z_loss if key is not None else 0.0
         if not self.cfg.loss_chunk:
             smoothing = self.cfg.label_smoothing if key is not None else 0.0
-            return cross_entropy(self.model.apply({"params": params}, batch["x"], **kwargs), batch["y"], smoothing)
+            logits_BTV = self.model.apply({"params": params}, batch["x"], **kwargs)
+            loss = cross_entropy(logits_BTV, batch["y"], smoothing)
+            return loss + z_weight * z_loss(logits_BTV).mean() if z_weight else loss
         h_BTC = self.model.apply({"params": params}, batch["x"], method=GPT.hidden, **kwargs)
         head = lambda h: self.model.apply({"params": params}, h, method=GPT.logits)
-        return chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk)
+        return chunked_cross_entropy(head, h_BTC, batch["y"], self.cfg.loss_chunk, z_weight)
 
     def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         return self._loss(params, batch, key), {}
@@ -173,9 +177,8 @@ class LanguageModelling:
         return jax.device_get(weights.load_for(self.cfg.init_from, self.model_cfg).params)
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
-        saved, now = saved_meta["model"], self.model_cfg.to_dict()
-        if saved != now:
-            diff = sorted(k for k in saved if saved[k] != now.get(k))
+        diff = weights.changed_model_settings(saved_meta, self.model_cfg)
+        if diff:
             raise UserError(f"the checkpoint in {workdir} was trained with different model settings {diff}: "
                             "use the same model config or a new --config.workdir")
 

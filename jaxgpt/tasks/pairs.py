@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxgpt.data.batches import held_out_split
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
 from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
 from jaxgpt.errors import UserError
@@ -184,16 +184,8 @@ def stdlib_pairs(root: Path | None = None, max_chars: int = 32) -> list[Pair]:
 
 
 def split(pairs: list[Pair], val_fraction: float) -> tuple[list[Pair], list[Pair]]:
-    """(train, val): a pair is held out by a hash of its source, so the split is the same for every run and
-    seed, and a source repeated in the data (several translations of one sentence) is on one side only."""
-    bound = int(val_fraction * 2**32)
-    held = [int.from_bytes(hashlib.sha256(s.encode()).digest()[:4], "little") < bound for s, _ in pairs]
-    train = [p for p, h in zip(pairs, held, strict=True) if not h]
-    val = [p for p, h in zip(pairs, held, strict=True) if h]
-    if not train or not val:
-        raise UserError(f"{len(pairs)} pairs are too few to hold out {val_fraction:.0%} for validation and keep "
-                        "some for training: add pairs or change config.seq2seq.val_fraction")
-    return train, val
+    """(train, val), held out by source: several translations of one sentence stay on one side."""
+    return held_out_split(pairs, lambda pair: pair[0].encode(), val_fraction, "pairs", "config.seq2seq.val_fraction")
 
 
 def load_pairs(data: str, val_fraction: float, examples: int, symbols: int,

@@ -27,6 +27,7 @@ import numpy as np
 from jaxgpt.data.batches import batch_indices, process_share
 from jaxgpt.errors import UserError
 from jaxgpt.generate.seq2seq import greedy
+from jaxgpt.io import weights
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.model.encdec import EncoderDecoder, dummy_batch
 from jaxgpt.tasks.lm import token_cross_entropy
@@ -136,7 +137,8 @@ class Seq2Seq:
         return None
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
-        if saved_meta.get("model") != self.model_cfg.to_dict() or saved_meta.get("tokenizer") != self.tokenizer_meta:
+        if (weights.changed_model_settings(saved_meta, self.model_cfg)
+                or saved_meta.get("tokenizer") != self.tokenizer_meta):
             raise UserError(f"{workdir} holds a run with a different model or vocabulary: use the same config and "
                             "data, or a new --config.workdir")
 

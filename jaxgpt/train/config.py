@@ -26,9 +26,10 @@ from jaxgpt.model.config import ModelConfig, model_config_from_dict
 from jaxgpt.model.presets import get_preset
 from jaxgpt.train.optim import OptimConfig
 
-TASKS = ("lm", "classify", "seq2seq")
+TASKS = ("lm", "classify", "seq2seq", "chat")
 # Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
-_UNSET_TYPES = {"head_dim": int, "d_ff": int, "pad_id": int, "vocab_size": int}
+_UNSET_TYPES = {"head_dim": int, "d_ff": int, "n_kv_head": int, "pad_id": int, "vocab_size": int, "rope_theta": float,
+                "logit_softcap": float}
 # The closing sample's length: its tokens are int32 positions and a (1, n) buffer; beyond this it is a typo.
 MAX_NEW_TOKENS = 1 << 20
 
@@ -37,7 +38,7 @@ MAX_NEW_TOKENS = 1 << 20
 # runs. workdir, data.dir and the cache may be bucket URLs; a built-in task name is no path and passes.
 LOCATION_KEYS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "data.dir": storage.ANYWHERE,
                  "data.bpe_file": storage.LOCAL, "data.csv": storage.LOCAL, "classify.data": storage.LOCAL,
-                 "seq2seq.data": storage.LOCAL, "eval.hellaswag_data": storage.LOCAL,
+                 "seq2seq.data": storage.LOCAL, "chat.data": storage.LOCAL, "eval.hellaswag_data": storage.LOCAL,
                  "compilation_cache_dir": storage.ANYWHERE}
 
 
@@ -101,6 +102,23 @@ class Seq2SeqTaskConfig:
                             "e.g. 0.05")
         _at_least("seq2seq.", {k: getattr(self, k) for k in ("word_vocab", "examples", "symbols", "length",
                                                                "n_encoder_layer")}, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatConfig:
+    """Task "chat": supervised fine-tuning on conversations (jaxgpt/tasks/chat.py); model and tokenizer from
+    init_from, the chat format's special tokens added to that tokenizer."""
+
+    data: str = "builtin"  # "builtin" (seeded conversations with checkable answers) or a .jsonl of {"messages": [...]}
+    tasks: str = "arithmetic,reverse,count,fact"  # "builtin": which generators, comma-separated
+    examples: int = 20000  # "builtin": conversations generated (train + held-out)
+    val_fraction: float = 0.05  # conversations held out (by a hash of the prompt) for loss and exact match
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"config.chat.val_fraction={self.val_fraction} must be between 0 and 1 (exclusive), "
+                            "e.g. 0.05")
+        _at_least("chat.", {"examples": self.examples}, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +191,7 @@ class TrainConfig:
 
     # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify);
     # "seq2seq": the encoder-decoder on source/target pairs (c.seq2seq; model.n_layer is the decoder's layers)
+    # "chat": supervised fine-tuning on conversations (c.chat; model and tokenizer from init_from)
     task: str = "lm"
     workdir: str = ""  # where checkpoints, logs and the resolved config go (required): a path, gs:// or s3:// URL
     seed: int = 0  # data order, init and dropout all derive from it
@@ -182,8 +201,10 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     classify: ClassifyConfig = dataclasses.field(default_factory=ClassifyConfig)
     seq2seq: Seq2SeqTaskConfig = dataclasses.field(default_factory=Seq2SeqTaskConfig)
+    chat: ChatConfig = dataclasses.field(default_factory=ChatConfig)
     label_smoothing: float = 0.0  # lm and seq2seq: targets smoothed toward uniform (optax.smooth_labels; paper: 0.1)
     loss_chunk: int = 0  # language modelling: positions per chunk of the cross-entropy (0: all logits at once)
+    z_loss: float = 0.0  # lm: weight of mean(logsumexp(logits)^2) added to the training loss (PaLM: 1e-4; 0: off)
     batch_size: int = 32  # global sequences per optimizer step, summed over micro-batches and hosts
     grad_accum: int = 1  # micro-batches per step (batch_size / grad_accum sequences each)
     max_steps: int = 2000
@@ -240,6 +261,8 @@ class TrainConfig:
             raise UserError("config.label_smoothing applies to tasks lm and seq2seq: set it to 0 for classify")
         if self.eval.hellaswag and self.task != "lm":
             raise UserError(f"config.eval.hellaswag scores a language model: leave it False for task {self.task!r}")
+        if self.z_loss < 0 or (self.z_loss and self.task != "lm"):
+            raise UserError(f"config.z_loss={self.z_loss} must be >= 0 and applies to task lm only (0 turns it off)")
         if self.label_smoothing and self.loss_chunk:
             raise UserError("config.label_smoothing needs the dense loss: set config.loss_chunk=0")
 

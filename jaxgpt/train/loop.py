@@ -24,7 +24,7 @@ from jaxgpt import tasks
 from jaxgpt.data.tokenizer import tokenizer_from_meta
 from jaxgpt.errors import StorageError, UserError
 from jaxgpt.io import storage
-from jaxgpt.train import resume, rundir, runtime
+from jaxgpt.train import optim, resume, rundir, runtime
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.checkpoint import Checkpointer, state_bytes
 from jaxgpt.train.chips import peak_flops_for
@@ -85,9 +85,13 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, lock: 
         if is_main:
             lock.record_holder()
             rundir.record_start(workdir, cfg.settings, start)
+            for name, text in getattr(task, "run_files", {}).items():
+                storage.write_text(workdir / name, text)
             n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
             print(f"model: {n_params:,} parameters; mesh {dict(mesh.shape)}; "
                   f"{'resuming at step ' + str(start) if start else 'starting from step 0'}", flush=True)
+            if cfg.optim.optimizer == "muon":
+                print(optim.describe_groups(prog.param_axes, state["params"], cfg.optim), flush=True)
         t0 = time.perf_counter()
         compiled = prog.train_step.lower(state, feed.batch(start), dropout_key).compile()
         compile_s = time.perf_counter() - t0

@@ -20,6 +20,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.train.checkpoint import Checkpointer, CheckpointReadError
 from jaxgpt.train.config import TrainConfig
+from jaxgpt.train.optim import OptimConfig
 
 # What makes two datasets the same for training: the tokens and how to read them (not where they came from).
 DATA_KEYS = ("tokenizer", "vocab_size", "n_train", "n_val", "train_sha256", "val_sha256", "shards")
@@ -45,15 +46,18 @@ def trajectory(cfg: TrainConfig, model: dict[str, Any], task_meta: dict[str, Any
         values["data"]["align_documents"] = True
     if cfg.label_smoothing:  # absent at 0, so runs saved before the setting existed resume unchanged
         values["label_smoothing"] = cfg.label_smoothing
+    if cfg.z_loss:  # likewise
+        values["z_loss"] = cfg.z_loss
     if cfg.task in ("classify", "seq2seq"):
         values[cfg.task] = dataclasses.asdict(getattr(cfg, cfg.task))
     return flatten(json.loads(json.dumps(values)))  # as a checkpoint's JSON gives it back (tuples as lists)
 
 
 def changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Keys whose values differ. A model key that a saved run predates counts as its ModelConfig default:
-    a model setting added later, at its default, trains the same run as before it existed."""
-    defaults = flatten(json.loads(json.dumps({"model": ModelConfig().to_dict()})))
+    """Keys whose values differ. A model or optimizer key that a saved run predates counts as its default:
+    a setting added later, at its default, trains the same run as before it existed."""
+    defaults = flatten(json.loads(json.dumps({"model": ModelConfig().to_dict(),
+                                              "optim": dataclasses.asdict(OptimConfig())})))
     return sorted(k for k in saved.keys() | now.keys() if saved.get(k, defaults.get(k)) != now.get(k))
 
 

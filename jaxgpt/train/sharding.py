@@ -46,6 +46,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("embed", "fsdp"),
     ("position", None),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # grouped-query attention's K key/value heads (replicated when tensor does not divide K)
     ("head_dim", None),
     ("mlp", "tensor"),
     ("classes", None),
@@ -108,6 +109,7 @@ class ModelSizes:
 
     attention_impl: str
     n_head: int
+    n_kv_head: int
     d_ff: int
     n_embd: int
     vocab_sizes: tuple[int, ...]  # the rows of every token table: all shard as "vocab"
@@ -117,14 +119,17 @@ def model_sizes(cfg: ModelConfig | Seq2SeqConfig) -> ModelSizes:
     """A GPT's sizes, or an encoder-decoder's: both stacks share the width and heads, not the vocabularies."""
     mc = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
     vocabs = (mc.vocab_size, cfg.src_vocab_size) if isinstance(cfg, Seq2SeqConfig) else (mc.vocab_size,)
-    return ModelSizes(mc.attention_impl, mc.n_head, mc.d_ff, mc.n_embd, vocabs)
+    return ModelSizes(mc.attention_impl, mc.n_head, mc.n_kv_head, mc.d_ff, mc.n_embd, vocabs)
 
 
 def rules_for(sizes: ModelSizes, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
-    """The rules table, except that a vocabulary the tensor axis does not divide (GPT-2's 50257) is replicated."""
-    if all(v % mesh.shape["tensor"] == 0 for v in sizes.vocab_sizes):
-        return LOGICAL_RULES
-    return tuple((name, None if name == "vocab" else axes) for name, axes in LOGICAL_RULES)
+    """The rules table, except that a vocabulary the tensor axis does not divide (GPT-2's 50257) is replicated,
+    and so are key/value heads it does not divide (multi-query attention's one head): each device then computes
+    them all, a small cost next to the query heads it splits."""
+    tensor = mesh.shape["tensor"]
+    replicate = {name for name, fits in (("vocab", all(v % tensor == 0 for v in sizes.vocab_sizes)),
+                                          ("kv_heads", sizes.n_kv_head % tensor == 0)) if not fits}
+    return tuple((name, None if name in replicate else axes) for name, axes in LOGICAL_RULES)
 
 
 def logical_to_sharding(specs: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
@@ -170,6 +175,7 @@ class Program:
     mesh: Mesh
     rules: tuple[tuple[str, Any], ...]
     tx: optax.GradientTransformation
+    param_axes: Any  # every parameter's logical axis names (nn.get_partition_spec): its role, for the optimizer
     state_sh: dict[str, Any]  # {"params", "opt_state", "step"} -> pytrees of NamedSharding
     batch_sh: dict[str, NamedSharding]  # training batches (A micro-batches, b rows, ...): rows over data x fsdp
     eval_sh: dict[str, NamedSharding]  # evaluation batches (b rows, ...)
@@ -191,11 +197,13 @@ class Program:
 def abstract_opt_state(tx: optax.GradientTransformation, abstract: Any, param_sh: Any, repl: NamedSharding) -> Any:
     """Optimizer state shapes with shardings: moments follow their parameter, counters are replicated.
 
-    Explicit, because `tx.init` under jit would otherwise put every moment on one device.
+    Explicit, because `tx.init` under jit would otherwise put every moment on one device. A partitioned
+    optimizer's (Muon's) moments hold optax.MaskedNode where another group owns the parameter: kept as is.
     """
     shapes = jax.eval_shape(tx.init, abstract)
-    shardings = optax.tree_map_params(tx, lambda _, s: s, shapes, param_sh, transform_non_params=lambda _: repl,
-                                      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    shardings = optax.tree_map_params(tx, lambda s, sh: s if isinstance(s, optax.MaskedNode) else sh, shapes,
+                                      param_sh, transform_non_params=lambda _: repl,
+                                      is_leaf=lambda x: isinstance(x, (jax.ShapeDtypeStruct, optax.MaskedNode)))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
@@ -210,10 +218,11 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
         raise UserError("model.attention_impl='splash' is TPU flash attention (CPUs run it in Pallas interpret mode, "
                         "for tests): on GPUs use 'cudnn' or 'auto'")
     check_divisibility(cfg, mesh, batch_size, grad_accum)
-    tx = make_optimizer(optim, d_model=cfg.n_embd)
     rules = rules_for(cfg, mesh)
     boxed = jax.eval_shape(task.model.init, jax.random.key(0), *task.example_inputs())["params"]  # nothing allocated
-    param_sh = logical_to_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    axes = nn.get_partition_spec(boxed)
+    tx = make_optimizer(optim, d_model=cfg.n_embd, axes=axes)
+    param_sh = logical_to_sharding(axes, mesh, rules)
     repl = replicated(mesh)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), param_sh)
     opt_state = abstract_opt_state(tx, params, param_sh, repl)
@@ -225,8 +234,8 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
     train_step = jax.jit(make_train_step(task.loss, tx), in_shardings=(state_sh, batch_sh, repl),
                          out_shardings=(state_sh, repl), donate_argnums=(0,))
     eval_step = jax.jit(task.evaluate, in_shardings=(param_sh, eval_sh), out_shardings=repl)
-    return Program(mesh=mesh, rules=rules, tx=tx, state_sh=state_sh, batch_sh=batch_sh, eval_sh=eval_sh,
-                   abstract_state=abstract_state, train_step=train_step, eval_step=eval_step)
+    return Program(mesh=mesh, rules=rules, tx=tx, param_axes=axes, state_sh=state_sh, batch_sh=batch_sh,
+                   eval_sh=eval_sh, abstract_state=abstract_state, train_step=train_step, eval_step=eval_step)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,274 @@
+"""Conversations for chat fine-tuning: the OpenAI `messages` format, jaxgpt's chat format, and built-in tasks.
+
+A conversation is a list of messages `{"role": ..., "content": ...}`: an optional system message first, then
+user and assistant turns alternating, starting with a user turn and ending with an assistant turn. Files are
+`.jsonl`, one `{"messages": [...]}` object per line (OpenAI's fine-tuning format); a malformed line is one
+UserError naming FILE:LINE and what is wrong.
+
+The chat format wraps every turn in special tokens that are added to the run's tokenizer
+(`jaxgpt.data.tokenizer.WithSpecialTokens`):
+
+    <|system|>You answer briefly.<|end|><|user|>What is 2 + 3?<|end|><|assistant|>5<|end|>
+
+The system message is a turn of its own at the start (the format's place for it); a reply is prompted by
+`<|assistant|>` and ends at `<|end|>`, the stop token. The same format is written as a Hugging Face-style Jinja2
+chat template (`CHAT_TEMPLATE`, saved as `chat_template.jinja` in the run), which `jaxgpt serve` renders to text
+and encodes with the run's tokenizer; `encode_conversation` builds the same ids message by message so that it
+also knows which tokens are the assistant's (the loss mask), and tests check the two agree.
+
+Built-in conversations (`builtin_conversations`) need no download: a seeded generator of small tasks with one
+checkable answer each (adding or subtracting numbers, spelling a random string backwards, counting a letter in one,
+a fact about a random name from the system message): held-out prompts test the skill, not recall of training data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+
+from jaxgpt.data.batches import held_out_split
+from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens
+from jaxgpt.errors import UserError
+
+Message = dict[str, str]
+Conversation = list[Message]
+
+ROLES = ("system", "user", "assistant")
+END = "<|end|>"
+ROLE_TOKENS = {role: f"<|{role}|>" for role in ROLES}
+SPECIAL_TOKENS = (*ROLE_TOKENS.values(), END)
+# The format as a Jinja2 chat template (variables: messages, add_generation_prompt; bos_token and eos_token are
+# not needed, the special tokens are spelled out). One line: trim_blocks/lstrip_blocks then change nothing.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+TEMPLATE_FILE = "chat_template.jinja"  # a run's own template, in its workdir (saved by task chat, read by serve)
+# Entropy appended to the seed of the built-in generator, apart from the batch streams of jaxgpt.data.batches.
+BUILTIN_STREAM = 5
+BUILTIN_TASKS = ("arithmetic", "reverse", "count", "fact")
+
+
+def _refuse(message: str) -> NoReturn:
+    raise UserError(f"the chat template refused the conversation: {message}")
+
+
+class ChatTemplate:
+    """A Hugging Face-format Jinja2 chat template, compiled once; `render` is safe to call from any thread.
+
+    It sees `messages`, `add_generation_prompt`, `bos_token` and `eos_token`, and may call
+    `raise_exception(message)`; it renders in jinja2's sandbox with trim_blocks and lstrip_blocks, as transformers
+    renders `apply_chat_template`, so a template renders the same text in both. It lives beside the chat format
+    so that the format's own template (CHAT_TEMPLATE) and any other render through one code path, for `jaxgpt
+    serve` and for the tests that check `encode_conversation` against it."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        import jinja2  # an extra (serve, test): training on conversations never renders a template
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        self._errors = jinja2.TemplateError
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _refuse
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise UserError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`; a UserError when the template fails on them."""
+        try:
+            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except self._errors as e:
+            raise UserError(f"the chat template failed on these messages: {e}") from None
+
+
+def chat_tokenizer(base: Tokenizer) -> WithSpecialTokens:
+    """`base` with the chat format's special tokens; a tokenizer that already has exactly them is kept."""
+    if isinstance(base, WithSpecialTokens):
+        if base.specials != list(SPECIAL_TOKENS):
+            raise UserError(f"the weights' tokenizer has special tokens {base.specials}, not the chat format's "
+                            f"{list(SPECIAL_TOKENS)}: fine-tune from a base model or a jaxgpt chat run")
+        return base
+    return WithSpecialTokens(base, SPECIAL_TOKENS)
+
+
+def conversation_error(obj: object) -> str | None:
+    """What is wrong with one parsed line (`{"messages": [...]}`), or None when it is a valid conversation."""
+    messages = obj.get("messages") if isinstance(obj, dict) else None
+    if not isinstance(messages, list) or not messages:
+        return 'expected an object with a non-empty "messages" list'
+    expected = "user"
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            return f'message {i} is not an object with a string "content"'
+        role = m.get("role")
+        if role not in ROLES:
+            return f"message {i} has unknown role {role!r} (roles: {', '.join(ROLES)})"
+        if i == 1 and role == "system" and len(messages) > 1:
+            continue
+        if role != expected:
+            return (f"turns out of order: message {i} is {role!r} where {expected!r} was expected (an optional system "
+                    "message, then user and assistant turns alternating from user)")
+        expected = "assistant" if role == "user" else "user"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant turn"
+    if messages[-1]["role"] != "assistant":
+        return "the last turn is not the assistant's (nothing to learn from it)"
+    if any(special in m["content"] for m in messages for special in SPECIAL_TOKENS):
+        return f"a message contains a special token of the chat format ({', '.join(SPECIAL_TOKENS)})"
+    return None
+
+
+def load_jsonl(path: str | Path) -> list[tuple[int, Conversation]]:
+    """(line number, conversation) of every conversation of a .jsonl file (blank lines skipped); the first bad line
+    is a UserError FILE:LINE."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read conversations from {path}: {e}") from None
+    conversations = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
+        if (error := conversation_error(obj)) is not None:
+            raise UserError(f"{path}:{n}: {error}")
+        conversations.append((n, [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]))
+    if not conversations:
+        raise UserError(f"{path} holds no conversations: give one JSON object per line, "
+                        '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}')
+    return conversations
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """One conversation as ids with, per token, whether the model is trained to produce it."""
+
+    ids: np.ndarray  # (L,) int32
+    assistant: np.ndarray  # (L,) bool: the assistant's content and its end token
+    answer: np.ndarray  # (L,) bool: the same, for the last assistant turn only (what exact match checks)
+    turn_ends: tuple[int, ...]  # the length after each assistant turn: where the conversation may be cut
+
+
+def encode_conversation(tokenizer: WithSpecialTokens, messages: Conversation) -> Encoded:
+    """Ids of `messages` in the chat format, equal to encoding CHAT_TEMPLATE's rendering (no generation prompt)."""
+    end_id = tokenizer.special_ids[END]
+    ids: list[int] = []
+    assistant: list[bool] = []
+    turn_ends = []
+    for m in messages:
+        content = tokenizer.encode(m["content"])
+        ids += [tokenizer.special_ids[ROLE_TOKENS[m["role"]]], *content, end_id]
+        mine = m["role"] == "assistant"
+        assistant += [False] + [mine] * (len(content) + 1)
+        if mine:
+            turn_ends.append(len(ids))
+    assistant_L = np.array(assistant, bool)
+    answer_L = assistant_L & (np.arange(len(ids)) >= turn_ends[-1] - len(content) - 1)
+    return Encoded(np.array(ids, np.int32), assistant_L, answer_L, tuple(turn_ends))
+
+
+def fit_context(encoded: Encoded, max_tokens: int) -> Encoded | None:
+    """`encoded` cut after its last assistant turn that ends within `max_tokens`, or None when none does."""
+    if len(encoded.ids) <= max_tokens:
+        return encoded
+    ends = [e for e in encoded.turn_ends if e <= max_tokens]
+    if not ends:
+        return None
+    n = ends[-1]
+    start = ends[-2] if len(ends) > 1 else 0  # the last kept assistant turn lies between the previous end and n
+    answer = encoded.assistant[:n] & (np.arange(n) >= start)
+    return Encoded(encoded.ids[:n], encoded.assistant[:n], answer, tuple(ends))
+
+
+def to_rows(encoded: Sequence[Encoded], width: int) -> dict[str, np.ndarray]:
+    """One conversation per row, right-padded to `width` + 1 ids: inputs x, targets y, and the loss masks of
+    the targets. Padding follows the conversation, so causal attention never lets a real token see it."""
+    ids_NW = np.zeros((len(encoded), width + 1), np.int32)
+    assistant_NW = np.zeros((len(encoded), width + 1), np.float32)
+    answer_NW = np.zeros((len(encoded), width + 1), np.float32)
+    for i, e in enumerate(encoded):
+        ids_NW[i, :len(e.ids)], assistant_NW[i, :len(e.ids)], answer_NW[i, :len(e.ids)] = e.ids, e.assistant, e.answer
+    return {"x": ids_NW[:, :-1], "y": ids_NW[:, 1:], "loss_mask": assistant_NW[:, 1:], "answer_mask": answer_NW[:, 1:]}
+
+
+def split_held_out(conversations: list[Conversation], val_fraction: float) -> tuple[list, list]:
+    """(train, val), held out by prompt (everything before the last assistant turn): a prompt repeated in the
+    data is on one side only."""
+    return held_out_split(conversations, lambda c: json.dumps(c[:-1], sort_keys=True).encode(), val_fraction,
+                          "conversations", "config.chat.val_fraction")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Built-in conversations
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+ATTRIBUTES = ("code", "pet", "city", "lucky number")  # a fact's value: a random word, or a number for the last
+# Operands of the arithmetic task. Held-out conversations are split by prompt (`split_held_out`), so a held-out
+# sum or difference is a pair of operands never seen in training: the task tests carrying digits, not recall.
+MAX_OPERAND = 19
+
+
+def _word(rng: np.random.Generator, low: int = 3, high: int = 6) -> str:
+    """A random string of `low`..`high` lowercase letters: with 26**3 or more of each length, a held-out string
+    is almost never a training string, so a held-out answer cannot be recalled, only worked out."""
+    return "".join(LETTERS[i] for i in rng.integers(len(LETTERS), size=int(rng.integers(low, high + 1))))
+
+
+def _arithmetic(rng: np.random.Generator) -> Conversation:
+    a, b = (int(v) for v in rng.integers(0, MAX_OPERAND + 1, 2))
+    if rng.random() < 0.5:
+        op, answer = "+", a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        op, answer = "-", a - b
+    return [{"role": "user", "content": f"What is {a} {op} {b}?"}, {"role": "assistant", "content": str(answer)}]
+
+
+def _reverse(rng: np.random.Generator) -> Conversation:
+    word = _word(rng)
+    return [{"role": "user", "content": f"Spell '{word}' backwards."}, {"role": "assistant", "content": word[::-1]}]
+
+
+def _count(rng: np.random.Generator) -> Conversation:
+    """A letter placed 0 to 3 times in a random string of other letters, each count equally likely: with the
+    letter drawn from the string instead, most answers are 1, and a model that always says 1 scores well."""
+    letter = LETTERS[int(rng.integers(len(LETTERS)))]
+    others = LETTERS.replace(letter, "")
+    chars = [others[i] for i in rng.integers(len(others), size=int(rng.integers(3, 7)))]
+    for position in rng.choice(len(chars), size=min(int(rng.integers(4)), len(chars)), replace=False):
+        chars[position] = letter
+    word = "".join(chars)
+    return [{"role": "user", "content": f"How many times does the letter '{letter}' appear in '{word}'?"},
+            {"role": "assistant", "content": str(word.count(letter))}]
+
+
+def _fact(rng: np.random.Generator) -> Conversation:
+    """A random name and value, so the answer can only come from the system message, never from memory."""
+    name, attribute = _word(rng).capitalize(), ATTRIBUTES[int(rng.integers(len(ATTRIBUTES)))]
+    value = str(int(rng.integers(10, 100))) if attribute == "lucky number" else _word(rng)
+    return [{"role": "system", "content": f"{name}'s {attribute} is {value}."},
+            {"role": "user", "content": f"What is {name}'s {attribute}?"},
+            {"role": "assistant", "content": value}]
+
+
+_GENERATORS = {"arithmetic": _arithmetic, "reverse": _reverse, "count": _count, "fact": _fact}
+
+
+def builtin_conversations(seed: int, n: int, tasks: Sequence[str] = BUILTIN_TASKS) -> list[Conversation]:
+    """`n` conversations, from each of `tasks` in turn (a pure function of (seed, n, tasks)); each has one right
+    answer, its assistant turn. Training batches are shuffled (`batch_indices`), so the order does not matter."""
+    unknown = [t for t in tasks if t not in _GENERATORS]
+    if unknown or not tasks:
+        raise UserError(f"config.chat.tasks: unknown built-in task(s) {unknown}: choose from "
+                        f"{', '.join(BUILTIN_TASKS)}")
+    rng = np.random.Generator(np.random.PCG64([seed, BUILTIN_STREAM]))
+    return [_GENERATORS[tasks[i % len(tasks)]](rng) for i in range(n)]

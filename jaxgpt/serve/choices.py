@@ -1,0 +1,195 @@
+"""A request's choices as the handlers see them: each one engine request whose tokens, prompt log-probabilities
+and end reach the event loop through an asyncio queue, its text so far (cut where a stop string appears), and the
+bodies OpenAI's clients parse (completions and chat logprobs, usage, server-sent events)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.generate.engine import Request
+from jaxgpt.serve.metrics import Metrics
+from jaxgpt.serve.protocol import Sampling, error_body
+from jaxgpt.tasks.pairs import PairText
+
+Codec = Tokenizer | PairText  # a GPT's tokenizer, or an encoder-decoder's source/target text
+
+
+@dataclasses.dataclass
+class Choice:
+    """One choice's tokens as they arrive, its text so far, and where stop strings cut it."""
+
+    index: int
+    tokenizer: Codec
+    stops: list[str]
+    eot_token: int | None
+    metrics: Metrics
+    arrived: float  # time.perf_counter() when its HTTP request arrived
+    prefix: str = ""  # the prompt's text, when echoed
+    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    generated: int = 0  # tokens the engine produced for it (end-of-text included)
+    last_token: float | None = None
+    text: str = ""
+    sent: int = 0  # characters already streamed
+    finish_reason: str | None = None
+    request: Request | None = None
+
+    def add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
+        now = time.perf_counter()
+        if self.last_token is None:
+            self.metrics.first_token.observe(now - self.arrived)
+        else:
+            self.metrics.inter_token.observe(now - self.last_token)
+        self.last_token = now
+        self.metrics.generated_tokens.inc()
+        if self.finish_reason is not None:  # decoded in the step that a stop string ended the choice
+            return
+        self.generated += 1
+        if token != self.eot_token:
+            self.ids.append(token)
+            self.logprobs.append((logprob, top))
+            self.text = self.tokenizer.decode(self.ids)
+        for stop in self.stops:
+            if (cut := self.text.find(stop)) >= 0:
+                self.text, self.finish_reason = self.text[:cut], "stop"
+                assert self.request is not None
+                self.request.cancelled = True  # the slot frees before the next step
+
+    def ready(self) -> str:
+        """Text that can be streamed now: none that a stop string could still claim or a partial character."""
+        if self.finish_reason is not None:
+            return self.text[self.sent:]
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        end = len(self.text) - hold
+        while end > self.sent and self.text[end - 1] == "\ufffd":
+            end -= 1
+        return self.text[self.sent:max(end, self.sent)]
+
+    def kept(self) -> int:
+        """How many generated tokens the answer's text holds (a stop string cuts the rest)."""
+        if self.finish_reason != "stop":
+            return len(self.ids)
+        return sum(1 for start in offsets([self.tokenizer.decode([t]) for t in self.ids]) if start < len(self.text))
+
+    def completion_logprobs(self, k: int) -> dict[str, Any]:
+        """OpenAI's completions logprobs: each token (the prompt's first when echoed, whose log-probability is
+        null: nothing precedes it), its log-probability, the `k` most likely alternatives, its text offset."""
+        decode = lambda t: self.tokenizer.decode([t])
+        keep = self.kept()
+        tokens = [decode(t) for t in self.prompt_ids] + [decode(t) for t in self.ids[:keep]]
+        scored = ([] if self.prompt_logprobs is None else self.prompt_logprobs) + self.logprobs[:keep]
+        first: list[Any] = [None] if self.prompt_ids else []
+        return {"tokens": tokens, "token_logprobs": first + [lp for lp, _ in scored],
+                "top_logprobs": first + [{decode(i): lp for i, lp in top[:k]} for _, top in scored],
+                "text_offset": offsets(tokens)}
+
+    def chat_logprobs(self, k: int) -> dict[str, Any]:
+        """OpenAI's chat logprobs: for each generated token its text, bytes, log-probability and top `k`."""
+        entry = lambda t, lp: {"token": (s := self.tokenizer.decode([t])), "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top[:k]]}
+                            for t, (lp, top) in zip(self.ids[:self.kept()], self.logprobs, strict=False)],
+                "refusal": None}
+
+
+def offsets(pieces: list[str]) -> list[int]:
+    """Where each piece starts in their concatenation."""
+    return [0, *itertools.accumulate(len(p) for p in pieces)][:len(pieces)]
+
+
+def usage(choices: list[Choice], encoded: list[list[int]], n: int) -> dict[str, int]:
+    prompt, completion = sum(len(ids) for ids in encoded) * n, sum(c.generated for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class EngineFailedError(Exception):
+    """The engine failed while decoding a request (its thread printed the traceback)."""
+
+
+async def next_event(choice: Choice) -> None:
+    """Take one engine event into the choice."""
+    kind, value = await choice.queue.get()
+    if kind == "token":
+        choice.add(*value)
+    elif kind == "prompt":
+        choice.prompt_logprobs = value
+    elif value == "error":
+        raise EngineFailedError("the engine failed while decoding this request (the server's log has the traceback)")
+    elif choice.finish_reason is None:
+        choice.finish_reason = "length" if value == "length" else "stop"
+
+
+async def finish(choice: Choice, http: HTTPRequest) -> None:
+    """Wait for the choice's end; a disconnected client cancels it."""
+    while choice.finish_reason is None or not choice.queue.empty():
+        try:
+            await asyncio.wait_for(next_event(choice), timeout=0.5)
+        except TimeoutError:
+            if await http.is_disconnected():
+                choice.request.cancelled = True
+                return
+        if choice.finish_reason is not None and choice.request.cancelled:
+            return
+
+
+async def collect(choices: list[Choice], http: HTTPRequest) -> None:
+    """Every choice to its end; an engine failure is a 500 (raised as an HTTPException)."""
+    try:
+        await asyncio.gather(*(finish(c, http) for c in choices))
+    except EngineFailedError as e:
+        raise HTTPException(500, str(e)) from None
+    finally:
+        for c in choices:
+            c.request.cancelled = c.request.cancelled or c.finish_reason is None
+
+
+def stream(choices: list[Choice], header: dict[str, Any],
+                  chunk: Callable[[Choice, str, bool], dict[str, Any]], body: Sampling, encoded: list[list[int]]
+                  ) -> StreamingResponse:
+    """Server-sent events: a chunk per new piece of text of any choice (`chunk` shapes it), each choice's finish,
+    the usage when stream_options asks, then [DONE]. A disconnect cancels the generator, and the choices with it."""
+
+    async def events() -> AsyncIterator[str]:
+        pending = {asyncio.ensure_future(next_event(c)): c for c in choices}
+        started: set[int] = set()
+        try:
+            while pending:
+                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    choice = pending.pop(task)
+                    try:
+                        task.result()
+                    except EngineFailedError as e:
+                        yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+                        return
+                    text = choice.ready()
+                    choice.sent += len(text)
+                    if text or choice.finish_reason is not None:
+                        first = choice.index not in started
+                        started.add(choice.index)
+                        yield f"data: {json.dumps({**header, 'choices': [chunk(choice, text, first)]})}\n\n"
+                    if choice.finish_reason is None:
+                        pending[asyncio.ensure_future(next_event(choice))] = choice
+            if body.stream_options is not None and body.stream_options.include_usage:
+                last = {**header, "choices": [], "usage": usage(choices, encoded, body.n)}
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for task, choice in pending.items():
+                task.cancel()
+                choice.request.cancelled = True
+
+    return StreamingResponse(events(), media_type="text/event-stream")

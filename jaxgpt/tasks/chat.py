@@ -1,0 +1,263 @@
+"""Chat: supervised fine-tuning (SFT) of a language model on conversations, on the one loop.
+
+The model and base tokenizer come from `init_from` (a jaxgpt run, a Hugging Face GPT-2 directory or a preset);
+the chat format's special tokens are added to that tokenizer (`jaxgpt.data.conversations`), and when they do
+not fit the model's vocabulary its token table (and untied head) grows by their rows, started at the mean of the
+existing rows plus noise of their spread, so the new tokens begin as typical tokens rather than as outliers.
+
+Each row holds one conversation, right-padded to the longest conversation that fits `model.block_size` (longer
+ones are cut after their last assistant turn that fits, or dropped; both counted). Padding comes after the
+conversation, so causal attention keeps it unseen and the model needs no mask; packing several conversations
+into a row would need document masks (segment ids) in `jaxgpt.model.gpt`, which it does not have. The loss is
+the mean cross-entropy over the assistant's tokens and their end tokens only.
+
+Evaluation reports the loss on held-out conversations and exact match: the fraction whose last assistant turn is
+predicted token for token (end token included) by argmax given the conversation before it. That is exactly
+whether greedy decoding from the prompt writes the reference answer and stops, without a decoding loop. It
+trains on the one loop:
+
+    python train.py --config configs/chat_sft.py [--config.chat.data=conversations.jsonl ...]
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.data.batches import batch_indices, process_share
+from jaxgpt.data.conversations import (
+    CHAT_TEMPLATE,
+    END,
+    SPECIAL_TOKENS,
+    TEMPLATE_FILE,
+    Conversation,
+    Encoded,
+    builtin_conversations,
+    chat_tokenizer,
+    encode_conversation,
+    fit_context,
+    load_jsonl,
+    split_held_out,
+    to_rows,
+)
+from jaxgpt.data.tokenizer import tokenizer_from_meta
+from jaxgpt.errors import UserError
+from jaxgpt.io import weights
+from jaxgpt.model.gpt import GPT, dummy_tokens
+from jaxgpt.tasks.classify_data import spread_indices
+from jaxgpt.tasks.lm import token_cross_entropy
+from jaxgpt.train.config import ChatConfig, TrainConfig, base_config
+
+Batch = dict[str, jax.Array]  # x, y (B, W) int32; loss_mask, answer_mask (B, W) float32 over the targets y
+HF_ROUTE = ("Hub datasets are read from local files here: save the subset as JSON lines (datasets.load_dataset("
+            "NAME, split=...).to_json('chat.jsonl', lines=True)) and pass --config.chat.data=chat.jsonl")
+
+
+def chat_loss(logits_BWV: jax.Array, batch: Batch, label_smoothing: float = 0.0) -> jax.Array:
+    """Mean (smoothed) cross-entropy over the assistant's target tokens; everything else counts nothing."""
+    mask_BW = batch["loss_mask"]
+    tok_BW = token_cross_entropy(logits_BWV, batch["y"], label_smoothing)
+    return jnp.sum(tok_BW * mask_BW) / jnp.maximum(jnp.sum(mask_BW), 1.0)
+
+
+def grow_vocab(params: dict[str, Any], vocab_size: int, key: jax.Array) -> dict[str, Any]:
+    """`params` with the token table (and an untied head) extended to `vocab_size` entries: each new entry is
+    the existing entries' mean plus Gaussian noise of their per-coordinate spread."""
+    def extend(table: np.ndarray, axis: int, k: jax.Array) -> np.ndarray:
+        extra = vocab_size - table.shape[axis]
+        mean, std = table.mean(axis, keepdims=True), table.std(axis, keepdims=True)
+        shape = list(table.shape)
+        shape[axis] = extra
+        noise = np.asarray(jax.random.normal(k, shape, jnp.float32))
+        return np.concatenate([table, (mean + std * noise).astype(table.dtype)], axis)
+
+    table = np.asarray(params["wte"]["embedding"])
+    if table.shape[0] >= vocab_size:
+        return params
+    k_table, k_head = jax.random.split(key)
+    grown = {**params, "wte": {"embedding": extend(table, 0, k_table)}}
+    if "lm_head" in params:  # untied: every leaf's last axis is the vocabulary (kernel (C, V), bias (V,))
+        leaves = sorted(params["lm_head"])
+        keys = jax.random.split(k_head, len(leaves))
+        grown["lm_head"] = {name: extend(np.asarray(params["lm_head"][name]), -1, k) for name, k in zip(leaves, keys,
+                                                                                                          strict=True)}
+    return grown
+
+
+def _conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[str], list[str], str]:
+    """(conversations, where each comes from, its kind for per-task accuracy, a description) of config.chat."""
+    if c.data == "builtin":
+        tasks = [t.strip() for t in c.tasks.split(",") if t.strip()]
+        conversations = builtin_conversations(seed, c.examples, tasks)
+        kinds = [tasks[i % len(tasks)] for i in range(len(conversations))]
+        return (conversations, [f"built-in conversation {i}" for i in range(len(conversations))], kinds,
+                f"built-in conversations: {c.examples} of {', '.join(tasks)} (seed {seed})")
+    if c.data.startswith("hf:"):
+        raise UserError(f"config.chat.data={c.data}: {HF_ROUTE}")
+    if not c.data.endswith(".jsonl"):
+        raise UserError(f"config.chat.data={c.data!r} is neither 'builtin' nor a .jsonl file of "
+                        '{"messages": [...]} objects (OpenAI\'s format)')
+    numbered = load_jsonl(c.data)
+    return ([conv for _, conv in numbered], [f"{c.data}:{n}" for n, _ in numbered], ["conversations"] * len(numbered),
+            f"{len(numbered)} conversations from {c.data}")
+
+
+def _sha256(data: dict[str, np.ndarray]) -> str:
+    return hashlib.sha256(b"".join(data[k].tobytes() for k in ("x", "loss_mask"))).hexdigest()
+
+
+class Chat:
+    """Supervised fine-tuning on conversations: data, chat tokenizer, grown vocabulary, masked loss, exact match."""
+
+    batch_ndims: ClassVar[dict[str, int]] = {"x": 2, "y": 2, "loss_mask": 2, "answer_mask": 2}
+    run_files: ClassVar[dict[str, str]] = {TEMPLATE_FILE: CHAT_TEMPLATE}
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        if not cfg.init_from:
+            raise UserError("config.init_from is empty: chat fine-tuning starts from a model, e.g. "
+                            "--config.init_from=workdir:runs/stdlib_char (or hf:PATH, preset:NAME)")
+        if cfg.loss_chunk:
+            raise UserError("config.loss_chunk applies to task lm: set it to 0 for chat (rows are conversations)")
+        conversations, origins, kinds, description = _conversations(cfg.chat, cfg.seed)
+        base_cfg, tokenizer_meta = weights.fit_architecture(cfg.init_from, cfg.model, base_config().model.to_dict(),
+                                                            cfg.vocab_from_data)
+        if tokenizer_meta is None:
+            raise UserError(f"init_from {cfg.init_from} has no known tokenizer to add the chat tokens to: use a jaxgpt "
+                            "run or a Hugging Face GPT-2 directory")
+        tokenizer = chat_tokenizer(tokenizer_from_meta(tokenizer_meta, cfg.data.bpe_file or None))
+        self.cfg, self.base_cfg, self.tokenizer = cfg, base_cfg, tokenizer
+        self.model_cfg = base_cfg.replace(vocab_size=max(base_cfg.vocab_size, tokenizer.vocab_size))
+        self.model = GPT(self.model_cfg)
+        self.tokenizer_meta = tokenizer.to_meta()
+
+        limit = self.model_cfg.block_size + 1  # a row's inputs are all ids but the last
+        kept: list[tuple[Encoded, str, Conversation]] = []
+        cut = dropped = 0
+        for messages, origin, kind in zip(conversations, origins, kinds, strict=True):
+            try:
+                encoded = encode_conversation(tokenizer, messages)
+            except UserError as e:
+                raise UserError(f"{origin}: {e}") from None
+            fitted = fit_context(encoded, limit)
+            cut += fitted is not None and fitted is not encoded
+            dropped += fitted is None
+            if fitted is not None:
+                kept.append((fitted, kind, messages))
+        if not kept:
+            raise UserError(f"no conversation's first assistant turn fits model.block_size={limit - 1} tokens: raise "
+                            "config.model.block_size (up to the weights' context)")
+        train, val = split_held_out([messages for _, _, messages in kept], cfg.chat.val_fraction)
+        held = {id(m) for m in val}
+        parts = {"train": [(e, k) for e, k, m in kept if id(m) not in held],
+                 "val": [(e, k) for e, k, m in kept if id(m) in held]}
+        self.width = max(len(e.ids) for e, _, _ in kept) - 1
+        self.data = {split: to_rows([e for e, _ in items], self.width) for split, items in parts.items()}
+        self.kinds = {split: np.array([k for _, k in items]) for split, items in parts.items()}
+        n_train, n_val = len(train), len(val)
+        self.eval_idx = {"val": spread_indices(n_val, cfg.eval_batches * cfg.batch_size),
+                         "train": spread_indices(n_train, min(n_val, cfg.eval_batches * cfg.batch_size))}
+        self.tokens_per_row = self.width
+        self.eval_rows_per_batch = cfg.batch_size
+        self._dropout = any(getattr(self.model_cfg, f"{n}_dropout") > 0 for n in ("embd", "attn", "resid", "ff"))
+        grown = self.model_cfg.vocab_size - base_cfg.vocab_size
+        self._description = (
+            f"{description}: {n_train} train / {n_val} held-out conversations, rows of {self.width} tokens; "
+            f"{cut} cut at a turn boundary and {dropped} dropped (longer than model.block_size={limit - 1})\n"
+            f"{self.tokenizer.name} tokenizer + {len(SPECIAL_TOKENS)} chat tokens {list(SPECIAL_TOKENS)}"
+            + (f"; vocabulary grown from {base_cfg.vocab_size} to {self.model_cfg.vocab_size}" if grown else ""))
+        self.meta = {"chat": {
+            "special_tokens": list(SPECIAL_TOKENS), "end_token": END, "end_id": tokenizer.special_ids[END],
+            "template": CHAT_TEMPLATE, "init_from": cfg.init_from, "data": description, "n_train": n_train,
+            "n_val": n_val, "cut": cut, "dropped": dropped, "train_sha256": _sha256(self.data["train"]),
+            "val_sha256": _sha256(self.data["val"])}}
+
+    def example_inputs(self) -> tuple[jax.Array]:
+        return (dummy_tokens(self.model_cfg),)
+
+    def _logits(self, params: Any, x_BW: jax.Array, key: jax.Array | None) -> jax.Array:
+        dropout = self._dropout and key is not None
+        return self.model.apply({"params": params}, x_BW, deterministic=not dropout,
+                                rngs={"dropout": key} if dropout else None)
+
+    def loss(self, params: Any, batch: Batch, key: jax.Array) -> tuple[jax.Array, dict]:
+        return chat_loss(self._logits(params, batch["x"], key), batch, self.cfg.label_smoothing), {}
+
+    def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        """Sums over the batch's assistant tokens (so batches combine exactly) and each row's exact match."""
+        logits_BWV = self._logits(params, batch["x"], None)
+        mask_BW, answer_BW = batch["loss_mask"], batch["answer_mask"]
+        right_BW = jnp.argmax(logits_BWV, -1) == batch["y"]
+        n_tokens = jnp.sum(mask_BW)
+        return {"loss": chat_loss(logits_BWV, batch) * n_tokens, "n_tokens": n_tokens,
+                "correct": jnp.sum(right_BW * mask_BW),
+                "exact_B": jnp.all(right_BW | (answer_BW == 0), axis=1) & (jnp.sum(answer_BW, axis=1) > 0)}
+
+    def pretrained(self) -> Any:
+        loaded = weights.load_for(self.cfg.init_from, self.base_cfg)
+        key = jax.random.fold_in(jax.random.key(self.cfg.seed), 1)
+        return grow_vocab(jax.device_get(loaded.params), self.model_cfg.vocab_size, key)
+
+    def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
+        if (weights.changed_model_settings(saved_meta, self.model_cfg)
+                or saved_meta.get("tokenizer") != self.tokenizer_meta):
+            raise UserError(f"{workdir} holds a run with a different model or tokenizer: use the same config and "
+                            "init_from, or a new --config.workdir")
+
+    def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
+        idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["x"]), self.cfg.batch_size)
+        idx = idx[process_share(self.cfg.batch_size, process_index, process_count)]
+        return {k: v[idx] for k, v in self.data["train"].items()}
+
+    def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
+        """Fixed batches of the sampled conversations; the last is completed by filler rows whose masks are 0."""
+        B = self.cfg.batch_size
+        part = process_share(B, process_index, process_count)
+        out = {}
+        for split, idx in self.eval_idx.items():
+            batches = []
+            for start in range(0, len(idx), B):
+                rows = {k: v[np.resize(idx[start:start + B], B)] for k, v in self.data[split].items()}
+                real_B = np.arange(B) < len(idx[start:start + B])
+                for k in ("loss_mask", "answer_mask"):
+                    rows[k] = rows[k] * real_B[:, None]
+                batches.append({k: v[part] for k, v in rows.items()})
+            out[split] = batches
+        return out
+
+    def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
+        """Per split: loss over assistant tokens (val_loss: the best-checkpoint metric), token accuracy, exact
+        match, and exact match per kind of conversation (the built-in tasks)."""
+        result: dict[str, Any] = {}
+        for split, outs in outputs.items():
+            total = lambda key, outs=outs: sum(float(o[key]) for o in outs)
+            kinds = self.kinds[split][self.eval_idx[split]]
+            exact = np.concatenate([np.asarray(o["exact_B"]) for o in outs])[:len(kinds)]
+            result[f"{split}_loss"] = total("loss") / max(total("n_tokens"), 1.0)
+            result[f"{split}_token_accuracy"] = total("correct") / max(total("n_tokens"), 1.0)
+            result[f"{split}_exact_match"] = float(exact.mean())
+            result[f"{split}_conversations"] = len(kinds)
+            per_kind: dict[str, list[bool]] = defaultdict(list)
+            for kind, ok in zip(kinds.tolist(), exact.tolist(), strict=True):
+                per_kind[kind].append(ok)
+            result[f"{split}_exact_match_by_task"] = {k: float(np.mean(v)) for k, v in sorted(per_kind.items())}
+        return result
+
+    def describe(self) -> str:
+        return self._description
+
+    def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
+        by_task = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_exact_match_by_task"].items())
+        return (f"step {step}: val loss {metrics['val_loss']:.4f}, exact match {metrics['val_exact_match']:.3f} "
+                f"({by_task}; {metrics['val_conversations']} held-out conversations); train loss "
+                f"{metrics['train_loss']:.4f}, exact match {metrics['train_exact_match']:.3f}")
+
+    def final_line(self, metrics: dict[str, Any]) -> str | None:
+        return (f"done: held-out exact match {metrics['val_exact_match']:.3f} on {metrics['val_conversations']} "
+                f"conversations (token accuracy {metrics['val_token_accuracy']:.3f}); chat template in "
+                f"{self.cfg.workdir}/{TEMPLATE_FILE}")
+

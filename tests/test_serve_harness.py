@@ -1,0 +1,73 @@
+"""lm-evaluation-harness's `local-completions` (how the harness evaluates any served model) against `jaxgpt serve`
+on 127.0.0.1: it finds the server's tokenizer endpoints, sends token-id prompts with echo and logprobs, and gets
+the log-likelihoods `jaxgpt harness` computes in process, and the same generate_until text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("jinja2")
+
+from test_evals import CFG, TOL, exported, responses, task_dir  # noqa: F401  (fixtures)
+from test_serve import Server
+
+from jaxgpt.io import weights
+
+
+@pytest.fixture(scope="module")
+def served(exported: Path) -> Server:  # noqa: F811
+    loaded = weights.load(f"hf:{exported}")
+    s = Server(model=(loaded.params, CFG, loaded.tokenizer(None), None))
+    yield s
+    s.close()
+
+
+def evaluate(model: str, model_args: str, task_dir: Path) -> dict:  # noqa: F811
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import jaxgpt.evals.harness  # noqa: F401  (registers "jaxgpt")
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["tiny_mc"], batch_size=4,
+                                   task_manager=TaskManager(include_path=str(task_dir)), device="cpu",
+                                   log_samples=True)
+
+
+def local_completions(served: Server) -> dict[str, str]:
+    """The model_args of local-completions for the server (the harness keeps a prompt to max_length - 1 tokens,
+    leaving one for the token it asks for)."""
+    return {"base_url": f"{served.url}/completions", "model": "tiny", "tokenizer_backend": "remote",
+            "max_length": str(CFG.block_size), "num_concurrent": "1", "max_retries": "1"}
+
+
+@pytest.mark.slow  # about 85 s on a loaded 2-core CPU: the harness runs the task twice
+def test_local_completions_scores_as_jaxgpt_harness(served: Server, exported: Path, task_dir: Path,  # noqa: F811
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    theirs = evaluate("local-completions", ",".join(f"{k}={v}" for k, v in local_completions(served).items()),
+                      task_dir)
+    ours = evaluate("jaxgpt", f"init_from=hf:{exported}", task_dir)
+    flat = lambda result: np.ravel(np.array(responses(result, "tiny_mc"), dtype=object).tolist()).astype(float)
+    assert flat(ours).size == 2 * 48  # a log-likelihood and a greedy flag for every choice
+    np.testing.assert_allclose(flat(theirs), flat(ours), rtol=0, atol=TOL)
+    assert theirs["results"]["tiny_mc"]["acc,none"] == ours["results"]["tiny_mc"]["acc,none"]
+
+
+def test_local_completions_generates_as_jaxgpt_harness(served: Server, exported: Path) -> None:  # noqa: F811
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from jaxgpt.evals.harness import JaxGPTLM
+
+    prompts = ["the cat sat on the", "a red house", "river"]
+    requests = [Instance("generate_until", {}, (p, {"until": ["garden"], "max_gen_toks": 12, "do_sample": False}), 0)
+                for p in prompts]
+    args = {**local_completions(served), "max_length": CFG.block_size, "num_concurrent": 1, "max_retries": 1}
+    remote = LocalCompletionsAPI(**args)
+    assert remote.generate_until(requests, disable_tqdm=True) == JaxGPTLM(init_from=f"hf:{exported}").generate_until(
+        requests, disable_tqdm=True)
