@@ -161,3 +161,9 @@ def held_out_split(items: list[Item], key: Callable[[Item], bytes], val_fraction
         raise UserError(f"{len(items)} {what} are too few to hold out {val_fraction:.0%} for validation and keep "
                         f"some for training: add {what} or change {flag}")
     return train, val
+
+
+def rows_sha256(rows: dict[str, np.ndarray], keys: tuple[str, ...]) -> str:
+    """The sha256 of a split's `keys` arrays, in that order: what a task's meta records of its examples, so a
+    resume on other data is refused."""
+    return hashlib.sha256(b"".join(rows[k].tobytes() for k in keys)).hexdigest()

@@ -21,7 +21,6 @@ trains on the one loop:
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from typing import Any, ClassVar
 
@@ -29,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, process_share
+from jaxgpt.data.batches import batch_indices, process_share, rows_sha256
 from jaxgpt.data.conversations import (
     CHAT_TEMPLATE,
     END,
@@ -107,9 +106,6 @@ def _conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[s
             f"{len(numbered)} conversations from {c.data}")
 
 
-def _sha256(data: dict[str, np.ndarray]) -> str:
-    return hashlib.sha256(b"".join(data[k].tobytes() for k in ("x", "loss_mask"))).hexdigest()
-
 
 class Chat:
     """Supervised fine-tuning on conversations: data, chat tokenizer, grown vocabulary, masked loss, exact match."""
@@ -173,8 +169,8 @@ class Chat:
         self.meta = {"chat": {
             "special_tokens": list(SPECIAL_TOKENS), "end_token": END, "end_id": tokenizer.special_ids[END],
             "template": CHAT_TEMPLATE, "init_from": cfg.init_from, "data": description, "n_train": n_train,
-            "n_val": n_val, "cut": cut, "dropped": dropped, "train_sha256": _sha256(self.data["train"]),
-            "val_sha256": _sha256(self.data["val"])}}
+            "n_val": n_val, "cut": cut, "dropped": dropped,
+            **{f"{split}_sha256": rows_sha256(self.data[split], ("x", "loss_mask")) for split in ("train", "val")}}}
 
     def example_inputs(self) -> tuple[jax.Array]:
         return (dummy_tokens(self.model_cfg),)

@@ -16,7 +16,6 @@ and the longest target + 1, of the pairs that fit `model.block_size` (longer pai
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 from typing import Any, ClassVar
 
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, process_share
+from jaxgpt.data.batches import batch_indices, process_share, rows_sha256
 from jaxgpt.errors import UserError
 from jaxgpt.generate.seq2seq import greedy
 from jaxgpt.io import weights
@@ -54,9 +53,6 @@ def seq2seq_loss(logits_BTV: jax.Array, batch: Batch, label_smoothing: float = 0
     tok_BT = token_cross_entropy(logits_BTV, batch["tgt_out"], label_smoothing)
     return jnp.sum(tok_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
 
-
-def _sha256(data: dict[str, np.ndarray]) -> str:
-    return hashlib.sha256(b"".join(data[k].tobytes() for k in ("src", "tgt_out"))).hexdigest()
 
 
 class Seq2Seq:
@@ -105,8 +101,8 @@ class Seq2Seq:
                              + (f"; {skipped} pairs longer than model.block_size={limit} skipped" if skipped else ""))
         self.meta = {"seq2seq": dict(SPECIALS), "dataset": {
             "description": description, "tokenizer": self.tokenizer_meta, "vocab_size": vocab,
-            "n_train": len(train_kept), "n_val": len(val_kept), "train_sha256": _sha256(self.data["train"]),
-            "val_sha256": _sha256(self.data["val"])}}
+            "n_train": len(train_kept), "n_val": len(val_kept),
+            **{f"{split}_sha256": rows_sha256(self.data[split], ("src", "tgt_out")) for split in ("train", "val")}}}
 
     def example_inputs(self) -> tuple[jax.Array, jax.Array]:
         return dummy_batch(self.model_cfg)
