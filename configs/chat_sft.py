@@ -12,11 +12,11 @@ evaluation. The run's chat template is saved as runs/chat_sft/chat_template.jinj
 
 Your own conversations (OpenAI's {"messages": [...]} per line): --config.chat.data=path/to/chat.jsonl.
 
-Measured 2026-11-26 from a 700-step base run: the base model scores 0.00 on every task. On the shared 2-core
-machine this config ran at about 1.3 steps/s and was stopped at step 1045 (14 min): held-out exact match 0.49
-at step 500, 0.62 at step 1000 (arithmetic 0.30, count 0.24, fact 0.92, reverse 0.99). Counting, its answers
-now spread evenly over 0-3, was still at chance. On a GPU, with the earlier counting data (mostly 1s) and a
-4000-step schedule, arithmetic reached 0.91 by step 3000 and 0.90 overall: 0.90 is not yet shown on these data.
+Measured 2026-11-26 from the 700-step base run: the base model scores 0.00 on every task. On the shared 2-core
+machine (1.3-2.3 steps/s, stopped and resumed twice) held-out exact match was 0.62 at step 1000, 0.70 at 2000 and
+0.789 at 3000 (arithmetic 0.88, count 0.31, fact 1.00, reverse 1.00); through `jaxgpt serve`'s
+/v1/chat/completions (benchmarks/bench_chat.py, all 955 held-out conversations) 0.785. Counting a letter, its
+answers spread evenly over 0-3, stays near chance for this model.
 """
 
 from jaxgpt.train.config import base_config, schedule

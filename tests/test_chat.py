@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -261,9 +263,13 @@ def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, bas
     ({"chat.tasks": "arithmetic,poetry"}, "unknown built-in task"),
     ({"model.block_size": 8}, "no conversation's first assistant turn fits"),
 ])
-def test_bad_chat_config_is_a_user_error(tmp_path: Path, base_run: Path, overrides: dict, message: str) -> None:
+def test_bad_chat_config_is_a_user_error(tmp_path: Path, base_run: Path, overrides: dict, message: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from jaxgpt.tasks import build
 
+    for module in ("datasets.config", "huggingface_hub.constants"):  # offline at once, not after the Hub's retries
+        if importlib.util.find_spec(module.split(".")[0]):
+            monkeypatch.setattr(importlib.import_module(module), "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError, match=message):
         build(from_config_dict(sft_config(tmp_path / "w", base_run, **overrides)))
 

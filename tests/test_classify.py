@@ -241,14 +241,14 @@ def test_finetune_beats_majority_saves_and_predicts(tmp_path: Path, tiny_lm: Pat
 def test_finetune_from_a_gpt2_directory_uses_the_end_of_text_token(tmp_path: Path) -> None:
     """hf:PATH with GPT-2's BPE: a tiny random GPT-2 written by jaxgpt's exporter; rows end with eot 50256."""
     from jaxgpt.data.tokenizer import GPT2_EOT, load_bpe
-    from jaxgpt.io.hf import save_hf_gpt2
+    from jaxgpt.io.hf import save_hf
 
     try:
         load_bpe("gpt2")
     except UserError:
         pytest.skip("GPT-2 BPE ranks unavailable: run .ci/provision_bpe.sh")
     cfg = ModelConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)
-    hf_dir = save_hf_gpt2(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "gpt2")
+    hf_dir = save_hf(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "gpt2")
     jsonl = write(tmp_path / "d.jsonl", "".join(json.dumps({"text": f"{word} number {i}", "label": int(word == "cat")})
                                                 + "\n" for i in range(40) for word in ("cat", "dog")))
     workdir = tmp_path / "cls"

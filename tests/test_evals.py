@@ -42,7 +42,7 @@ def sentence(rng: np.random.Generator, n: int) -> str:
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
     params = random_params(CFG, seed=3)
-    hf.save_hf_gpt2(params, CFG, out)
+    hf.save_hf(params, CFG, out)
     tokenizer = load_bpe()
     hf_tokenizer.save_hf_tokenizer(tokenizer, out, CFG.block_size)
     hf_tokenizer.save_generation_config(tokenizer.eot_token, out)

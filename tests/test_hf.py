@@ -25,6 +25,7 @@ from safetensors.numpy import load_file, save_file
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.errors import UserError
 from jaxgpt.io import hf, weights
+from jaxgpt.io.hf_tensors import CONFIG_FILE, SAFETENSORS_FILE, TORCH_FILE
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, GPTClassifier, stack_layers, unstack_layers
 
@@ -107,7 +108,7 @@ def random_params(cfg: ModelConfig, seed: int) -> dict:
     every small test would cost seconds each."""
     rng = np.random.default_rng(seed)
     params: dict = {}
-    for spec in hf.tensor_specs(cfg):
+    for spec in hf.gpt2_tensor_specs(cfg):
         node = params
         for key in spec.path[:-1]:
             node = node.setdefault(key, {})
@@ -128,7 +129,7 @@ def random_ids(cfg: ModelConfig, batch: int, length: int, seed: int = 1) -> np.n
 @pytest.mark.parametrize("size", list(HF_SIZES))
 def test_logits_match_transformers(hf_checkpoints, size):
     model, path = hf_checkpoints[size]
-    params, cfg = hf.load_hf_gpt2(path)
+    params, cfg = hf.load_hf(path)
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == (model.config.n_layer, model.config.n_head, model.config.n_embd)
     assert cfg.head_dim == model.config.n_embd // model.config.n_head
     idx = random_ids(cfg, batch=3, length=cfg.block_size)
@@ -147,7 +148,7 @@ def test_full_size_gpt2_small(tmp_path):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config()).eval()
     model.save_pretrained(tmp_path)
-    params, cfg = hf.load_hf_gpt2(tmp_path)
+    params, cfg = hf.load_hf(tmp_path)
     assert cfg.replace(embd_dropout=0.0, attn_dropout=0.0, resid_dropout=0.0) == hf.hf_config_to_model_config(
         {"model_type": "gpt2"}, embd_dropout=0.0, attn_dropout=0.0, resid_dropout=0.0)
     idx = random_ids(cfg, batch=2, length=128)
@@ -160,7 +161,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoints, size):
     import torch
 
     model, path = hf_checkpoints[size]
-    params, cfg = hf.load_hf_gpt2(path)
+    params, cfg = hf.load_hf(path)
     prompt = random_ids(cfg, batch=2, length=5, seed=2)
     theirs = model.generate(torch.as_tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
                             max_new_tokens=20, do_sample=False, pad_token_id=0).numpy()
@@ -172,7 +173,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoints, size):
 @needs_torch
 def test_scanned_load_matches(hf_checkpoints):
     model, path = hf_checkpoints["head24"]
-    params, cfg = hf.load_hf_gpt2(path, scan_layers=True)
+    params, cfg = hf.load_hf(path, scan_layers=True)
     assert cfg.scan_layers and params["h"]["attn"]["qkv"]["kernel"].shape == (3, 96, 3, 4, 24)
     idx = random_ids(cfg, batch=2, length=16)
     np.testing.assert_allclose(jax_logits(params, cfg, idx), hf_logits(model, idx), rtol=0, atol=TOL)
@@ -181,11 +182,11 @@ def test_scanned_load_matches(hf_checkpoints):
 @needs_torch
 def test_cropped_block_size(hf_checkpoints):
     model, path = hf_checkpoints["head24"]
-    params, cfg = hf.load_hf_gpt2(path, block_size=16)
+    params, cfg = hf.load_hf(path, block_size=16)
     assert cfg.block_size == 16 and params["wpe"]["embedding"].shape == (16, 96)
     idx = random_ids(cfg, batch=2, length=16)
     np.testing.assert_allclose(jax_logits(params, cfg, idx), hf_logits(model, idx), rtol=0, atol=TOL)
-    assert "1..32" in one_line_error(hf.load_hf_gpt2, path, block_size=64)
+    assert "1..32" in one_line_error(hf.load_hf, path, block_size=64)
 
 
 @needs_torch
@@ -200,9 +201,9 @@ def test_pytorch_model_bin_layout(hf_checkpoints, tmp_path):
     state = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     for i in range(model.config.n_layer):  # buffers that old checkpoints carry and the loader must ignore
         state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
-    torch.save(state, tmp_path / hf.TORCH_FILE)
-    (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(model.config.to_dict()))
-    params, cfg = hf.load_hf_gpt2(tmp_path)
+    torch.save(state, tmp_path / TORCH_FILE)
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(model.config.to_dict()))
+    params, cfg = hf.load_hf(tmp_path)
     idx = random_ids(cfg, batch=2, length=32)
     np.testing.assert_allclose(jax_logits(params, cfg, idx), hf_logits(model, idx), rtol=0, atol=TOL)
 
@@ -214,7 +215,7 @@ def test_bfloat16_checkpoint_loads(tmp_path):
 
     model = make_hf_model("relu").to(torch.bfloat16)
     model.save_pretrained(tmp_path)
-    params, cfg = hf.load_hf_gpt2(tmp_path)
+    params, cfg = hf.load_hf(tmp_path)
     assert params["wte"]["embedding"].dtype == jnp.float32
     idx = random_ids(cfg, batch=2, length=20)
     np.testing.assert_allclose(jax_logits(params, cfg, idx), hf_logits(model.float(), idx), rtol=0, atol=TOL)
@@ -230,7 +231,7 @@ def test_untied_checkpoint_loads(tmp_path):
     with torch.no_grad():
         model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
     model.save_pretrained(tmp_path)
-    params, cfg = hf.load_hf_gpt2(tmp_path)
+    params, cfg = hf.load_hf(tmp_path)
     assert not cfg.tie_embeddings and params["lm_head"]["kernel"].shape == (40, 64)
     idx = random_ids(cfg, batch=2, length=20)
     np.testing.assert_allclose(jax_logits(params, cfg, idx), hf_logits(model, idx), rtol=0, atol=TOL)
@@ -255,9 +256,9 @@ def test_export_roundtrip_through_transformers(hf_checkpoints, tmp_path, size):
     from transformers import GPT2LMHeadModel
 
     model, path = hf_checkpoints[size]
-    params, cfg = hf.load_hf_gpt2(path)
-    hf.save_hf_gpt2(params, cfg, tmp_path / "out")
-    again, cfg_again = hf.load_hf_gpt2(tmp_path / "out")
+    params, cfg = hf.load_hf(path)
+    hf.save_hf(params, cfg, tmp_path / "out")
+    again, cfg_again = hf.load_hf(tmp_path / "out")
     assert cfg_again == cfg
     assert_trees_equal(again, params)
     reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
@@ -273,7 +274,7 @@ def test_jaxgpt_model_exports_to_transformers(tmp_path):
 
     cfg = GPT2_SHAPED.replace(scan_layers=True, activation="gelu")
     params = stack_layers(random_params(cfg, seed=0), cfg.n_layer)
-    hf.save_hf_gpt2(params, cfg, tmp_path)
+    hf.save_hf(params, cfg, tmp_path)
     idx = random_ids(cfg, batch=2, length=24)
     theirs = hf_logits(GPT2LMHeadModel.from_pretrained(tmp_path).eval(), idx)
     np.testing.assert_allclose(theirs, jax_logits(params, cfg, idx), rtol=0, atol=TOL)
@@ -283,20 +284,20 @@ def test_roundtrip_without_torch(tmp_path):
     """export -> import is exact, for unscanned and scanned trees, and needs only numpy + safetensors."""
     cfg = GPT2_SHAPED
     params = random_params(cfg, seed=1)
-    hf.save_hf_gpt2(params, cfg, tmp_path / "a")
-    loaded, loaded_cfg = hf.load_hf_gpt2(tmp_path / "a", attn_dropout=0.0, embd_dropout=0.0, resid_dropout=0.0)
+    hf.save_hf(params, cfg, tmp_path / "a")
+    loaded, loaded_cfg = hf.load_hf(tmp_path / "a", attn_dropout=0.0, embd_dropout=0.0, resid_dropout=0.0)
     assert loaded_cfg == cfg
     assert_trees_equal(loaded, params)
-    scanned, scfg = hf.load_hf_gpt2(tmp_path / "a", scan_layers=True)
+    scanned, scfg = hf.load_hf(tmp_path / "a", scan_layers=True)
     assert_trees_equal(unstack_layers(scanned, scfg.n_layer), params)
-    hf.save_hf_gpt2(scanned, scfg, tmp_path / "b")
-    assert_trees_equal(load_file(tmp_path / "b" / hf.SAFETENSORS_FILE), load_file(tmp_path / "a" / hf.SAFETENSORS_FILE))
+    hf.save_hf(scanned, scfg, tmp_path / "b")
+    assert_trees_equal(load_file(tmp_path / "b" / SAFETENSORS_FILE), load_file(tmp_path / "a" / SAFETENSORS_FILE))
 
 
 def test_loaded_params_initialize_a_classifier(tmp_path):
     cfg = GPT2_SHAPED
-    hf.save_hf_gpt2(random_params(cfg, seed=2), cfg, tmp_path)
-    params, cfg = hf.load_hf_gpt2(tmp_path)
+    hf.save_hf(random_params(cfg, seed=2), cfg, tmp_path)
+    params, cfg = hf.load_hf(tmp_path)
     clf = GPTClassifier(cfg, n_class=3, cls_token_id=5)
     idx = random_ids(cfg, batch=2, length=10)
     shapes = jax.eval_shape(clf.init, jax.random.key(3), idx)["params"]
@@ -322,29 +323,29 @@ def one_line_error(fn, *args, **kwargs) -> str:
 @pytest.fixture()
 def good_checkpoint(tmp_path) -> Path:
     path = tmp_path / "ckpt"
-    hf.save_hf_gpt2(random_params(GPT2_SHAPED, seed=4), GPT2_SHAPED, path)
+    hf.save_hf(random_params(GPT2_SHAPED, seed=4), GPT2_SHAPED, path)
     return path
 
 
 def edit_config(path: Path, **changes) -> None:
-    config = json.loads((path / hf.CONFIG_FILE).read_text())
+    config = json.loads((path / CONFIG_FILE).read_text())
     config.update(changes)
-    (path / hf.CONFIG_FILE).write_text(json.dumps(config))
+    (path / CONFIG_FILE).write_text(json.dumps(config))
 
 
 def test_error_missing_directory(tmp_path):
-    assert "does not exist" in one_line_error(hf.load_hf_gpt2, tmp_path / "nope")
+    assert "does not exist" in one_line_error(hf.load_hf, tmp_path / "nope")
 
 
 def test_error_not_a_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    assert "not a Hugging Face GPT-2 checkpoint: it has no config.json" in one_line_error(hf.load_hf_gpt2, tmp_path)
+    assert "not a Hugging Face checkpoint: it has no config.json" in one_line_error(hf.load_hf, tmp_path)
 
 
 def test_error_no_weights(good_checkpoint):
-    (good_checkpoint / hf.SAFETENSORS_FILE).unlink()
-    message = one_line_error(hf.load_hf_gpt2, good_checkpoint)
-    assert "no weights" in message and hf.SAFETENSORS_FILE in message
+    (good_checkpoint / SAFETENSORS_FILE).unlink()
+    message = one_line_error(hf.load_hf, good_checkpoint)
+    assert "no weights" in message and SAFETENSORS_FILE in message
 
 
 @pytest.mark.parametrize("changes, named", [
@@ -355,32 +356,32 @@ def test_error_no_weights(good_checkpoint):
 ])
 def test_error_not_gpt2_architecture(good_checkpoint, changes, named):
     edit_config(good_checkpoint, **changes)
-    assert named in one_line_error(hf.load_hf_gpt2, good_checkpoint)
+    assert named in one_line_error(hf.load_hf, good_checkpoint)
 
 
 def test_error_missing_tensor(good_checkpoint):
-    file = good_checkpoint / hf.SAFETENSORS_FILE
+    file = good_checkpoint / SAFETENSORS_FILE
     tensors = load_file(file)
     del tensors["transformer.h.1.mlp.c_fc.bias"]
     save_file(tensors, file, metadata={"format": "pt"})
-    assert "missing tensor 'transformer.h.1.mlp.c_fc.bias'" in one_line_error(hf.load_hf_gpt2, good_checkpoint)
+    assert "missing tensor 'transformer.h.1.mlp.c_fc.bias'" in one_line_error(hf.load_hf, good_checkpoint)
 
 
 def test_error_shape_mismatch(good_checkpoint):
     edit_config(good_checkpoint, n_positions=32)  # the file's wpe has 24 rows
-    message = one_line_error(hf.load_hf_gpt2, good_checkpoint)
+    message = one_line_error(hf.load_hf, good_checkpoint)
     assert "'transformer.wpe.weight' has shape (24, 32), but config.json implies (32, 32)" in message
 
 
 def test_error_bin_without_torch(good_checkpoint, monkeypatch):
-    (good_checkpoint / hf.SAFETENSORS_FILE).rename(good_checkpoint / hf.TORCH_FILE)
+    (good_checkpoint / SAFETENSORS_FILE).rename(good_checkpoint / TORCH_FILE)
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
-    message = one_line_error(hf.load_hf_gpt2, good_checkpoint)
+    message = one_line_error(hf.load_hf, good_checkpoint)
     assert "need torch" in message and "install torch" in message
 
 
 def test_error_size_override(good_checkpoint):
-    assert "n_layer" in one_line_error(hf.load_hf_gpt2, good_checkpoint, n_layer=4)
+    assert "n_layer" in one_line_error(hf.load_hf, good_checkpoint, n_layer=4)
 
 
 def test_n_inner_follows_the_config_rule():
@@ -405,20 +406,20 @@ def test_n_inner_follows_the_config_rule():
 def test_export_refuses_non_gpt2_configs(tmp_path, changes, named):
     cfg = GPT2_SHAPED.replace(**changes)
     params = random_params(cfg, seed=0)
-    message = one_line_error(hf.save_hf_gpt2, params, cfg, tmp_path / "out")
+    message = one_line_error(hf.save_hf, params, cfg, tmp_path / "out")
     assert "cannot be exported as GPT-2" in message and named in message
     assert not (tmp_path / "out").exists()
 
 
 def test_export_never_overwrites_by_default(good_checkpoint):
-    before = (good_checkpoint / hf.SAFETENSORS_FILE).read_bytes()
+    before = (good_checkpoint / SAFETENSORS_FILE).read_bytes()
     params = random_params(GPT2_SHAPED, seed=9)
-    assert "not empty" in one_line_error(hf.save_hf_gpt2, params, GPT2_SHAPED, good_checkpoint)
-    assert (good_checkpoint / hf.SAFETENSORS_FILE).read_bytes() == before
-    (good_checkpoint / hf.TORCH_FILE).write_bytes(b"stale")
-    hf.save_hf_gpt2(params, GPT2_SHAPED, good_checkpoint, overwrite=True)
-    assert not (good_checkpoint / hf.TORCH_FILE).exists()
-    assert_trees_equal(hf.load_hf_gpt2(good_checkpoint)[0], params)
+    assert "not empty" in one_line_error(hf.save_hf, params, GPT2_SHAPED, good_checkpoint)
+    assert (good_checkpoint / SAFETENSORS_FILE).read_bytes() == before
+    (good_checkpoint / TORCH_FILE).write_bytes(b"stale")
+    hf.save_hf(params, GPT2_SHAPED, good_checkpoint, overwrite=True)
+    assert not (good_checkpoint / TORCH_FILE).exists()
+    assert_trees_equal(hf.load_hf(good_checkpoint)[0], params)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -451,7 +452,7 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
     export = ["jaxgpt hf", "export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
     assert hf_command.main(export) == 0
     assert "left out cls_head" in capsys.readouterr().out
-    assert_trees_equal(hf.load_hf_gpt2(tmp_path / "out")[0], params)
+    assert_trees_equal(hf.load_hf(tmp_path / "out")[0], params)
     assert hf_command.main([*export, "--which", "best"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert asked == [(f"workdir:{tmp_path / 'run'}", "latest"), (f"workdir:{tmp_path / 'run'}", "best")]

@@ -89,7 +89,7 @@ def test_attention_heatmap_png(params, tmp_path):
 def test_attention_cli(params, tmp_path, monkeypatch, capsys):
     """--workdir goes through `weights.load` (faked: a checkpoint with a char tokenizer); --hf through the
     GPT-2 importer, with --ids when the vocabulary has no known tokenizer."""
-    from jaxgpt.io.hf import save_hf_gpt2
+    from jaxgpt.io.hf import save_hf
 
     real_load = weights.load
     meta = {"tokenizer": CharTokenizer(CHARS).to_meta()}
@@ -107,7 +107,7 @@ def test_attention_cli(params, tmp_path, monkeypatch, capsys):
     assert "4 heads of layer 1, 12 tokens" in capsys.readouterr().out
     assert_png(out)
 
-    save_hf_gpt2(params, CFG, tmp_path / "hf")
+    save_hf(params, CFG, tmp_path / "hf")
     hf_argv = ["attention", "--hf", str(tmp_path / "hf"), "--layer", "0", "--out", str(tmp_path / "b.png")]
     assert plots_command.main(["jaxgpt plots", *hf_argv, "--ids", "3,4,5,6"]) == 0
     assert_png(tmp_path / "b.png")

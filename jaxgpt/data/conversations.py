@@ -3,7 +3,10 @@
 A conversation is a list of messages `{"role": ..., "content": ...}`: an optional system message first, then
 user and assistant turns alternating, starting with a user turn and ending with an assistant turn. Files are
 `.jsonl`, one `{"messages": [...]}` object per line (OpenAI's fine-tuning format); a malformed line is one
-UserError naming FILE:LINE and what is wrong.
+UserError naming FILE:LINE and what is wrong. A Hugging Face Hub dataset with a `messages` column (e.g.
+HuggingFaceTB/smoltalk) is read with the `datasets` library (`load_hub`, `config.chat.data=hf:NAME[:SUBSET[:SPLIT]]`);
+without a network the error names the local route: its rows saved as such a `.jsonl` file where the Hub is reachable.
+Conversations to answer (`jaxgpt sample --chat --prompt_file`) are the same, ending with a user turn instead.
 
 The chat format wraps every turn in special tokens that are added to the run's tokenizer
 (`jaxgpt.data.tokenizer.WithSpecialTokens`):
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -97,8 +100,9 @@ def chat_tokenizer(base: Tokenizer) -> WithSpecialTokens:
     return WithSpecialTokens(base, SPECIAL_TOKENS)
 
 
-def conversation_error(obj: object) -> str | None:
-    """What is wrong with one parsed line (`{"messages": [...]}`), or None when it is a valid conversation."""
+def conversation_error(obj: object, prompt: bool = False) -> str | None:
+    """What is wrong with one parsed line (`{"messages": [...]}`), or None when it is a valid conversation: one
+    to learn from, ending with the assistant's turn, or with `prompt` one to answer, ending with the user's."""
     messages = obj.get("messages") if isinstance(obj, dict) else None
     if not isinstance(messages, list) or not messages:
         return 'expected an object with a non-empty "messages" list'
@@ -115,18 +119,20 @@ def conversation_error(obj: object) -> str | None:
             return (f"turns out of order: message {i} is {role!r} where {expected!r} was expected (an optional system "
                     "message, then user and assistant turns alternating from user)")
         expected = "assistant" if role == "user" else "user"
+    if any(special in m["content"] for m in messages for special in SPECIAL_TOKENS):
+        return f"a message contains a special token of the chat format ({', '.join(SPECIAL_TOKENS)})"
+    if prompt:
+        return None if messages[-1]["role"] == "user" else "the last turn is not the user's (nothing to answer)"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
     if messages[-1]["role"] != "assistant":
         return "the last turn is not the assistant's (nothing to learn from it)"
-    if any(special in m["content"] for m in messages for special in SPECIAL_TOKENS):
-        return f"a message contains a special token of the chat format ({', '.join(SPECIAL_TOKENS)})"
     return None
 
 
-def load_jsonl(path: str | Path) -> list[tuple[int, Conversation]]:
+def load_jsonl(path: str | Path, prompt: bool = False) -> list[tuple[int, Conversation]]:
     """(line number, conversation) of every conversation of a .jsonl file (blank lines skipped); the first bad line
-    is a UserError FILE:LINE."""
+    is a UserError FILE:LINE. `prompt`: conversations to answer (see `conversation_error`)."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -139,13 +145,63 @@ def load_jsonl(path: str | Path) -> list[tuple[int, Conversation]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
-        if (error := conversation_error(obj)) is not None:
+        if (error := conversation_error(obj, prompt)) is not None:
             raise UserError(f"{path}:{n}: {error}")
         conversations.append((n, [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]))
     if not conversations:
         raise UserError(f"{path} holds no conversations: give one JSON object per line, "
                         '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}')
     return conversations
+
+
+HUB_SPEC = "hf:NAME[:SUBSET[:SPLIT]]"  # config.chat.data naming a Hub dataset; SPLIT defaults to train
+
+
+def hub_route(name: str, subset: str | None, split: str) -> str:
+    """How to get a Hub dataset's conversations without the Hub: the local file this module reads instead."""
+    args = ", ".join(map(repr, filter(None, (name, subset))))
+    return (f"where the Hub is reachable, save it as JSON lines: python -c \"import datasets; datasets.load_dataset("
+            f"{args}, split={split!r}).select_columns('messages').to_json('chat.jsonl', lines=True)\", then copy "
+            "chat.jsonl here and pass --config.chat.data=chat.jsonl")
+
+
+def hub_conversations(rows: Iterable[dict[str, Any]], where: str) -> list[tuple[int, Conversation]]:
+    """(row number, conversation) of each row's `messages` (a `datasets.Dataset` iterates as such dicts); the
+    first bad row is a UserError WHERE row N."""
+    conversations = []
+    for n, row in enumerate(rows):
+        if (error := conversation_error(row)) is not None:
+            raise UserError(f"{where} row {n}: {error}")
+        conversations.append((n, [{"role": m["role"], "content": m["content"]} for m in row["messages"]]))
+    if not conversations:
+        raise UserError(f"{where} has no rows")
+    return conversations
+
+
+def load_hub(spec: str) -> list[tuple[int, Conversation]]:
+    """The conversations of a Hub dataset `hf:NAME[:SUBSET[:SPLIT]]` (read by `datasets`, which caches them);
+    offline, or without `datasets`, one UserError naming the local-file route."""
+    name, subset, split = (*spec.removeprefix("hf:").split(":"), None, None)[:3]
+    subset, split = subset or None, split or "train"
+    if not name:
+        raise UserError(f"config.chat.data={spec!r}: name a dataset, {HUB_SPEC}")
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"config.chat.data={spec}: reading a Hub dataset needs the `datasets` library (pip install "
+                        f"datasets); or, {hub_route(name, subset, split)}") from None
+    try:
+        rows = datasets.load_dataset(name, subset, split=split)
+    except ConnectionError:
+        raise UserError(f"config.chat.data={spec}: the Hugging Face Hub cannot be reached from here (offline); "
+                        f"{hub_route(name, subset, split)}") from None
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        message = " ".join(str(e).split())
+        raise UserError(f"config.chat.data={spec}: {message} (the form is {HUB_SPEC})") from None
+    if "messages" not in rows.column_names:
+        raise UserError(f"config.chat.data={spec} has columns {rows.column_names}, no 'messages' column of "
+                        "OpenAI-format conversations")
+    return hub_conversations(rows, spec)
 
 
 @dataclasses.dataclass(frozen=True)

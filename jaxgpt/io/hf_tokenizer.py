@@ -4,13 +4,16 @@ Out (`save_hf_tokenizer`): a GPT-2 BPE run gets GPT-2's own files, `vocab.json` 
 the tiktoken ranks, see `gpt2_vocab_and_merges`) and the `tokenizer.json` the `tokenizers` library builds
 from them; a character run gets a `tokenizer.json` whose word-level vocabulary maps every character to the
 id jaxgpt gives it; a word run (seed 004) a word-level `tokenizer.json` that lower-cases and splits off
-punctuation as `jaxgpt.data.tokenizer.standardize` does. All come with `tokenizer_config.json`, written by
+punctuation as `jaxgpt.data.tokenizer.standardize` does. A chat run's special tokens (<|user|>, ..., <|end|>) are
+added tokens after the vocabulary, and its chat template is the tokenizer's `chat_template`, so that
+`apply_chat_template` gives the ids jaxgpt's chat format gives. All come with `tokenizer_config.json`, written by
 `transformers` itself, so that `AutoTokenizer.from_pretrained(DIR)` and `pipeline("text-generation", model=DIR)`
 load them. Writing needs `transformers` (an export-only dependency); reading back (`read_tokenizer_meta`) needs
 only json.
 
 In (`read_tokenizer_meta`): a directory's tokenizer as jaxgpt's `Tokenizer.to_meta()`, when it is one jaxgpt
-has (GPT-2's BPE, or a character or word vocabulary such as a jaxgpt export's); None otherwise.
+has (GPT-2's BPE, or a character or word vocabulary such as a jaxgpt export's, with a chat run's special tokens
+when it has them); None otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from jaxgpt.data.tokenizer import (
     WORD_UNK,
     BPETokenizer,
     Tokenizer,
+    WithSpecialTokens,
     WordTokenizer,
     standardize,
 )
@@ -146,36 +150,51 @@ def _word_backend(tokenizer: WordTokenizer) -> Any:
     return backend
 
 
-def save_hf_tokenizer(tokenizer: Tokenizer, out: str | os.PathLike[str], max_length: int) -> None:
+def _backend(tokenizer: Tokenizer) -> tuple[Any, dict[str, str]]:
+    """The `tokenizers.Tokenizer` of one of jaxgpt's own tokenizers, and its special tokens' roles."""
+    if isinstance(tokenizer, BPETokenizer):
+        return _gpt2_backend(tokenizer), dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
+    if tokenizer.to_meta()["type"] == "char":
+        return _char_backend(tokenizer.to_meta()["chars"]), {}
+    if isinstance(tokenizer, WordTokenizer):
+        return _word_backend(tokenizer), dict(eos_token=WORD_PAD, pad_token=WORD_PAD)
+    raise UserError(f"cannot export a {tokenizer.name!r} tokenizer for Hugging Face")
+
+
+def save_hf_tokenizer(tokenizer: Tokenizer, out: str | os.PathLike[str], max_length: int,
+                      chat_template: str | None = None) -> None:
     """Write `tokenizer` into the export directory `out` (`max_length`: the model's positions).
 
     Decoding must give back exactly the text jaxgpt decodes, so transformers' clean-up of spaces before
     punctuation is switched off. The class is named PreTrainedTokenizerFast, which transformers 4 loads
-    and transformers 5 keeps as an alias of the class it writes.
+    and transformers 5 keeps as an alias of the class it writes. A chat run's special tokens come with it, and
+    its `chat_template` (the Jinja2 text `jaxgpt serve` renders), which `apply_chat_template` renders alike.
+    `tokenizers` matches an added special token anywhere in the raw text (before normalizing and pre-tokenizing)
+    and numbers new ones after the vocabulary, as `WithSpecialTokens` does: so both give the same ids.
     """
-    _, transformers = _need_transformers()
+    tokenizers, transformers = _need_transformers()
     root = Path(out)
-    if isinstance(tokenizer, BPETokenizer):
-        backend = _gpt2_backend(tokenizer)
-        special = dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
+    base = tokenizer.base if isinstance(tokenizer, WithSpecialTokens) else tokenizer
+    backend, special = _backend(base)
+    if isinstance(tokenizer, WithSpecialTokens):
+        backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                    for t in tokenizer.specials])
+    if isinstance(base, BPETokenizer):
         backend.model.save(str(root))  # GPT-2's vocab.json + merges.txt, for tools that read those
-    elif tokenizer.to_meta()["type"] == "char":
-        backend, special = _char_backend(tokenizer.to_meta()["chars"]), {}
-    elif isinstance(tokenizer, WordTokenizer):
-        backend, special = _word_backend(tokenizer), dict(eos_token=WORD_PAD, pad_token=WORD_PAD)
-    else:
-        raise UserError(f"cannot export a {tokenizer.name!r} tokenizer for Hugging Face")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
-                                                model_max_length=max_length, **special)
+                                                model_max_length=max_length, chat_template=chat_template, **special)
     fast.save_pretrained(str(root))
     config = _read_json(root / CONFIG_FILE)
     (root / CONFIG_FILE).write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
 
 
-def save_generation_config(eot_token: int | None, out: str | os.PathLike[str]) -> None:
-    """generation_config.json: where a sample ends (GPT-2's end-of-text; a character vocabulary has none)."""
+def save_generation_config(eot_token: int | None, out: str | os.PathLike[str], end_token: int | None = None) -> None:
+    """generation_config.json: where a sample ends. GPT-2's end-of-text or a word vocabulary's [PAD] (a character
+    vocabulary has none); a chat run's reply also ends at <|end|> (`end_token`), listed first."""
     _, transformers = _need_transformers()
-    ids = {} if eot_token is None else dict(bos_token_id=eot_token, eos_token_id=eot_token, pad_token_id=eot_token)
+    stops = [i for i in (end_token, eot_token) if i is not None]
+    ids = {} if not stops else dict(bos_token_id=eot_token, eos_token_id=stops if len(stops) > 1 else stops[0],
+                                    pad_token_id=stops[-1])
     transformers.GenerationConfig(**ids).save_pretrained(str(out))
 
 
@@ -228,19 +247,46 @@ def has_hf_tokenizer(path: str | os.PathLike[str]) -> bool:
     return (root / TOKENIZER_FILE).is_file() or (root / VOCAB_FILE).is_file()
 
 
+def _chat_specials(spec: dict[str, Any], vocab: dict[str, int]) -> tuple[dict[str, int], list[str]] | None:
+    """The vocabulary without a chat run's special tokens, and those tokens in id order: the added special tokens
+    other than the base tokenizer's own (<|endoftext|>, [PAD]). None when they do not follow the vocabulary, as
+    `WithSpecialTokens` numbers them."""
+    own = (EOT_TEXT, WORD_PAD)
+    added = sorted((t["id"], t["content"]) for t in spec.get("added_tokens") or []
+                   if isinstance(t, dict) and t.get("special") and t.get("content") not in own)
+    specials = [content for _, content in added]
+    base = {token: i for token, i in vocab.items() if token not in specials}
+    if [i for i, _ in added] != list(range(len(base), len(base) + len(added))):
+        return None
+    return base, specials
+
+
+def _tokenizer_json_meta(spec: Any) -> dict[str, Any] | None:
+    """jaxgpt's description of a tokenizer.json, a chat run's special tokens included."""
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict):
+        return None
+    vocab = dict(model.get("vocab") or {})
+    vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens") or [] if isinstance(t, dict)})
+    split = _chat_specials(spec, vocab)
+    if split is None:
+        return None
+    vocab, specials = split
+    meta = None
+    if model.get("type") == "BPE" and _is_gpt2_vocab(vocab):
+        meta = dict(GPT2_TOKENIZER_META)
+    elif model.get("type") == "WordLevel":
+        meta = _word_meta(spec, vocab) or _char_meta(vocab)
+    if meta is None or not specials:
+        return meta
+    return {**meta, "vocab_size": meta["vocab_size"] + len(specials), "special_tokens": specials}
+
+
 def read_tokenizer_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """jaxgpt's description of the tokenizer in a Hugging Face directory, or None when it has none jaxgpt knows."""
     root = Path(path)
     if (root / TOKENIZER_FILE).is_file():
-        spec = _read_json(root / TOKENIZER_FILE)
-        model = spec.get("model") if isinstance(spec, dict) else None
-        vocab = dict(model.get("vocab") or {}) if isinstance(model, dict) else {}
-        vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens") or [] if isinstance(t, dict)})
-        if model and model.get("type") == "BPE" and _is_gpt2_vocab(vocab):
-            return dict(GPT2_TOKENIZER_META)
-        if model and model.get("type") == "WordLevel":
-            return _word_meta(spec, vocab) or _char_meta(vocab)
-        return None
+        return _tokenizer_json_meta(_read_json(root / TOKENIZER_FILE))
     if (root / VOCAB_FILE).is_file() and (root / MERGES_FILE).is_file():  # the original OpenAI upload's layout
         vocab = _read_json(root / VOCAB_FILE)
         return dict(GPT2_TOKENIZER_META) if isinstance(vocab, dict) and _is_gpt2_vocab(vocab) else None

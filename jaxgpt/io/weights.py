@@ -5,8 +5,9 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
 * `workdir:PATH`: a jaxgpt run's latest (or best) checkpoint; its meta names the model and tokenizer. An
   encoder-decoder run (task seq2seq) gives a `Seq2SeqConfig`: it samples (`jaxgpt.generate.seq2seq`) but
   never initializes a GPT.
-* `hf:PATH`: a Hugging Face GPT-2 directory (`save_pretrained` layout, `jaxgpt.io.hf`), or `hf:OWNER/NAME`, a
-  Hub repository (e.g. hf:openai-community/gpt2) fetched into huggingface_hub's cache when online.
+* `hf:PATH`: a Hugging Face GPT-2 or NanoChat directory (`save_pretrained` layout, `jaxgpt.io.hf`), or
+  `hf:OWNER/NAME`, a Hub repository (e.g. hf:openai-community/gpt2) fetched into huggingface_hub's cache when
+  online.
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
 
 A Hugging Face directory's tokenizer is read back when jaxgpt knows it (GPT-2's BPE, or a character
@@ -36,10 +37,10 @@ from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
 from jaxgpt.model.presets import get_preset
 from jaxgpt.train.checkpoint import open_checkpoint
 
-SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face GPT-2 directory), hf:OWNER/NAME (a Hugging Face "
-           "Hub repository) or preset:NAME")
+SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face GPT-2 or NanoChat directory), hf:OWNER/NAME "
+           "(a Hugging Face Hub repository) or preset:NAME")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-# What a GPT-2 repository needs: configs, tokenizer files and safetensors weights (not its TF/Flax/ONNX copies).
+# What a Hub repository needs: configs, tokenizer files and safetensors weights (not its TF/Flax/ONNX copies).
 HUB_FILES = ["*.json", "merges.txt", "*.safetensors"]
 HUB_TORCH_FILES = ["pytorch_model*.bin", "pytorch_model*.bin.index.json"]
 
@@ -83,7 +84,7 @@ def require_gpt(source: str, cfg: ModelConfig | Seq2SeqConfig, use: str = "initi
     """`cfg` if it is a GPT's; a one-line error for an encoder-decoder, which only `sample.py --source` reads."""
     if isinstance(cfg, Seq2SeqConfig):
         raise UserError(f"{source} holds an encoder-decoder (a task seq2seq run), not a GPT: it cannot {use}; "
-                        "pass a language model run or GPT-2 weights (decode it with sample.py --source)")
+                        "pass a language model run or Hugging Face weights (decode it with sample.py --source)")
     return cfg
 
 
@@ -109,7 +110,7 @@ def hf_directory(arg: str, flag: str = "hf:") -> Path:
         names = storage.files(where)
         if "config.json" not in names:
             raise UserError(f"hf:{arg} holds no config.json: pass the --out of `jaxgpt hf export` (or another Hugging "
-                            "Face GPT-2 directory)")
+                            "Face GPT-2 or NanoChat directory)")
         return storage.stage(where, names)
     if where.exists() or not HUB_ID.fullmatch(arg):
         return where
@@ -177,12 +178,12 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
         return Weights(params, model_from_meta(meta), meta.get("tokenizer"), meta,
                        f"{Path(arg).name} ({which}, step {step})")
     if kind == "hf" and arg:
-        from jaxgpt.io.hf import load_hf_gpt2, read_hf_config
+        from jaxgpt.io.hf import CONFIG_FILE, hf_config_to_model_config, load_hf, read_hf_config
 
         root = hf_directory(arg)
-        n_positions = read_hf_config(root).get("n_positions", 1024)
-        crop = {} if block_size is None else {"block_size": min(block_size, n_positions)}
-        params, cfg = load_hf_gpt2(root, **crop)
+        positions = hf_config_to_model_config(read_hf_config(root), where=str(root / CONFIG_FILE)).block_size
+        crop = {} if block_size is None else {"block_size": min(block_size, positions)}
+        params, cfg = load_hf(root, **crop)
         return Weights(params, cfg, _hf_tokenizer(root, cfg), {}, arg if root != Path(arg) else root.name)
     if kind == "preset" and arg:
         cfg = get_preset(arg)

@@ -5,13 +5,14 @@ stop, n, seed, logit_bias, vLLM's ignore_eos; echo; logprobs up to 5, of the pro
 stream as server-sent events, with usage in a last chunk when stream_options.include_usage asks),
 `POST /v1/chat/completions` (messages rendered with the run's chat template, `jaxgpt.serve.chat`), vLLM's
 `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` (what lm-evaluation-harness's local-completions
-uses), `GET /v1/models`, `GET /metrics` (Prometheus), `GET /health`.
+uses), `GET /v1/models`, `GET /metrics` (Prometheus), `GET /health`, and `GET /`, a chat page for a browser
+(`chat.html` beside this module) that streams from /v1/chat/completions.
 
 Each choice of a request is one engine request whose tokens reach the handler through an asyncio queue. A bad
 request is a 400 with OpenAI's error body, a body over the limit a 413, a missing or wrong API key a 401 (on
-every path but /health) and a full queue a 429; none touches the engine. A client that disconnects cancels its
-choices, which free their slots before the next decode step. Choice j of a request with `seed` s samples with
-seed s + j, so choice 0 is `generate(..., key=s)`'s sample.
+every path but /health and the page) and a full queue a 429; none touches the engine. A client that
+disconnects cancels its choices, which free their slots before the next decode step. Choice j of a request
+with `seed` s samples with seed s + j, so choice 0 is `generate(..., key=s)`'s sample.
 
 Which weights answered: every answer (each streamed chunk too) has OpenAI's `system_fingerprint`, the engine's
 `version` of the weights its choices ran on (`step-N` for a run's checkpoint N; null for weights without
@@ -24,16 +25,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.resources
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -41,7 +43,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import Engine, Request
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.serve.chat import ChatTemplate
-from jaxgpt.serve.choices import Choice, Codec, collect, stream, usage
+from jaxgpt.serve.choices import Choice, Codec, Feed, collect, stream, usage
 from jaxgpt.serve.follow import Follower
 from jaxgpt.serve.guard import Guard
 from jaxgpt.serve.metrics import Metrics
@@ -102,8 +104,9 @@ async def _lifespan(engine: Engine, follower: Follower | None, app: FastAPI) -> 
 
 def create_app(engine: Engine, tokenizer: Codec, model_name: str, *, chat_template: ChatTemplate | None = None,
                api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               follower: Follower | None = None) -> FastAPI:
-    """`follower` (`jaxgpt serve --follow`) runs while the server does."""
+               follower: Follower | None = None, chat_stop_ids: Sequence[int] = ()) -> FastAPI:
+    """`follower` (`jaxgpt serve --follow`) runs while the server does. `chat_stop_ids`: tokens that end a chat
+    reply like end-of-text (a chat run's end-of-turn token, its meta["chat"]["end_id"]), left out of its text."""
     app = FastAPI(title="jaxgpt", lifespan=functools.partial(_lifespan, engine, follower))
     metrics = Metrics(engine)
     guarded = (401, 413) if api_key is not None else (413,)
@@ -138,6 +141,13 @@ def create_app(engine: Engine, tokenizer: Codec, model_name: str, *, chat_templa
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    page = importlib.resources.files("jaxgpt.serve").joinpath("chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def chat_page() -> HTMLResponse:
+        """The chat page (jaxgpt/serve/chat.html): static, so served without the API key, which it sends."""
+        return HTMLResponse(page)
+
     @app.get("/metrics", response_class=Response, responses=responses(*guarded))
     async def scrape() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -148,7 +158,7 @@ def create_app(engine: Engine, tokenizer: Codec, model_name: str, *, chat_templa
                                             "max_model_len": context, "system_fingerprint": engine.version}]}
 
     _tokenizer_routes(app, tokenizer, context, chat_template, guarded)
-    _generation_routes(app, engine, tokenizer, model_name, chat_template, metrics, context, guarded)
+    _generation_routes(app, engine, tokenizer, model_name, chat_template, metrics, context, guarded, chat_stop_ids)
     return app
 
 
@@ -177,7 +187,7 @@ def _tokenizer_routes(app: FastAPI, tokenizer: Codec, context: int, chat_templat
 
 def _generation_routes(app: FastAPI, engine: Engine, tokenizer: Codec, model_name: str,
                        chat_template: ChatTemplate | None, metrics: Metrics, context: int,
-                       guarded: tuple[int, ...]) -> None:
+                       guarded: tuple[int, ...], chat_stop_ids: Sequence[int]) -> None:
     """/v1/completions and /v1/chat/completions: both check the request, start its choices and answer whole or
     as server-sent events; they differ in the prompt (given, or rendered from messages) and the answer's shape."""
 
@@ -219,7 +229,7 @@ def _generation_routes(app: FastAPI, engine: Engine, tokenizer: Codec, model_nam
         if (body.top_logprobs or 0) > 0 and not body.logprobs:
             raise UserError("top_logprobs: needs logprobs=true")
         limit = body.max_completion_tokens or body.max_tokens or max(context - len(encoded[0]), 1)
-        choices = _start(body, encoded, limit, engine, tokenizer, metrics, arrived, score_prompt=False)
+        choices = _start(body, encoded, limit, engine, tokenizer, metrics, arrived, stop_ids=chat_stop_ids)
         header = Header({"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
                          "created": int(time.time()), "model": model_name}, choices)
 
@@ -271,13 +281,15 @@ def _logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
 
 
 def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_tokens: int, engine: Engine,
-           tokenizer: Codec, metrics: Metrics, arrived: float, *, score_prompt: bool) -> list[Choice]:
+           tokenizer: Codec, metrics: Metrics, arrived: float, *, score_prompt: bool = False,
+           stop_ids: Sequence[int] = ()) -> list[Choice]:
     """Check the request, then submit `n` choices per prompt, each an engine request feeding it from the engine's
     thread. A UserError is a 400 and a full queue a 429 (the choices already queued are cancelled)."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if not all(stops):
         raise UserError("stop: every stop string must be non-empty")
-    if body.stream and (body.logprobs is not None if isinstance(body, CompletionRequest) else body.logprobs):
+    logprobs = body.logprobs is not None if isinstance(body, CompletionRequest) else bool(body.logprobs)
+    if body.stream and logprobs:
         raise UserError("logprobs: not available with stream=true here; ask without streaming")
     bias = _logit_bias(body, tokenizer.vocab_size)
     for ids in encoded:
@@ -288,11 +300,11 @@ def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_
     for ids in encoded:
         for j in range(body.n):
             choice = Choice(len(choices), tokenizer, stops, tokenizer.eot_token, metrics, arrived)
-            put = lambda kind, value, c=choice: loop.call_soon_threadsafe(c.queue.put_nowait, (kind, value))
+            put = Feed(loop, choice.queue).put
             choice.request = Request(
                 ids, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j, logit_bias=bias,
-                ignore_eos=body.ignore_eos, emit=lambda *a, put=put: put("token", a),
-                done=lambda reason, put=put: put("done", reason),
+                ignore_eos=body.ignore_eos, stop_ids=stop_ids, logprobs=logprobs,
+                emit=lambda *a, put=put: put("token", a), done=lambda reason, put=put: put("done", reason),
                 prompt_logprobs=(lambda scored, put=put: put("prompt", scored)) if score_prompt else None)
             if score_prompt:
                 choice.prompt_ids = ids

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -59,7 +60,7 @@ class Choice:
         if self.finish_reason is not None:  # decoded in the step that a stop string ended the choice
             return
         self.generated += 1
-        if token != self.eot_token:
+        if token != self.eot_token and token not in self.request.stop_ids:  # an end token is not text
             self.ids.append(token)
             self.logprobs.append((logprob, top))
             self.text = self.tokenizer.decode(self.ids)
@@ -119,9 +120,38 @@ class EngineFailedError(Exception):
     """The engine failed while decoding a request (its thread printed the traceback)."""
 
 
+class Feed:
+    """A choice's engine events, put from the engine's thread, into its asyncio queue with one wake-up of the
+    event loop per batch: the engine hands over a decode chunk's tokens one after another, and waking the loop
+    for each (a write to its self-pipe and a hand-over of the GIL) would cost more than decoding the token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop, self.queue, self.lock = loop, queue, threading.Lock()
+        self.gathered: list[tuple[str, Any]] = []
+
+    def put(self, kind: str, value: Any) -> None:
+        with self.lock:
+            self.gathered.append((kind, value))
+            first = len(self.gathered) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._move)
+
+    def _move(self) -> None:
+        with self.lock:
+            gathered, self.gathered = self.gathered, []
+        for event in gathered:
+            self.queue.put_nowait(event)
+
+
 async def next_event(choice: Choice) -> None:
-    """Take one engine event into the choice."""
-    kind, value = await choice.queue.get()
+    """Take the choice's next engine event, and those already queued behind it (streamed as one chunk)."""
+    _take(choice, *await choice.queue.get())
+    while choice.finish_reason is None and not choice.queue.empty():
+        _take(choice, *choice.queue.get_nowait())
+
+
+def _take(choice: Choice, kind: str, value: Any) -> None:
+    """One engine event into the choice: a token, the prompt's log-probabilities, or its end."""
     if kind == "token":
         choice.add(*value)
     elif kind == "prompt":

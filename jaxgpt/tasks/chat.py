@@ -1,8 +1,8 @@
 """Chat: supervised fine-tuning (SFT) of a language model on conversations, on the one loop.
 
-The model and base tokenizer come from `init_from` (a jaxgpt run, a Hugging Face GPT-2 directory or a preset);
-the chat format's special tokens are added to that tokenizer (`jaxgpt.data.conversations`), and when they do
-not fit the model's vocabulary its token table (and untied head) grows by their rows, started at the mean of the
+The model and base tokenizer come from `init_from` (a jaxgpt run, a Hugging Face GPT-2 or NanoChat directory or a
+preset); the chat format's special tokens are added to that tokenizer (`jaxgpt.data.conversations`), and when they
+do not fit the model's vocabulary its token table (and untied head) grows by their rows, started at the mean of the
 existing rows plus noise of their spread, so the new tokens begin as typical tokens rather than as outliers.
 
 Each row holds one conversation, right-padded to the longest conversation that fits `model.block_size` (longer
@@ -32,6 +32,7 @@ from jaxgpt.data.batches import batch_indices, process_share, rows_sha256
 from jaxgpt.data.conversations import (
     CHAT_TEMPLATE,
     END,
+    HUB_SPEC,
     SPECIAL_TOKENS,
     TEMPLATE_FILE,
     Conversation,
@@ -40,6 +41,7 @@ from jaxgpt.data.conversations import (
     chat_tokenizer,
     encode_conversation,
     fit_context,
+    load_hub,
     load_jsonl,
     split_held_out,
     to_rows,
@@ -53,8 +55,6 @@ from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.train.config import ChatConfig, TrainConfig, base_config
 
 Batch = dict[str, jax.Array]  # x, y (B, W) int32; loss_mask, answer_mask (B, W) float32 over the targets y
-HF_ROUTE = ("Hub datasets are read from local files here: save the subset as JSON lines (datasets.load_dataset("
-            "NAME, split=...).to_json('chat.jsonl', lines=True)) and pass --config.chat.data=chat.jsonl")
 
 
 def chat_loss(logits_BWV: jax.Array, batch: Batch, label_smoothing: float = 0.0) -> jax.Array:
@@ -97,14 +97,24 @@ def _conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[s
         return (conversations, [f"built-in conversation {i}" for i in range(len(conversations))], kinds,
                 f"built-in conversations: {c.examples} of {', '.join(tasks)} (seed {seed})")
     if c.data.startswith("hf:"):
-        raise UserError(f"config.chat.data={c.data}: {HF_ROUTE}")
-    if not c.data.endswith(".jsonl"):
+        numbered = load_hub(c.data)
+        origins = [f"{c.data} row {n}" for n, _ in numbered]
+    elif c.data.endswith(".jsonl"):
+        numbered = load_jsonl(c.data)
+        origins = [f"{c.data}:{n}" for n, _ in numbered]
+    else:
         raise UserError(f"config.chat.data={c.data!r} is neither 'builtin' nor a .jsonl file of "
-                        '{"messages": [...]} objects (OpenAI\'s format)')
-    numbered = load_jsonl(c.data)
-    return ([conv for _, conv in numbered], [f"{c.data}:{n}" for n, _ in numbered], ["conversations"] * len(numbered),
+                        f"{{\"messages\": [...]}} objects (OpenAI's format) nor a Hub dataset, {HUB_SPEC}")
+    return ([conv for _, conv in numbered], origins, ["conversations"] * len(numbered),
             f"{len(numbered)} conversations from {c.data}")
 
+
+def held_out_conversations(c: ChatConfig, seed: int) -> list[tuple[Conversation, str]]:
+    """The conversations config.chat holds out, each with its kind (its built-in task): what evaluation scores,
+    for measuring a trained run elsewhere (through the server: benchmarks/bench_chat.py)."""
+    conversations, _, kinds, _ = _conversations(c, seed)
+    held = {id(m) for m in split_held_out(conversations, c.val_fraction)[1]}
+    return [(m, kind) for m, kind in zip(conversations, kinds, strict=True) if id(m) in held]
 
 
 class Chat:
@@ -124,7 +134,7 @@ class Chat:
                                                             cfg.vocab_from_data)
         if tokenizer_meta is None:
             raise UserError(f"init_from {cfg.init_from} has no known tokenizer to add the chat tokens to: use a jaxgpt "
-                            "run or a Hugging Face GPT-2 directory")
+                            "run or a Hugging Face GPT-2 or NanoChat directory")
         tokenizer = chat_tokenizer(tokenizer_from_meta(tokenizer_meta, cfg.data.bpe_file or None))
         self.cfg, self.base_cfg, self.tokenizer = cfg, base_cfg, tokenizer
         self.model_cfg = base_cfg.replace(vocab_size=max(base_cfg.vocab_size, tokenizer.vocab_size))

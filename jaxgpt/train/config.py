@@ -109,7 +109,9 @@ class ChatConfig:
     """Task "chat": supervised fine-tuning on conversations (jaxgpt/tasks/chat.py); model and tokenizer from
     init_from, the chat format's special tokens added to that tokenizer."""
 
-    data: str = "builtin"  # "builtin" (seeded conversations with checkable answers) or a .jsonl of {"messages": [...]}
+    # "builtin" (seeded conversations with checkable answers), a .jsonl of {"messages": [...]}, or a Hugging Face Hub
+    # dataset with a messages column, "hf:NAME[:SUBSET[:SPLIT]]" (needs `datasets`; jaxgpt.data.conversations.load_hub)
+    data: str = "builtin"
     tasks: str = "arithmetic,reverse,count,fact"  # "builtin": which generators, comma-separated
     examples: int = 20000  # "builtin": conversations generated (train + held-out)
     val_fraction: float = 0.05  # conversations held out (by a hash of the prompt) for loss and exact match
@@ -197,7 +199,7 @@ class TrainConfig:
     seed: int = 0  # data order, init and dropout all derive from it
     # GPT-2's shape; vocab_size unset in the ConfigDict: the dataset's (`vocab_from_data`)
     model: ModelConfig = dataclasses.field(default_factory=_default_model)
-    init_from: str = ""  # "", "hf:PATH" (a Hugging Face GPT-2 directory) or "workdir:PATH" (a jaxgpt run)
+    init_from: str = ""  # "", "hf:PATH" (a Hugging Face GPT-2 or NanoChat directory) or "workdir:PATH" (a jaxgpt run)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     classify: ClassifyConfig = dataclasses.field(default_factory=ClassifyConfig)
     seq2seq: Seq2SeqTaskConfig = dataclasses.field(default_factory=Seq2SeqTaskConfig)

@@ -1,0 +1,222 @@
+"""The continuous-batching engine's device programs (`jaxgpt.generate.engine` drives them from its thread).
+
+Every slot's state lives on the device, stacked on a leading slot axis (`Slots`). Three programs change it:
+
+* `prefill_slot` / `encode_slot`: a request's prompt (a GPT's, right-padded to a power-of-two bucket) or source
+  (an encoder-decoder's) goes into one slot, and the request's first token is picked there, so the server can
+  send it as soon as the prefill is done instead of one decode chunk later.
+* `decode_chunk`: up to `steps` tokens for the first `rows` slots (a power of two: the busy slots are kept at
+  the front, so one client decodes one row, not all of them), in one on-device loop, with no return to Python
+  between tokens. A slot stops advancing at its end (a token of its end set: end-of-text unless ignored, a
+  stop id; or its last token); the loop stops early once every row has ended.
+* `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front.
+
+A slot holds the token it picked last, not yet fed to the model: a decode step feeds it at the slot's length and
+picks the next from the logits that come out. Token i of a request draws its noise from `fold_in(key, i)`,
+greedy at temperature 0, top-p only below 1: `generate`'s sampling, so a seeded request samples what `generate`
+samples for its prompt alone (up to float rounding in the different batching of the products).
+
+What the busy slots' settings need (`Needs`: a logit bias, noise, the nucleus sort, log-probabilities) is
+static: a chunk of greedy requests draws no noise, one without biases adds no (rows, V) bias, and one whose
+clients asked for no log-probabilities skips the log-softmax and top-k; each combination compiles once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.generate import seq2seq
+from jaxgpt.generate.sampling import _decode
+from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
+from jaxgpt.model.attention import init_cache
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+
+Array = jax.Array
+TOP_LOGPROBS = 5  # the most alternatives a request may ask for (OpenAI's completions allow 5)
+NO_TOKEN = -1  # in a chunk's tokens: that row decoded nothing at that step (it had ended)
+
+
+class Slots(NamedTuple):
+    """The device state of every slot (leading axis: the slot)."""
+
+    cache: Any
+    tok_S: Array  # the token each slot picked last, fed to the model by the next decode step
+    length_S: Array  # where that token goes: how many tokens the slot's cache holds
+    step_S: Array  # tokens picked so far; the next pick draws its noise from fold_in(key, step)
+    left_S: Array  # tokens still to pick
+    done_S: Array  # ended (or free): the slot no longer advances
+    key_S: Array
+    temperature_S: Array
+    top_p_S: Array
+    bias_SV: Array  # each slot's logit_bias, added to its logits before the pick
+    end_SV: Array  # bool: the tokens that end each slot (end-of-text unless ignored, its stop ids)
+    memory: Any = None  # encoder-decoders: each slot's source mask (S, 1, L) and cross-attention keys/values
+
+
+class Setting(NamedTuple):
+    """One request's row of the per-slot settings, as `prefill_slot` / `encode_slot` take it."""
+
+    key: Array
+    temperature: Array
+    top_p: Array
+    max_new_tokens: Array
+    bias_V: Array
+    end_V: Array
+
+
+class Needs(NamedTuple):
+    """What a chunk's busy slots need computed (a static argument: one program per combination)."""
+
+    bias: bool = True  # some slot has a logit_bias
+    noise: bool = True  # some slot samples (temperature above 0)
+    nucleus: bool = True  # some slot samples with top_p below 1
+    scores: bool = True  # some slot's client wants log-probabilities
+
+
+class Picked(NamedTuple):
+    """Tokens of a prefill (1,) or a chunk (rows, steps) and, when asked for, their log-probabilities and the
+    TOP_LOGPROBS most likely alternatives (log-probabilities and ids, with a trailing axis of TOP_LOGPROBS)."""
+
+    tok: Array
+    logprob: Array | None = None
+    top_logprob: Array | None = None
+    top_id: Array | None = None
+
+
+def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None) -> Slots:
+    """Every slot free (ended), its cache zeroed; `memory`: an encoder-decoder's per-slot source state."""
+    model = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
+    V = model.vocab_size
+    cache = jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), init_cache(model, 1))
+    zeros = lambda: jnp.zeros(slots, jnp.int32)  # a buffer each: the programs donate the state
+    return Slots(cache, zeros(), zeros(), zeros(), zeros(), jnp.ones(slots, bool),
+                 jax.random.split(jax.random.key(0), slots), jnp.zeros(slots, jnp.float32),
+                 jnp.ones(slots, jnp.float32), jnp.zeros((slots, V), jnp.float32), jnp.zeros((slots, V), bool), memory)
+
+
+def pick_rows(logits_BV: Array, key_B: Array, step_B: Array, temperature_B: Array, top_p_B: Array, needs: Needs,
+              banned: int | None, vocab_limit: int | None) -> Array:
+    """`generate`'s choice for each row: greedy at temperature 0, top-p only below 1."""
+    limits = {"banned": banned, "vocab_limit": vocab_limit}
+    greedy_B = pick_tokens(logits_BV, None, **limits)
+    if not needs.noise:
+        return greedy_B
+    V = logits_BV.shape[-1]
+    gumbel_BV = jax.vmap(lambda key, step: gumbel_noise(key, step, (1, V))[0])(key_B, step_B)
+    temperature_B1 = jnp.maximum(temperature_B, 1e-6)[:, None]
+    tok_B = pick_tokens(logits_BV, gumbel_BV, temperature_B1, **limits)
+    if needs.nucleus:
+        nucleus_B = pick_tokens(logits_BV, gumbel_BV, temperature_B1, None, top_p_B[:, None], **limits)
+        tok_B = jnp.where(top_p_B < 1, nucleus_B, tok_B)
+    return jnp.where(temperature_B == 0, greedy_B, tok_B)
+
+
+def logprobs(logits_XV: Array, tok_X: Array) -> tuple[Array, tuple[Array, Array]]:
+    """Each row's log-probability of its token, and the TOP_LOGPROBS most likely (log-probabilities, ids)."""
+    logp_XV = jax.nn.log_softmax(logits_XV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp_XV, tok_X[:, None], axis=-1)[:, 0], jax.lax.top_k(logp_XV, TOP_LOGPROBS)
+
+
+def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Array, setting: Setting,
+           memory: Any, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
+    """Put a prefilled request into slot `s` and pick its first token (step 0) from the prompt's last logits."""
+    logits_1V = logits_V[None]
+    tok_1 = pick_rows(logits_1V + setting.bias_V, setting.key[None], jnp.zeros(1, jnp.int32),
+                      setting.temperature[None], setting.top_p[None], Needs(), banned, vocab_limit)
+    lp_1, (top_lp_1K, top_id_1K) = logprobs(logits_1V, tok_1)
+    done = (setting.max_new_tokens <= 1) | setting.end_V[tok_1[0]]
+    put = lambda whole, one: whole.at[s].set(one)
+    state = Slots(jax.tree.map(put, state.cache, cache), put(state.tok_S, tok_1[0]), put(state.length_S, length),
+                  put(state.step_S, 1), put(state.left_S, setting.max_new_tokens - 1), put(state.done_S, done),
+                  put(state.key_S, setting.key), put(state.temperature_S, setting.temperature),
+                  put(state.top_p_S, setting.top_p), put(state.bias_SV, setting.bias_V),
+                  put(state.end_SV, setting.end_V), jax.tree.map(put, state.memory, memory))
+    return state, Picked(tok_1, lp_1, top_lp_1K, top_id_1K)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "score", "banned", "vocab_limit"), donate_argnames=("state",))
+def prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array, setting: Setting, *,
+                 cfg: ModelConfig, score: bool, banned: int | None, vocab_limit: int | None
+                 ) -> tuple[Slots, Picked, tuple[Array, tuple[Array, Array]] | None]:
+    """Prefill a (right-padded) prompt into slot `s` and pick its first token; with `score`, also each prompt
+    position's log-probability of the next prompt token (positions from T - 1 on are padding)."""
+    logits_1PV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1), 0, False, last_only=False)
+    state, first = _start(state, s, cache, logits_1PV[0, T - 1], T, setting, None, banned, vocab_limit)
+    return state, first, logprobs(logits_1PV[0, :-1], prompt_1P[0, 1:]) if score else None
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "bos_id", "banned", "vocab_limit"), donate_argnames=("state",))
+def encode_slot(params: Any, state: Slots, s: Array, src_1L: Array, setting: Setting, *, cfg: Seq2SeqConfig,
+                bos_id: int, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
+    """Encode a source into slot `s`, feed the decoder its bos (as `seq2seq.generate` starts a row) and pick the
+    first token."""
+    memory = seq2seq.encode(params, cfg, src_1L)
+    logits_1V, cache = seq2seq._step(params, cfg, jnp.full((1,), bos_id, jnp.int32), init_cache(cfg.model, 1),
+                                     jnp.int32(0), memory[1], memory[0])
+    return _start(state, s, cache, logits_1V[0], 1, setting, memory, banned, vocab_limit)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def move_slot(state: Slots, src: Array, dst: Array) -> Slots:
+    """Slot `src` copied onto `dst`, and `src` freed (with src == dst: that slot freed)."""
+    state = jax.tree.map(lambda x: x.at[dst].set(x[src]), state)
+    return state._replace(done_S=state.done_S.at[src].set(True))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rows", "steps", "needs", "banned", "vocab_limit"),
+                   donate_argnames=("state",))
+def decode_chunk(params: Any, state: Slots, *, cfg: ModelConfig | Seq2SeqConfig, rows: int, steps: int,
+                 needs: Needs, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
+    """Up to `steps` tokens for each of the first `rows` slots; tokens of rows that had ended are NO_TOKEN."""
+    part = jax.tree.map(lambda x: x[:rows], state)
+    out = Picked(jnp.full((rows, steps), NO_TOKEN, jnp.int32))
+    if needs.scores:
+        out = out._replace(logprob=jnp.zeros((rows, steps), jnp.float32),
+                           top_logprob=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.float32),
+                           top_id=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.int32))
+    advance = functools.partial(_advance, params, cfg=cfg, needs=needs, banned=banned, vocab_limit=vocab_limit)
+
+    def one(carry: tuple[Array, Slots, Picked]) -> tuple[Array, Slots, Picked]:
+        i, st, out = carry
+        st, picked = advance(st)
+        put = lambda whole, new: None if whole is None else jax.lax.dynamic_update_index_in_dim(whole, new, i, 1)
+        return i + 1, st, Picked(*map(put, out, picked))
+
+    more = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1].done_S)
+    _, part, out = jax.lax.while_loop(more, one, (jnp.int32(0), part, out))
+    S = state.length_S.shape[0]
+    state = part if rows == S else jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state, part)
+    return state, out
+
+
+def _advance(params: Any, st: Slots, *, cfg: ModelConfig | Seq2SeqConfig, needs: Needs, banned: int | None,
+             vocab_limit: int | None) -> tuple[Slots, Picked]:
+    """One decode step of every row: feed its last token, pick the next; rows that had ended stay as they are
+    (their cache takes a write past their tokens, which nothing reads) and report NO_TOKEN."""
+    context = cfg.model.block_size if isinstance(cfg, Seq2SeqConfig) else cfg.block_size
+    index_B = jnp.minimum(st.length_S, context - 1)  # a free slot's length never runs past the cache
+
+    def decode_one(tok: Array, cache: Any, index: Array, memory: Any) -> tuple[Array, Any]:
+        if isinstance(cfg, Seq2SeqConfig):
+            logits_1V, cache = seq2seq._step(params, cfg, tok[None], cache, index, memory[1], memory[0])
+            return logits_1V[0], cache
+        logits_11V, cache = _decode(cfg, params, tok[None, None], cache, index, False)
+        return logits_11V[0, 0], cache
+
+    logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory)
+    tok_B = pick_rows(logits_BV + st.bias_SV if needs.bias else logits_BV, st.key_S, st.step_S, st.temperature_S,
+                      st.top_p_S, needs, banned, vocab_limit)
+    live_B = ~st.done_S
+    ends_B = jnp.take_along_axis(st.end_SV, tok_B[:, None], axis=1)[:, 0] | (st.left_S <= 1)
+    step_B = live_B.astype(jnp.int32)
+    st = st._replace(cache=cache, tok_S=jnp.where(live_B, tok_B, st.tok_S), length_S=st.length_S + step_B,
+                     step_S=st.step_S + step_B, left_S=st.left_S - step_B, done_S=st.done_S | (live_B & ends_B))
+    picked = Picked(jnp.where(live_B, tok_B, NO_TOKEN))
+    if needs.scores:
+        lp_B, (top_lp_BK, top_id_BK) = logprobs(logits_BV, tok_B)
+        picked = Picked(picked.tok, lp_B, top_lp_BK, top_id_BK)
+    return st, picked

@@ -1,0 +1,119 @@
+"""The engine's speed-ups keep its answers: several tokens per dispatch with per-slot ends (end-of-text, stop ids,
+max_new_tokens), only the busy slots decoded (power-of-two rows), a cancel honoured at once, and a chat reply
+through the server ending at the chat's end-of-turn token, which stays out of its text."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxgpt.generate import engine as engine_module
+from jaxgpt.generate import sampling
+from jaxgpt.generate.engine import Engine, Request
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("jinja2")
+
+from test_serve import CFG, TOKENIZER, Server  # noqa: E402
+from test_workflows import random_params  # noqa: E402
+
+from jaxgpt.serve.chat import ChatTemplate  # noqa: E402
+
+PARAMS = random_params(CFG)
+PROMPTS = [TOKENIZER.encode(p) for p in ("def f(", "a", "x = (a, b)\nprint(x", "import os\n")]
+
+
+def alone(prompt: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+    return sampling.generate(PARAMS, CFG, prompt, max_new_tokens=n, key=seed, temperature=temperature)[0].tolist()
+
+
+def run(requests: list[Request], slots: int = 4, chunk: int = 3, **options: object) -> Engine:
+    engine = Engine(PARAMS, CFG, slots=slots, chunk=chunk, **options)
+    for r in requests:
+        engine.submit(r)
+    engine.drain()
+    return engine
+
+
+def collecting(prompt: list[int], n: int, **settings: object) -> tuple[Request, list[int], list[str]]:
+    tokens: list[int] = []
+    reasons: list[str] = []
+    request = Request(prompt, n, emit=lambda t, *_: tokens.append(t), done=reasons.append, **settings)
+    return request, tokens, reasons
+
+
+def test_chunks_of_ragged_requests_give_each_its_tokens_alone_and_its_end():
+    """Lengths that are no multiple of the chunk, a request for one token, stop ids and end-of-text ending
+    slots mid-chunk, more requests than slots: each gets `generate`'s tokens for its prompt alone, up to its end."""
+    full = alone(PROMPTS[0], 12, 1.0, 7)
+    stop = next(t for i, t in enumerate(full) if i >= 4 and t not in full[:i])
+    eot = alone(PROMPTS[2], 6)[3]
+    cases = [collecting(PROMPTS[0], 12, temperature=1.0, seed=7, stop_ids=[stop]),
+             collecting(PROMPTS[1], 1, temperature=0.0), collecting(PROMPTS[2], 9, temperature=0.0),
+             collecting(PROMPTS[3], 10, temperature=0.7, seed=3), collecting(PROMPTS[1], 5, temperature=1.0, seed=1),
+             collecting(PROMPTS[2], 9, temperature=0.0, ignore_eos=True)]
+    run([r for r, _, _ in cases], eot_token=eot)
+    cut = full.index(stop) + 1
+    want_eot = alone(PROMPTS[2], 9)
+    assert cases[0][1:] == (full[:cut], ["stop"])
+    assert cases[1][1:] == (alone(PROMPTS[1], 1), ["length"])
+    assert cases[2][1:] == (want_eot[:want_eot.index(eot) + 1], ["stop"])
+    assert cases[3][1:] == (alone(PROMPTS[3], 10, 0.7, 3), ["length"])
+    assert cases[4][1:] == (alone(PROMPTS[1], 5, 1.0, 1), ["length"])
+    assert cases[5][1:] == (want_eot, ["length"])
+
+
+def test_only_the_busy_slots_decode_in_power_of_two_rows(monkeypatch):
+    rows: list[int] = []
+    chunk = engine_module.decode_chunk
+
+    def spy(*args, **kwargs):
+        rows.append(kwargs["rows"])
+        return chunk(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode_chunk", spy)
+    one, tokens, _ = collecting(PROMPTS[0], 7, temperature=0.0)
+    run([one], slots=8, chunk=4)
+    assert tokens == alone(PROMPTS[0], 7) and set(rows) == {1} and len(rows) <= 3  # 2 chunks (+1 dispatched ahead)
+    rows.clear()
+    three = [collecting(p, 6, temperature=0.0) for p in PROMPTS[:3]]
+    run([r for r, _, _ in three], slots=8, chunk=4)
+    assert max(rows) == 4 and all(t == alone(p, 6) for (_, t, _), p in zip(three, PROMPTS, strict=False))
+
+
+def test_a_cancel_stops_the_tokens_at_once_and_frees_the_slot():
+    tokens: list[int] = []
+    reasons: list[str] = []
+
+    def emit(token: int, *_: object) -> None:
+        tokens.append(token)
+        if len(tokens) == 2:
+            request.cancelled = True
+
+    request = Request(PROMPTS[0], 20, emit=emit, done=reasons.append, temperature=0.0)
+    after, after_tokens, after_reasons = collecting(PROMPTS[1], 4, temperature=0.0)
+    engine = run([request, after], slots=1, chunk=8)
+    assert (tokens, reasons) == (alone(PROMPTS[0], 2), ["cancelled"])
+    assert (after_tokens, after_reasons) == (alone(PROMPTS[1], 4), ["length"]) and not any(engine.active)
+
+
+def test_a_chat_reply_ends_at_the_end_of_turn_token_which_is_not_in_its_text():
+    text = "user: hi\nassistant:"
+    full = TOKENIZER.decode(alone(TOKENIZER.encode(text), 20))
+    at = next(i for i, c in enumerate(full) if i >= 3 and c not in full[:i])
+    end_id = TOKENIZER.encode(full[at])[0]
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    server = Server(chat_template=ChatTemplate(template), chat_stop_ids=[end_id])
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        got = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+        assert (got.choices[0].message.content, got.choices[0].finish_reason) == (full[:at], "stop")
+        assert got.usage.completion_tokens == at + 1  # the end token was generated, and counted
+        chunks = list(server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
+                                                            temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:at]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        plain = server.client.completions.create(model="tiny", prompt=text, max_tokens=20, temperature=0)
+        assert plain.choices[0].text == full  # completions do not stop there
+    finally:
+        server.close()
