@@ -413,7 +413,7 @@ def drive(engine: Any, cfg: Any, clients: int, shapes: Shapes, new_tokens: int, 
             finished.set()
 
         request = Request(prompts[i].tolist(), new_tokens, emit=lambda token, *_: got.append(token), done=done,
-                          seed=seed + i)
+                          seed=seed + i, logprobs=False)  # a chat client asks for no log-probabilities
         while not engine.submit(request):  # the queue is full: retry, as a client retries a 429
             time.sleep(0.001)
         finished.wait()
