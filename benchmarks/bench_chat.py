@@ -4,7 +4,8 @@
     python benchmarks/bench_chat.py --workdir runs/chat_sft --limit 200 --base ""  # the fine-tuned run only
 
 The held-out conversations are those the run's evaluation scores (`jaxgpt.tasks.chat.held_out_conversations` of
-its config.json: the same generator, seed and split). Each is sent without its last assistant turn to a
+its config.json, tokenizer and context: the same generator, seed and split of the conversations that fit, each up
+to its last assistant turn that fits). Each is sent without its last assistant turn to a
 `jaxgpt serve` subprocess on 127.0.0.1 through the openai client, greedy (temperature 0), several at a time so
 the engine batches them; a reply is right when its text equals the reference answer exactly (the server ends a
 reply at the chat end token, which is not part of the text). The base model (the run's init_from, a jaxgpt run)
@@ -17,67 +18,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # `jaxgpt serve` started as the tests do
+from tests_helpers import serving
+
 from jaxgpt.data.conversations import TEMPLATE_FILE, Conversation
+from jaxgpt.data.tokenizer import tokenizer_from_meta
+from jaxgpt.io import weights
 from jaxgpt.tasks.chat import held_out_conversations
 from jaxgpt.train.config import ChatConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(workdir: str, port: int, slots: int, template: str | None) -> subprocess.Popen:
-    """`jaxgpt serve` on `workdir`, once /health answers."""
-    command = [sys.executable, "-m", "jaxgpt", "serve", "--workdir", workdir, "--port", str(port), "--slots",
-               str(slots), *(["--chat_template", template] if template else [])]
-    server = subprocess.Popen(command)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"bench_chat: `{' '.join(command)}` exited with status {server.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    server.kill()
-    raise SystemExit(f"bench_chat: `{' '.join(command)}` did not answer /health within 600 s")
 
 
 def ask_all(workdir: str, conversations: list[tuple[Conversation, str]], args: argparse.Namespace,
             template: str | None = None) -> tuple[dict[str, list[bool]], float]:
     """Whether each reply equals its reference, by kind, and the seconds the requests took."""
-    port = free_port()
-    server = start_server(workdir, port, args.slots, template)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    options = ["--workdir", workdir, "--slots", str(args.slots), *(["--chat_template", template] if template else [])]
+    with serving(*options, timeout=600) as (_, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
 
-    def ask(conversation: Conversation) -> bool:
-        reply = client.chat.completions.create(model="run", messages=conversation[:-1], temperature=0,
-                                               max_tokens=args.max_tokens)
-        return reply.choices[0].message.content == conversation[-1]["content"]
+        def ask(conversation: Conversation) -> bool:
+            reply = client.chat.completions.create(model="run", messages=conversation[:-1], temperature=0,
+                                                   max_tokens=args.max_tokens)
+            return reply.choices[0].message.content == conversation[-1]["content"]
 
-    try:
         start = time.time()
         with ThreadPoolExecutor(args.slots) as pool:
             right = list(pool.map(ask, [c for c, _ in conversations]))
         seconds = time.time() - start
-    finally:
-        server.terminate()
-        server.wait(60)
     by_kind: dict[str, list[bool]] = defaultdict(list)
     for ok, (_, kind) in zip(right, conversations, strict=True):
         by_kind[kind].append(ok)
@@ -103,7 +77,9 @@ def main() -> None:
     config = json.loads((Path(args.workdir) / "config.json").read_text())
     if config.get("task") != "chat":
         raise SystemExit(f"bench_chat: {args.workdir} is a run of task {config.get('task')!r}, not chat")
-    conversations = held_out_conversations(ChatConfig(**config["chat"]), config["seed"])
+    model, tokenizer_meta = weights.describe(f"workdir:{args.workdir}")
+    tokenizer = tokenizer_from_meta(tokenizer_meta, config["data"]["bpe_file"] or None)
+    conversations = held_out_conversations(ChatConfig(**config["chat"]), config["seed"], tokenizer, model.block_size)
     conversations = conversations[:args.limit or None]
     print(f"{args.workdir}: {len(conversations)} held-out conversations of {config['chat']['data']} "
           f"(seed {config['seed']}), greedy, through /v1/chat/completions")

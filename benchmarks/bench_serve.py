@@ -69,6 +69,7 @@ def serve(cfg: ModelConfig, params: dict) -> tuple[uvicorn.Server, int]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     engine = Engine(params, cfg, slots=16, max_waiting=256)
+    engine.warm_up()  # every row count's chunk and every prompt bucket, as `jaxgpt serve --warm_up`
     server = uvicorn.Server(uvicorn.Config(create_app(engine, CharTokenizer(CHARS), "m"), host="127.0.0.1",
                                            port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -141,8 +142,6 @@ def part1(args: argparse.Namespace) -> None:
         params = init_params(cfg, jax.random.key(0))
         server, port = serve(cfg, params)
         rng = np.random.default_rng(0)
-        for clients in (16, 8, 4, 2, 1):  # compiles every prefill bucket and the chunk program of every row count
-            load(port, clients, 1, rng)
         base = alone(cfg, params, 16, np.random.default_rng(1))
         print(f"{name}: generate alone {base:,.0f} tokens/s (batch 1, 64 new tokens, prefill included)")
         print(f"{'clients':>8}{'tokens/s':>11}{'x 1 client':>12}{'x generate':>12}{'TTFT p50':>10}{'p99 s':>8}"

@@ -13,11 +13,15 @@ holds no device memory and every part has the whole device to itself.
 
 Parts (docs/accelerators.md describes each): env (devices, versions, CUDA/cuDNN or TPU runtime, memory,
 missing imports); tests (`pytest -m accelerator tests/`); train (GPT-2 124M as configs/gpt2_124m.py trains
-it, through bench_train's real train step, at the largest per-device batch that fits: tokens/s, MFU);
-torch_train (the same model in PyTorch: torch.compile, flash SDPA, bf16 autocast); generate and hf_generate
-(cached greedy generation at batch 1 and 64, jaxgpt's and transformers'); serve (the continuous-batching
-engine under 1 and 64 concurrent clients, driven in process rather than over HTTP, so that the host needs no
-FastAPI: benchmarks/bench_serve.py measures the app). The table ends with jaxgpt's ratios to PyTorch's.
+it, through bench_train's real train step, at the largest per-device batch that fits: tokens/s, MFU; then
+where the step's time goes (benchmarks/profile_summary.py: top ops, attention/matmul/other, host gaps), the
+optimizer's update alone, and with --variants the step with other loss chunks); train_flags (the
+recipe again under TRAIN_XLA_FLAGS, a candidate default for GPUs); torch_train (the same model in PyTorch:
+torch.compile, flash SDPA, bf16 autocast); generate and hf_generate (cached greedy generation at batch 1 and
+64, jaxgpt's and transformers'); serve (the continuous-batching engine under 1 and 64 concurrent clients,
+driven in process rather than over HTTP, so that the host needs no FastAPI: benchmarks/bench_serve.py
+measures the app). The table ends with the ratios: jaxgpt's to PyTorch's, the variants' to the recipe's,
+many clients' to one's.
 
 --smoke runs every part on the CPU at tiny shapes (a 2-layer model, 64 positions, a few steps and small
 batches); PyTorch's parts are skipped with the reason where torch is not installed, torch.compile is left out
@@ -33,6 +37,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -44,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -52,7 +57,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # jaxgpt and configs/ from the checkout, installed or not
 
-PARTS = ("env", "tests", "train", "torch_train", "generate", "hf_generate", "serve")
+PARTS = ("env", "tests", "train", "train_flags", "torch_train", "generate", "hf_generate", "serve")
+# train_flags: the train part again, under XLA flags that may speed a GPU step (a variant to measure, not a
+# default): kernels launched one by one instead of as CUDA graphs (command buffers), which XLA updates whenever
+# a buffer they read moved. (cuBLAS for every product, --xla_gpu_enable_triton_gemm=false, measured 0.99x.)
+TRAIN_XLA_FLAGS = "--xla_gpu_enable_command_buffer="
 # jaxgpt's imports that accelerator images often lack (docs/accelerators.md lists what must travel as wheels)
 OFTEN_MISSING = ("ml_collections", "tensorboardX", "torch", "transformers", "fastapi", "uvicorn", "pydantic")
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu", "flax", "optax", "orbax-checkpoint",
@@ -75,6 +84,9 @@ class Shapes:
     requests: int  # per client, one after another
     compile_torch: bool
     tests: tuple[str, ...]  # pytest's arguments after -m accelerator
+    test_workers: int  # > 0: pytest-xdist processes sharing the device (compiling is most of a test's time)
+    profile_steps: int  # training steps traced for the profile summary
+    loss_chunks: tuple[int, ...]  # --variants: the step timed again with each of these loss_chunk (0: dense)
     cpu_devices: int  # > 0: the tests part's XLA CPU devices (XLA_FLAGS)
     budget: float  # seconds for the whole run
     limits: dict[str, float]  # seconds for each part
@@ -82,14 +94,16 @@ class Shapes:
 
 FULL = Shapes(model={}, loss_chunk=None, batches=(64, 32, 16, 8, 4), steps=10, prompt_len=16, new_tokens=256,
               serve_tokens=64, gen_batches=(1, 64), clients=(1, 64), requests=4, compile_torch=True,
-              tests=("tests/",), cpu_devices=0, budget=480,
-              limits=dict(env=60, tests=180, train=150, torch_train=150, generate=90, hf_generate=60, serve=90))
+              tests=("tests/",), test_workers=6, profile_steps=3, loss_chunks=(0, 512), cpu_devices=0, budget=540,
+              limits=dict(env=60, tests=150, train=150, train_flags=75, torch_train=150, generate=90,
+                          hf_generate=90, serve=120))
 SMOKE = Shapes(model=dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64), loss_chunk=16,
                batches=(8, 4), steps=2, prompt_len=8, new_tokens=8, serve_tokens=8, gen_batches=(1, 4),
                clients=(1, 4), requests=2, compile_torch=False,
-               tests=("tests/test_accelerator.py", "-k", "two_devices or float64_reference"), cpu_devices=2,
-               budget=420, limits=dict(env=60, tests=150, train=90, torch_train=90, generate=90, hf_generate=90,
-                                       serve=90))
+               tests=("tests/test_accelerator.py", "-k", "two_devices or float64_reference"), test_workers=0,
+               profile_steps=2, loss_chunks=(0, 32), cpu_devices=2, budget=480,
+               limits=dict(env=60, tests=150, train=90, train_flags=60, torch_train=90, generate=90,
+                           hf_generate=90, serve=90))
 
 
 class UnavailableError(Exception):
@@ -196,7 +210,10 @@ def pytest_counts(output: str) -> dict[str, int]:
         return {word.rstrip("s") if word.startswith("error") else word: int(n)
                 for n, word in re.findall(r"(\d+) (\w+)", closing[-1])}
     counts: dict[str, int] = {}
-    for outcome in re.findall(r"^\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", output, re.M):
+    # -vv writes "path::test OUTCOME"; under pytest-xdist, "[gw0] [ 10%] OUTCOME path::test"
+    outcomes = r"PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+    found = re.findall(rf"^\S+::\S+ ({outcomes})\b|^\[gw\d+\] \[ *\d+%\] ({outcomes}) \S+::", output, re.M)
+    for outcome in (a or b for a, b in found):
         key = {"XFAIL": "xfailed", "XPASS": "xpassed"}.get(outcome, outcome.lower())
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -210,8 +227,9 @@ def part_tests(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     if shapes.cpu_devices:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={shapes.cpu_devices}"
     # A test module that cannot be imported on this host (a package it lacks) is one error, not a stop to the run.
-    cmd = [sys.executable, "-m", "pytest", "-m", "accelerator", *shapes.tests, "-vv", "-rfE", "-p", "no:cacheprovider",
-           "--color=no", "--continue-on-collection-errors"]
+    workers = ["-n", str(shapes.test_workers)] if shapes.test_workers and importlib.util.find_spec("xdist") else []
+    cmd = [sys.executable, "-m", "pytest", "-m", "accelerator", *shapes.tests, *workers, "-vv", "-rfE",
+           "-p", "no:cacheprovider", "--color=no", "--continue-on-collection-errors", "--durations=10"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.part_limit - 15)
         output, rc = proc.stdout + proc.stderr, proc.returncode
@@ -232,9 +250,12 @@ def part_tests(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
-    """jaxgpt's GPT-2 124M recipe, data parallel over every device, at the largest batch that fits."""
+    """jaxgpt's GPT-2 124M recipe, data parallel over every device, at the largest batch that fits; then (part
+    train, not train_flags) the profile of a few of its steps, the optimizer's update alone, and the recipe with
+    the whole batch's logits at once instead of its chunked loss."""
     import bench_train
     import jax
+    import profile_summary
 
     from jaxgpt.train.chips import peak_flops_for
     from jaxgpt.train.flops import flops_per_token
@@ -243,17 +264,85 @@ def part_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     devices = jax.devices()
     n = len(devices)
     steps = args.steps or shapes.steps
-    batch, (compile_s, step_s), misses = largest_fitting(
-        lambda b: bench_train.time_steps(cfg, b * n, steps, n_devices=n, loss_chunk=chunk), batches_of(shapes, args))
-    tok_s = batch * n * cfg.block_size / step_s
     peak = peak_flops_for(devices)
-    mfu = tok_s * flops_per_token(cfg) / peak if peak else None
+    rate = lambda batch, step_s: (batch * n * cfg.block_size / step_s,
+                                  batch * n * cfg.block_size / step_s * flops_per_token(cfg) / peak if peak else None)
+    batch, (compile_s, run), misses = largest_fitting(
+        lambda b: bench_train.prepare_step(cfg, b * n, n_devices=n, loss_chunk=chunk), batches_of(shapes, args))
+    step_s = statistics.median(run() for _ in range(steps))
+    tok_s, mfu = rate(batch, step_s)
     mfu_text = f"MFU {mfu:.1%}" if mfu is not None else f"no published peak for {devices[0].device_kind!r}"
-    return {"summary": f"{tok_s:,.0f} tokens/s, {mfu_text} ({n} x {batch} x {cfg.block_size} tokens per step, "
-                       f"{step_s * 1e3:.1f} ms; compile {compile_s:.0f} s)",
-            "metrics": {"tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / n, "mfu": mfu,
-                        "step_s": step_s, "compile_s": compile_s, "batch_per_device": batch},
-            "details": {"model": cfg.to_dict(), "loss_chunk": chunk, "out_of_memory": misses}}
+    summary = (f"{tok_s:,.0f} tokens/s, {mfu_text} ({n} x {batch} x {cfg.block_size} tokens per step, "
+               f"{step_s * 1e3:.1f} ms; compile {compile_s:.0f} s)")
+    print(f"{args.run_part}: {summary}", flush=True)  # in the log even if the extras below run out of time
+    metrics = {"tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / n, "mfu": mfu, "step_s": step_s,
+               "compile_s": compile_s, "batch_per_device": batch}
+    details: dict[str, Any] = {"model": cfg.to_dict(), "loss_chunk": chunk, "out_of_memory": misses,
+                               "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if args.run_part == "train":  # each extra's failure is recorded in details["errors"], not the part's
+        errors = details["errors"] = {}
+        with recorded(errors, "profile"):
+            details["profile"] = profile = profile_summary.profile_steps(run, shapes.profile_steps)
+            print("\n".join(profile_summary.describe(profile, 12)), flush=True)
+        del run
+        gc.collect()
+        with recorded(errors, "optimizer"):
+            metrics["optimizer_s"] = optimizer_seconds(cfg, steps)
+            print(f"optimizer update alone: {metrics['optimizer_s'] * 1e3:.1f} ms "
+                  f"({metrics['optimizer_s'] / step_s:.1%} of the step)", flush=True)
+    for other in shapes.loss_chunks if args.run_part == "train" and args.variants else ():
+        with recorded(details["errors"], f"loss_chunk{other}"):
+            other_batch, (_, other_s), _ = largest_fitting(
+                lambda b, other=other: bench_train.time_steps(cfg, b * n, steps, n_devices=n, loss_chunk=other),
+                tuple(b for b in batches_of(shapes, args) if b <= batch))
+            other_tok_s, other_mfu = rate(other_batch, other_s)
+            metrics.update({f"loss_chunk{other}_tokens_per_s": other_tok_s, f"loss_chunk{other}_mfu": other_mfu,
+                            f"loss_chunk{other}_batch": other_batch})
+            summary += (f"; loss_chunk {other}: {other_tok_s:,.0f} tokens/s"
+                        + (f", MFU {other_mfu:.1%}" if other_mfu is not None else "") + f" (batch {other_batch})")
+    return {"summary": summary, "metrics": metrics, "details": details}
+
+
+@contextlib.contextmanager
+def recorded(errors: dict[str, str], name: str) -> Iterator[None]:
+    """Run an optional measurement: its failure becomes errors[name] (and a log line), not the part's."""
+    try:
+        yield
+    except Exception as e:
+        errors[name] = one_line(e)
+        print(f"{name} failed: {errors[name]}", flush=True)
+
+
+def optimizer_seconds(cfg: Any, steps: int) -> float:
+    """Median seconds of the training step's optimizer update alone (bench_train's optimizer, the model's
+    parameters, gradients of ones), jitted with the parameters and state donated as in the step."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxgpt.model.gpt import init_params
+    from jaxgpt.train.optim import OptimConfig, make_optimizer
+
+    tx = make_optimizer(OptimConfig(warmup_steps=1, decay_steps=1000))
+    params = init_params(cfg, jax.random.key(0))
+    state = {"params": params, "opt_state": tx.init(params)}
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def update(state: dict, grads: Any) -> tuple[dict, jax.Array]:
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, optax.tree.norm(grads)
+
+    def one() -> float:
+        t = time.perf_counter()
+        state.update(update(state, grads)[0])
+        jax.block_until_ready(state)
+        return time.perf_counter() - t
+
+    one()
+    return statistics.median(one() for _ in range(steps))
 
 
 def torch_device(args: argparse.Namespace) -> str:
@@ -441,17 +530,21 @@ def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from jaxgpt.generate.engine import Engine
+    from jaxgpt.generate.slots import Needs
     from jaxgpt.model.gpt import init_params
 
     cfg, _ = recipe(shapes, args.attention)
     slots = max(shapes.clients)
     engine = Engine(init_params(cfg, jax.random.key(0)), cfg, slots=slots, max_waiting=slots * shapes.requests)
+    # every row count's chunk for what drive's requests need, and their prompts' bucket (`jaxgpt serve --warm_up`:
+    # every bucket; on an H100 the 21 programs of GPT-2 124M took over 75 s)
+    warm_up_s = engine.warm_up([Needs(bias=False, noise=True, nucleus=False, scores=False)], [shapes.prompt_len])
+    metrics, rows = {"warm_up_s": warm_up_s}, []
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
-    metrics, rows = {}, []
     try:
         t = time.perf_counter()
-        drive(engine, cfg, slots, dataclasses.replace(shapes, requests=1), 2, seed=10**6)  # compiles prefill and step
+        drive(engine, cfg, slots, dataclasses.replace(shapes, requests=1), 2, seed=10**6)  # anything left to compile
         metrics["compile_s"] = time.perf_counter() - t
         for clients in shapes.clients:
             rate, latencies = drive(engine, cfg, clients, shapes, shapes.serve_tokens, seed=clients)
@@ -470,8 +563,8 @@ def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
 
 
 PART_FUNCTIONS: dict[str, Callable[[Shapes, argparse.Namespace], dict[str, Any]]] = {
-    "env": part_env, "tests": part_tests, "train": part_train, "torch_train": part_torch_train,
-    "generate": part_generate, "hf_generate": part_hf_generate, "serve": part_serve}
+    "env": part_env, "tests": part_tests, "train": part_train, "train_flags": part_train,
+    "torch_train": part_torch_train, "generate": part_generate, "hf_generate": part_hf_generate, "serve": part_serve}
 
 
 def child(args: argparse.Namespace) -> int:
@@ -497,8 +590,10 @@ def part_environment(name: str, smoke: bool) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if smoke:
         env["JAX_PLATFORMS"] = "cpu"
-    if name == "train":  # the largest batch that fits: let JAX's allocator take most of the device, as PyTorch may
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    if name.startswith("train"):  # the largest batch that fits: let JAX's allocator take most of the device, as
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # PyTorch may
+    if name == "train_flags":
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {TRAIN_XLA_FLAGS}".strip()
     return env
 
 
@@ -506,6 +601,7 @@ def run_part(name: str, limit: float, args: argparse.Namespace, extra: list[str]
     """One part in a new process group, killed whole at `limit` seconds; its record, status and log tail (the
     whole output goes to `log`)."""
     forwarded = [*(["--smoke"] if args.smoke else []), *(["--steps", str(args.steps)] if args.steps else []),
+                 *(["--variants"] if args.variants else []),
                  *(["--attention", args.attention] if args.attention else []),
                  *(["--batches", args.batches] if args.batches else [])]
     with tempfile.TemporaryDirectory() as tmp:
@@ -535,7 +631,8 @@ def run_part(name: str, limit: float, args: argparse.Namespace, extra: list[str]
 
 
 def comparisons(records: dict[str, dict[str, Any]], shapes: Shapes) -> dict[str, float]:
-    """jaxgpt over PyTorch: training tokens/s per device, and cached generation's tokens/s per batch."""
+    """jaxgpt over PyTorch (training tokens/s per device, cached generation's tokens/s per batch), the training
+    variants over the recipe, and the engine's most clients over its fewest."""
     get = lambda part, key: records.get(part, {}).get("metrics", {}).get(key)
     out = {}
     if get("train", "tokens_per_s_per_device") and get("torch_train", "tokens_per_s"):
@@ -545,6 +642,17 @@ def comparisons(records: dict[str, dict[str, Any]], shapes: Shapes) -> dict[str,
         ours, theirs = get("generate", f"batch{b}_tokens_per_s"), get("hf_generate", f"batch{b}_tokens_per_s")
         if ours and theirs:
             out[f"cached generation at batch {b}: jaxgpt / transformers"] = ours / theirs
+    if get("train", "tokens_per_s") and get("train_flags", "tokens_per_s"):
+        out[f"training tokens/s under {TRAIN_XLA_FLAGS} / without"] = (get("train_flags", "tokens_per_s")
+                                                                       / get("train", "tokens_per_s"))
+    for other in shapes.loss_chunks:
+        if get("train", "tokens_per_s") and get("train", f"loss_chunk{other}_tokens_per_s"):
+            out[f"training tokens/s, loss_chunk {other} / the recipe's"] = (
+                get("train", f"loss_chunk{other}_tokens_per_s") / get("train", "tokens_per_s"))
+    low, high = min(shapes.clients), max(shapes.clients)
+    if get("serve", f"clients{low}_tokens_per_s") and get("serve", f"clients{high}_tokens_per_s"):
+        out[f"serving tokens/s, {high} clients / {low}"] = (get("serve", f"clients{high}_tokens_per_s")
+                                                           / get("serve", f"clients{low}_tokens_per_s"))
     return out
 
 
@@ -625,6 +733,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="timed training steps (default 10; --smoke 2)")
     parser.add_argument("--batches", help="per-device training batches to try, largest first (default "
                         f"{','.join(map(str, FULL.batches))})")
+    parser.add_argument("--variants", action="store_true", help="train: also time the step with other loss "
+                        "chunks (FULL: all logits at once, and 512 positions: fewer trips of the loss's loop)")
     parser.add_argument("--attention", help="the model's attention_impl instead of the recipe's auto (e.g. xla)")
     parser.add_argument("--run_part", choices=PARTS, help=argparse.SUPPRESS)  # a part's own process
     parser.add_argument("--result", help=argparse.SUPPRESS)

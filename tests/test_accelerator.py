@@ -166,10 +166,12 @@ def test_bf16_recipe_tracks_float32_for_50_steps(tmp_path: Path, data_dir: Path,
 @pytest.mark.accelerator
 def test_twenty_steps_then_resume_equal_forty_straight(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
     """Bitwise: parameters and every logged loss. Dropout is on, so its randomness must resume too; the first
-    half stops at 20 with the 40-step run's schedule (an explicit decay_steps), so no update differs."""
+    half stops at 20 with the 40-step run's schedule (an explicit decay_steps), so no update differs. On a GPU
+    this needs `deterministic` (an H100 without it: 1e-5 relative differences, XLA's atomics summing in
+    whatever order threads finish); with it, bitwise there too."""
     def run(name: str, steps: int) -> dict:
         c = load_tiny(workdir=str(tmp_path / name), data_dir=str(data_dir), max_steps=steps,
-                      compilation_cache_dir=xla_cache)
+                      compilation_cache_dir=xla_cache, deterministic=True)
         c.optim.decay_steps = 40
         c.model.resid_dropout = 0.1
         return train_run(c)
@@ -259,6 +261,9 @@ def test_device_check_falls_back_past_out_of_memory_and_counts_unfinished_pytest
     cut = "tests/test_a.py::test_x[1] PASSED  [ 10%]\ntests/test_a.py::test_y SKIPPED (no gpu) [ 20%]\n" \
           "tests/test_b.py::test_z FAILED  [ 30%]\ntests/test_b.py::test_w "
     assert device_check.pytest_counts(cut) == {"passed": 1, "skipped": 1, "failed": 1}
+    workers = "[gw1] [ 10%] PASSED tests/test_a.py::test_x[1] \n[gw0] [ 20%] SKIPPED tests/test_a.py::test_y \n" \
+              "[gw1] [ 30%] FAILED tests/test_b.py::test_z \n[gw0] [ 40%] PASSED tests/test_b.py::test_w \n"
+    assert device_check.pytest_counts(workers) == {"passed": 2, "skipped": 1, "failed": 1}
     closing = cut + "\n===== 1 failed, 7 passed, 2 skipped, 1 error, 40 deselected in 12.50s (0:00:12) =====\n"
     assert device_check.pytest_counts(closing) == {"failed": 1, "passed": 7, "skipped": 2, "error": 1,
                                                    "deselected": 40}
@@ -268,7 +273,8 @@ def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: Modu
     """`benchmarks/device_check.py --smoke`: a row for every part in its JSON, each passed; PyTorch's parts are
     skipped, with the reason, only where torch (or transformers) is not installed."""
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke", "--variants",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=570, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -284,4 +290,8 @@ def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: Modu
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert parts["tests"]["metrics"]["passed"] >= 4 and not parts["tests"]["metrics"].get("failed")  # 2 devices ran
     assert parts["train"]["metrics"]["tokens_per_s"] > 0 and parts["serve"]["metrics"]["clients4_tokens_per_s"] > 0
-    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2)
+    profile = parts["train"]["details"]["profile"]
+    assert profile["top_ops"] and profile["device_busy_ms_per_step"] > 0
+    assert parts["train"]["metrics"]["optimizer_s"] > 0
+    # PyTorch's ratios where it runs; the flags' and the two other loss chunks' to the recipe, many clients' to one
+    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2) + 4

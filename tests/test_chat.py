@@ -37,11 +37,11 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, init_params
-from jaxgpt.tasks.chat import chat_loss, grow_vocab
+from jaxgpt.tasks.chat import chat_loss, grow_vocab, held_out_conversations
 from jaxgpt.train.config import base_config, from_config_dict
 
 # Every character of the built-in conversations, sorted by code point as CharTokenizer requires.
-ALPHABET = "".join(sorted(set(" !'+-.?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))
+ALPHABET = "".join(sorted(set(" !'+-.:?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))
 
 
 def render(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
@@ -179,7 +179,9 @@ def test_builtin_answers_are_right_and_held_out_prompts_are_new_to_training() ->
                 kind, subject = "reverse", word
             elif question.startswith("How many"):
                 letter, word = question.split("'")[1::2]
-                assert answer == str(word.count(letter))
+                tally, total = answer.split(": ")  # each letter with the count so far, then the total
+                assert tally.split() == [f"{c}{word[:i + 1].count(letter)}" for i, c in enumerate(word)]
+                assert total == str(word.count(letter))
                 kind, subject = "count", word
             elif c[0]["role"] == "system":
                 name = question.removeprefix("What is ").split("'")[0]
@@ -192,7 +194,7 @@ def test_builtin_answers_are_right_and_held_out_prompts_are_new_to_training() ->
                 kind, subject = "arithmetic", question
             subjects.setdefault(kind, [set(), set()])[part].add(subject)
     assert set(subjects) == {"arithmetic", "reverse", "count", "fact"}
-    counts = [c[-1]["content"] for c in conversations if c[-2]["content"].startswith("How many")]
+    counts = [c[-1]["content"].split(": ")[1] for c in conversations if c[-2]["content"].startswith("How many")]
     assert max(counts.count(k) for k in "0123") < 0.3 * len(counts)  # no one answer scores well by itself
     for kind, (seen, held) in subjects.items():
         assert held and len(held & seen) <= len(held) // 20, kind  # random strings: a rare repeat at most
@@ -214,8 +216,8 @@ def test_new_tokens_grow_the_table_and_leave_existing_rows() -> None:
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    workdir = tmp_path_factory.mktemp("base")
-    cfg = ModelConfig(vocab_size=len(ALPHABET), block_size=64, n_layer=2, n_head=2, n_embd=32)
+    workdir = tmp_path_factory.mktemp("base")  # 96 positions: room for a count question and its counting aloud
+    cfg = ModelConfig(vocab_size=len(ALPHABET), block_size=96, n_layer=2, n_head=2, n_embd=32)
     save_random_lm(workdir, cfg, CharTokenizer(ALPHABET))
     return workdir
 
@@ -280,8 +282,8 @@ def test_a_jsonl_file_is_cut_to_the_context_with_counts_and_unknown_text_names_i
 
     turn = lambda role, text: {"role": role, "content": text}
     short = [turn("user", "What is 1 + 1?"), turn("assistant", "2")]
-    long = [*short, turn("user", "Spell 'apple' backwards. " * 3), turn("assistant", "elppa")]
-    too_long = [turn("user", "a" * 70), turn("assistant", "b")]
+    long = [*short, turn("user", "Spell 'apple' backwards. " * 4), turn("assistant", "elppa")]
+    too_long = [turn("user", "a" * 100), turn("assistant", "b")]
     lines = [json.dumps({"messages": m}) for m in [short] * 30 + [long] * 10 + [too_long] * 5]
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -293,3 +295,31 @@ def test_a_jsonl_file_is_cut_to_the_context_with_counts_and_unknown_text_names_i
     path.write_text("\n".join([lines[0], json.dumps({"messages": [turn("user", "café?"), turn("assistant", "x")]})]))
     with pytest.raises(UserError, match=f"^{path}:2: text has characters outside"):
         build(from_config_dict(sft_config(tmp_path / "w", base_run, **{"chat.data": str(path)})))
+
+
+def test_held_out_conversations_are_the_ones_the_trainer_scores_when_some_are_dropped_or_cut(
+        tmp_path: Path, base_run: Path) -> None:
+    """What benchmarks/bench_chat.py asks the server (`held_out_conversations`) is the trainer's held-out rows,
+    one for one: conversations too long for the context are dropped before the split, not held out, and a
+    conversation cut to the context ends at its last assistant turn that fits."""
+    from jaxgpt.tasks import build
+
+    turn = lambda role, text: {"role": role, "content": text}
+    short = [[turn("user", f"What is {i} + 1?"), turn("assistant", str(i + 1))] for i in range(40)]
+    long = [[turn("user", f"What is {i} + 2?"), turn("assistant", str(i + 2)),
+             turn("user", "Spell 'apple' backwards. " * 4), turn("assistant", "elppa")] for i in range(20)]
+    too_long = [[turn("user", f"{i} {'a' * 100}"), turn("assistant", "b")] for i in range(20)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in short + long + too_long))
+    cfg = from_config_dict(sft_config(tmp_path / "w", base_run, **{"chat.data": str(path),
+                                                                    "chat.val_fraction": 0.4}))
+    task = build(cfg)
+    assert "20 cut at a turn boundary and 20 dropped" in task.describe()
+    assert any(m in too_long for m in split_held_out(short + long + too_long, 0.4)[1])  # some held out, were they kept
+
+    held = held_out_conversations(cfg.chat, cfg.seed, task.tokenizer, task.model_cfg.block_size)
+    assert len(held) == task.meta["chat"]["n_val"] and {kind for _, kind in held} == {"conversations"}
+    assert any(m == c[:2] for m, _ in held for c in long)  # a cut conversation, up to the turn that fits
+    rows = to_rows([encode_conversation(task.tokenizer, m) for m, _ in held], task.width)
+    for key, value in rows.items():
+        np.testing.assert_array_equal(value, task.data["val"][key], err_msg=key)

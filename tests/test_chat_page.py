@@ -23,7 +23,7 @@ import pytest
 from test_chat import ALPHABET, render, sft_config
 from test_classify import save_random_lm
 from test_workflows import random_params, save_run
-from tests_helpers import one_line_error, train_run
+from tests_helpers import one_line_error, serving, train_run
 
 from jaxgpt.data.conversations import ChatTemplate, hub_conversations, load_hub
 from jaxgpt.data.tokenizer import CharTokenizer
@@ -175,32 +175,12 @@ def test_offline_hub_dataset_is_one_line_naming_the_local_file_route(chat_run: P
 @pytest.fixture(scope="module")
 def served(chat_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(URL, run) of `jaxgpt serve --api_key` on 127.0.0.1 serving the tiny chat run, or JAXGPT_CHAT_RUN."""
-    httpx = pytest.importorskip("httpx")
-    for module in ("uvicorn", "fastapi", "jinja2"):
+    for module in ("httpx", "uvicorn", "fastapi", "jinja2"):
         pytest.importorskip(module)
-    from test_serve import ROOT, free_port
-    from test_serve_follow import wait_for
-
     run = Path(os.environ.get("JAXGPT_CHAT_RUN") or chat_run)
-    port, log = free_port(), tmp_path_factory.mktemp("serve") / "stderr.txt"
-    url = f"http://127.0.0.1:{port}"
-    with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", f"--workdir={run}", f"--port={port}",
-                                 f"--api_key={KEY}", "--slots=2"], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                stdout=subprocess.DEVNULL, stderr=err)
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_for(up, "the server's start", proc, log, timeout=180)
+    log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+    with serving(f"--workdir={run}", f"--api_key={KEY}", "--slots=2", log=log, timeout=180) as (_, url):
         yield url, run
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def test_the_page_is_one_file_served_without_the_key_which_the_api_needs(served: tuple[str, Path]) -> None:

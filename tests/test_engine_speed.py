@@ -1,5 +1,6 @@
 """The engine's speed-ups keep its answers: several tokens per dispatch with per-slot ends (end-of-text, stop ids,
-max_new_tokens), only the busy slots decoded (power-of-two rows), a cancel honoured at once, and a chat reply
+max_new_tokens), only the busy slots decoded (power-of-two rows), everything compiled before the first request
+(`warm_up`), a cancel honoured at once, and a chat reply
 through the server ending at the chat's end-of-turn token, which stays out of its text."""
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def test_only_the_busy_slots_decode_in_power_of_two_rows(monkeypatch):
     three = [collecting(p, 6, temperature=0.0) for p in PROMPTS[:3]]
     run([r for r, _, _ in three], slots=8, chunk=4)
     assert max(rows) == 4 and all(t == alone(p, 6) for (_, t, _), p in zip(three, PROMPTS, strict=False))
+
+
+def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
+    """`warm_up` compiles every row count's chunk and every prompt bucket: requests of any count and prompt
+    length afterwards compile nothing (on a GPU each first use stalled the busy requests); it leaves no trace
+    in what they get."""
+    cases = [collecting(p, 5 + i, temperature=float(i % 2), seed=i, logprobs=False) for i, p in enumerate(PROMPTS)]
+    engine = Engine(PARAMS, CFG, slots=4, chunk=3)
+    engine.warm_up()
+    compiled = (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size())
+    for r, _, _ in cases:
+        engine.submit(r)
+    engine.drain()
+    assert (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size()) == compiled
+    for i, (_, tokens, reasons) in enumerate(cases):
+        assert (tokens, reasons) == (alone(PROMPTS[i], 5 + i, float(i % 2), i), ["length"])
 
 
 def test_a_cancel_stops_the_tokens_at_once_and_frees_the_slot():

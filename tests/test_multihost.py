@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import traverse_util
-from tests_helpers import fake_devices_env, logged_eval, logged_losses, write_hellaswag_fixture
+from tests_helpers import fake_devices_env, free_port, logged_eval, logged_losses, write_hellaswag_fixture
 
 from jaxgpt.io.weights import load
 from jaxgpt.train import sharding as layout
@@ -29,12 +28,6 @@ STEPS = 10
 TOL = 1e-5
 COMMON = ["--config.model.n_head=4", f"--config.max_steps={STEPS}", "--config.log_interval=1",
           f"--config.eval_interval={STEPS}", "--config.ckpt_interval=5"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(workdir: Path | str, data_dir: Path, devices: int, *extra: str, log: Path,

@@ -20,9 +20,10 @@ from sampling_reference import generate_uncached
 from test_model import ACROSS_POSITIONS, MODERN, modern
 
 from jaxgpt.commands import sample as cli
-from jaxgpt.data.tokenizer import CharTokenizer
+from jaxgpt.data.tokenizer import CharTokenizer, WordTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling, strategies
+from jaxgpt.generate.chat import Decodes
 from jaxgpt.generate.sampling import generate, stream
 from jaxgpt.generate.strategies import filter_logits, pick_tokens
 from jaxgpt.io import weights
@@ -478,6 +479,35 @@ def test_stream_decoder_holds_back_partial_utf8() -> None:
     out = cli.StreamDecoder(tok)
     pieces = [out.push([i]) for i in ids] + [out.push([], final=True)]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+class CountingDecodes:
+    """A tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tokenizer: Decodes) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids)
+
+
+def test_stream_decoder_decodes_each_id_a_few_times_and_gives_the_whole_text() -> None:
+    """A long stream costs linear time (the ids decoded grow with the tokens, not with their square), and its
+    pieces are the text of all the ids after the prompt's: across characters split between tokens, and with the
+    space a word tokenizer puts between words."""
+    bpe = bpe_or_skip()
+    words = WordTokenizer.from_texts(["the cat sat on the mat"], 10)
+    for tok, prompt, text in [(bpe, "Once: ", "naïve café 🙂 done. " * 100), (words, "mat", "the cat sat on " * 100)]:
+        counting, ids = CountingDecodes(tok), tok.encode(text)
+        out = cli.StreamDecoder(counting, tok.encode(prompt))
+        pieces, at = [], 0
+        while at < len(ids):  # pieces of 1 to 3 ids
+            pieces.append(out.push(ids[at:at + 1 + at % 3]))
+            at += 1 + at % 3
+        pieces.append(out.push([], final=True))
+        assert "".join(pieces) == tok.decode(tok.encode(prompt) + ids)[len(tok.decode(tok.encode(prompt))):]
+        assert counting.decoded < 8 * len(ids) + 2 * len(prompt)
 
 
 def test_cli_preset_demo_pipeline_on_a_shrunk_seed000(monkeypatch, capsys) -> None:

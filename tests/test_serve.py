@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
+import types
 from typing import Any
 
 import numpy as np
@@ -23,23 +19,17 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from test_workflows import random_params, save_run  # noqa: E402
+from tests_helpers import free_port, serving  # noqa: E402
 
 from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxgpt.generate import sampling  # noqa: E402
-from jaxgpt.generate.engine import Engine, generate_many  # noqa: E402
+from jaxgpt.generate.engine import Engine, Request, generate_many  # noqa: E402
 from jaxgpt.model.config import ModelConfig  # noqa: E402
 from jaxgpt.serve.app import create_app  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 CHARS = "\n !(),.:=_abcdefghijklmnopqrstuvwxyz"
 CFG = ModelConfig(vocab_size=len(CHARS), block_size=64, n_layer=2, n_head=2, n_embd=32)
 TOKENIZER = CharTokenizer(CHARS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -116,6 +106,51 @@ def test_list_prompts_n_stop_and_logprobs(server):
     assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
+def test_a_choice_decodes_only_what_is_new_and_cuts_stop_strings_across_split_characters():
+    """A choice's text grows by what each token adds (ids decoded a bounded number of times, not the whole reply
+    again per token), leaves out what the engine marks as end tokens, streams no partial character, is cut at a
+    stop string that spans characters split between tokens, and keeps a partial character at its end."""
+    from test_sampling import CountingDecodes, bpe_or_skip
+
+    from jaxgpt.serve.choices import Choice
+    from jaxgpt.serve.metrics import Metrics
+
+    bpe = bpe_or_skip()
+    engine = types.SimpleNamespace(waiting=[], active=[], n_slots=1)  # what Metrics reads of an engine
+
+    def choice(stops: list[str]) -> tuple[Choice, CountingDecodes]:
+        counting = CountingDecodes(bpe)
+        c = Choice(0, counting, stops, Metrics(engine), time.perf_counter())
+        c.request = Request([0], 1, emit=lambda *_: None, done=lambda _: None)
+        return c, counting
+
+    text = "naïve café 🙂 done. " * 50
+    ids = bpe.encode(text)
+    c, _ = choice(["🙂 done. naïve"])
+    streamed = []
+    for i, token in enumerate(ids):
+        c.add(token, 0.0, [], False)
+        if i == 5:
+            c.add(bpe.eot_token, 0.0, [], True)
+        streamed.append(c.ready())
+        c.sent += len(streamed[-1])
+        if c.finish_reason is not None:
+            break
+    assert c.text == "naïve café " and c.finish_reason == "stop" and c.request.cancelled
+    assert "".join(streamed) == c.text and not any("\ufffd" in piece for piece in streamed)
+    assert c.generated == i + 2 and len(c.ids) == i + 1 and bpe.eot_token not in c.ids
+
+    c, counting = choice([])
+    for token in ids:
+        c.add(token, 0.0, [], False)
+    cut = bpe.encode("🙂")[:-1]  # a character split between tokens, its last token missing
+    for token in cut:
+        c.add(token, 0.0, [], False)
+    assert counting.decoded < 8 * len(ids)
+    c.done("length")
+    assert c.text == bpe.decode(ids + cut) and c.text.endswith("\ufffd") and c.finish_reason == "length"
+
+
 def test_sixteen_concurrent_clients_of_different_lengths(server):
     rng = np.random.default_rng(0)
     prompts = ["".join(rng.choice(list(CHARS[1:]), int(n))) for n in rng.integers(1, 30, 16)]
@@ -184,21 +219,10 @@ def test_serve_command_finishes_requests_in_flight_on_sigterm(tmp_path):
     """Also: the run's chat_template.jinja serves chat, and JAXGPT_API_KEY guards the server."""
     run = save_run(tmp_path / "run", CFG, random_params(CFG), TOKENIZER.to_meta())
     (run / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAXGPT_API_KEY": "k"}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", f"--workdir={run}", f"--port={port}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=60)
+    log = tmp_path / "stderr.txt"
+    with serving(f"--workdir={run}", log=log, env={"JAX_PLATFORMS": "cpu", "JAXGPT_API_KEY": "k"}) as (proc, url):
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=60)
         chat = client.chat.completions.create(model="run", messages=[{"role": "user", "content": "abc"}],
                                               max_tokens=3, temperature=0)
         assert len(chat.choices[0].message.content) == 3
@@ -209,10 +233,7 @@ def test_serve_command_finishes_requests_in_flight_on_sigterm(tmp_path):
             assert len(answer.result().choices[0].text) == 40  # finished whole after the signal
         # uvicorn re-raises the signal once it has shut down, so the exit status still says SIGTERM
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-        assert "Traceback" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    assert "Traceback" not in log.read_text()
 
 
 def test_sample_prompt_file_completes_ragged_requests_as_each_alone(tmp_path, capsys):

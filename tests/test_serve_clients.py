@@ -94,15 +94,18 @@ def test_logit_bias_and_its_bad_values(server):
 
 
 def test_ignore_eos_decodes_past_end_of_text(server):
-    """The end-of-text token is the greedy first token here: a request ends at it, unless it ignores eos."""
+    """The end-of-text token is the greedy first token here: a request ends at it, unless it ignores eos. Either
+    way the engine marks it an end token (no text)."""
     eot = TOKENIZER.encode(alone(server, "ab", 1, 0.0, 0))[0]
     engine = Engine(server.params, CFG, slots=server.engine.n_slots, eot_token=eot)  # the server's compiled programs
-    tokens: dict[bool, list[int]] = {False: [], True: []}
+    tokens: dict[bool, list[tuple[int, bool]]] = {False: [], True: []}
     for ignore in (False, True):
         engine.submit(Request(TOKENIZER.encode("ab"), 5, temperature=0, ignore_eos=ignore,
-                              emit=lambda token, *_, ignore=ignore: tokens[ignore].append(token), done=lambda _: None))
+                              emit=lambda token, _lp, _top, end, ignore=ignore: tokens[ignore].append((token, end)),
+                              done=lambda _: None))
     engine.drain()
-    assert tokens[False] == [eot] and len(tokens[True]) == 5 and tokens[True][0] == eot
+    assert tokens[False] == [(eot, True)] and len(tokens[True]) == 5 and tokens[True][0] == (eot, True)
+    assert all(end == (token == eot) for token, end in tokens[True])
 
 
 def test_chat_completions_render_the_template(server):

@@ -3,9 +3,7 @@ flight have finished with the previous one; unusable ones are one line each, and
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,12 +11,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("httpx")  # serving waits for /health with it
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_serve import CFG, ROOT, TOKENIZER, free_port  # noqa: E402
+from test_serve import CFG, TOKENIZER  # noqa: E402
 from test_workflows import random_params, save_run  # noqa: E402
+from tests_helpers import serving  # noqa: E402
 
 from jaxgpt.generate import sampling  # noqa: E402
 from jaxgpt.generate.engine import Engine, Request  # noqa: E402
@@ -78,23 +77,11 @@ def test_follow_swaps_in_new_checkpoints_between_requests(tmp_path):
     run = save_run(tmp_path / "run", CFG, params[1], TOKENIZER.to_meta())
     expected = {f"step-{s}": greedy(p, LONG) for s, p in params.items()}
     assert expected["step-1"] != expected["step-2"]
-    port, log = free_port(), tmp_path / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", f"--workdir={run}", f"--port={port}",
-                                 "--follow", "--follow_interval=0.1", "--slots=2"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-    served = lambda: client.models.list().data[0].system_fingerprint
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_for(up, "the server's start", proc, log, timeout=120)
+    log = tmp_path / "stderr.txt"
+    with serving(f"--workdir={run}", "--follow", "--follow_interval=0.1", "--slots=2", log=log,
+                 env={"JAX_PLATFORMS": "cpu"}) as (proc, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        served = lambda: client.models.list().data[0].system_fingerprint
         assert served() == "step-1"
         answers, failures, stop = [], [], threading.Event()
 
@@ -140,9 +127,6 @@ def test_follow_swaps_in_new_checkpoints_between_requests(tmp_path):
         assert len(lines) == 3, lines
         assert "serving step-2 (was step-1)" in lines[0] and "step 3 not served" in lines[1]
         assert "CheckpointReadError" in lines[2] and "still serving step-2" in lines[2]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     assert "Traceback" not in log.read_text()
 
 

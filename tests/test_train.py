@@ -156,6 +156,26 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, data_dir: Pa
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), runs[1], runs[4])
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_one_micro_batch_steps_without_a_loop(data_dir: Path, accum: int) -> None:
+    """A loop on a GPU costs a host round trip per trip: the step of one micro-batch (dense loss, unscanned
+    layers) has none; accumulating over two keeps its scan."""
+    from tests_helpers import load_tiny
+
+    from jaxgpt.data.dataset import load_dataset
+    from jaxgpt.tasks.lm import LanguageModelling
+    from jaxgpt.train.config import from_config_dict
+    from jaxgpt.train.step import make_train_step
+
+    cfg = from_config_dict(load_tiny(workdir="unused", data_dir=str(data_dir), loss_chunk=0))
+    task, tx = LanguageModelling(cfg, load_dataset(data_dir)), optim.make_optimizer(cfg.optim)
+    params = jax.eval_shape(lambda: task.model.init(jax.random.key(0), *task.example_inputs())["params"])
+    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "step": jax.ShapeDtypeStruct((), np.int32)}
+    rows = jax.ShapeDtypeStruct((accum, 2, task.model_cfg.block_size), np.int32)
+    hlo = jax.jit(make_train_step(task.loss, tx)).lower(state, {"x": rows, "y": rows}, jax.random.key(1)).as_text()
+    assert ("stablehlo.while" in hlo) == (accum > 1)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

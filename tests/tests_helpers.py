@@ -1,16 +1,23 @@
-"""Shared helpers for tests that train: the tiny config, a small corpus, and the logged losses."""
+"""Shared helpers for tests: the tiny config, a small corpus, the logged losses, and servers on 127.0.0.1 (a free
+port, `jaxgpt serve` in a subprocess)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ml_collections import ConfigDict
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(__file__).resolve().parent / "tiny_config.py"
 
 
@@ -90,3 +97,51 @@ def train_run(c: ConfigDict) -> dict:
     from jaxgpt.train.loop import train
 
     return train(from_config_dict(c))
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on (the system's pick), for a server a test or benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(*options: str, log: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 120) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`jaxgpt serve` of this checkout with `options` on a free port of 127.0.0.1, in a subprocess: (the process,
+    its URL) once GET /health answers, terminated on leaving (unless the caller ended it).
+
+    Its stderr goes to `log` and its stdout nowhere, so a test can read what it reported; with no `log` both stay
+    this process's (a benchmark's terminal). `env` adds variables. A server that exits or does not answer within
+    `timeout` seconds (jax's start and the model's compilation come first) is a RuntimeError with its log.
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "jaxgpt", "serve", f"--port={port}", *options]
+    with log.open("w") if log is not None else contextlib.nullcontext() as err:  # the child keeps its own copy
+        proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                                stdout=None if log is None else subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.time() + timeout
+        while not answers(f"{url}/health"):
+            if proc.poll() is not None or time.time() > deadline:
+                why = (f"did not answer /health within {timeout} s" if proc.returncode is None else
+                       f"exited with status {proc.returncode}")
+                raise RuntimeError(f"`{' '.join(command)}` {why}" + ("" if log is None else f"\n{log.read_text()}"))
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def answers(url: str) -> bool:
+    """Whether GET `url` answers 200 (a server still starting refuses the connection)."""
+    import httpx  # the serve extra, which not every test environment has
+
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

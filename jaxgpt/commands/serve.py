@@ -41,6 +41,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_integer("slots", 8, "requests decoded at once (KV-cache slots)", lower_bound=1, flag_values=flags_)
     flags.DEFINE_integer("chunk", 8, "tokens each busy slot decodes per dispatch (more: less host work per token, "
                          "a longer wait for a new request's prefill)", lower_bound=1, flag_values=flags_)
+    flags.DEFINE_bool("warm_up", False, "compile the decode chunk of every row count and the prefill of every "
+                      "prompt bucket before listening (else the first request to reach each stalls the busy ones "
+                      "for that compile)", flag_values=flags_)
     flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429", lower_bound=0,
                          flag_values=flags_)
     flags.DEFINE_string("chat_template", None, "a Jinja2 chat template (Hugging Face format) for "
@@ -78,6 +81,8 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
                     eot_token=tokenizer.eot_token, specials=specials,
                     vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < vocab else None,
                     version=version(loaded.meta["step"]) if flags_.workdir is not None else None)
+    if flags_.warm_up:
+        print(f"warmed up: every row count and prompt bucket compiled in {engine.warm_up():.1f} s", flush=True)
     follower = (Follower(engine, flags_.workdir, flags_.which, loaded, flags_.follow_interval) if flags_.follow
                 else None)
     source = load_template(flags_.workdir, flags_.chat_template)

@@ -296,15 +296,21 @@ def _reverse(rng: np.random.Generator) -> Conversation:
 
 def _count(rng: np.random.Generator) -> Conversation:
     """A letter placed 0 to 3 times in a random string of other letters, each count equally likely: with the
-    letter drawn from the string instead, most answers are 1, and a model that always says 1 scores well."""
+    letter drawn from the string instead, most answers are 1, and a model that always says 1 scores well.
+
+    The answer counts aloud: each letter of the string with the count so far, then the total ("q0 w0 x1 r1 x2:
+    2"). Every token of it is then a copy, a comparison with the asked letter, or an increment of the digit just
+    written, steps a small model learns; asked for the bare total, the quick-start model stayed at chance (0.31
+    after 3,000 steps), since the total needs every position at once."""
     letter = LETTERS[int(rng.integers(len(LETTERS)))]
     others = LETTERS.replace(letter, "")
     chars = [others[i] for i in rng.integers(len(others), size=int(rng.integers(3, 7)))]
     for position in rng.choice(len(chars), size=min(int(rng.integers(4)), len(chars)), replace=False):
         chars[position] = letter
     word = "".join(chars)
+    tally = " ".join(f"{c}{word[:i + 1].count(letter)}" for i, c in enumerate(word))
     return [{"role": "user", "content": f"How many times does the letter '{letter}' appear in '{word}'?"},
-            {"role": "assistant", "content": str(word.count(letter))}]
+            {"role": "assistant", "content": f"{tally}: {word.count(letter)}"}]
 
 
 def _fact(rng: np.random.Generator) -> Conversation:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -70,20 +71,25 @@ from jaxgpt.ops.decode import decoding_weights
 
 __all__ = ["TOP_LOGPROBS", "Engine", "Request", "check_request", "generate_many"]
 CHUNK = 8  # tokens a decode chunk gives each busy slot (fewer once they all end)
+# what `warm_up` compiles chunks for: sampled and greedy requests that ask for no log-probabilities or bias
+WARM_NEEDS = (Needs(bias=False, noise=True, nucleus=False, scores=False),
+              Needs(bias=False, noise=False, nucleus=False, scores=False))
 
 
 @dataclasses.dataclass
 class Request:
-    """One generation. `emit(token, logprob, top)` is called from the engine's thread for every token, and
-    `done(reason)` once ("stop": end of text or a stop id, "length": max_new_tokens, "cancelled", "error": the
-    engine failed). `prompt_logprobs`, when set, is called once after the prefill with (logprob, top) of prompt
-    tokens 1.. (the first has no context); `logit_bias` maps token ids to what is added to their logits before
-    each pick; `stop_ids` end the request like end-of-text (emitted, then done("stop")), whatever `ignore_eos`
-    says. With `logprobs` False, emit's logprob is 0.0 and top empty, which spares the decode their cost."""
+    """One generation. `emit(token, logprob, top, end)` is called from the engine's thread for every token, `end`
+    saying whether it is an end token (end-of-text or a stop id: no text, whether it ended the request or
+    `ignore_eos` decoded past it), and `done(reason)` once ("stop": end of text or a stop id, "length":
+    max_new_tokens, "cancelled", "error": the engine failed). `prompt_logprobs`, when set, is called once after
+    the prefill with (logprob, top) of prompt tokens 1.. (the first has no context); `logit_bias` maps token ids
+    to what is added to their logits before each pick; `stop_ids` end the request like end-of-text (emitted,
+    then done("stop")), whatever `ignore_eos` says. With `logprobs` False, emit's logprob is 0.0 and top empty,
+    which spares the decode their cost."""
 
     prompt: list[int]
     max_new_tokens: int
-    emit: Callable[[int, float, list[tuple[int, float]]], None]
+    emit: Callable[[int, float, list[tuple[int, float]], bool], None]
     done: Callable[[str], None]
     temperature: float = 1.0
     top_p: float = 1.0
@@ -165,6 +171,30 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.wake = threading.Condition()
         self.stopping = False
+
+    def warm_up(self, needs: Sequence[Needs] = WARM_NEEDS, prompt_lengths: Sequence[int] | None = None) -> float:
+        """Compile, before any request, the decode chunk of every row count (each power of two up to the slots)
+        for each of `needs`, and a decoder's prefill of the buckets of `prompt_lengths` (None: every bucket);
+        seconds taken. Without this the first time a load reaches a row count it stalls every busy request for
+        that compile (on a GPU a server under 64 clients spent most of its time there). Call before `run`, on
+        the empty state: every slot is done, so each chunk's loop ends at once, and the slot the prefills wrote
+        is freed again."""
+        t = time.perf_counter()
+        limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
+        for rows in sorted({min(self.n_slots, 1 << i) for i in range(self.n_slots.bit_length() + 1)}):
+            for need in needs:
+                self.state, out = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, steps=self.chunk,
+                                               needs=need, **limits)
+        if self.specials is None:
+            zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
+                           np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool))
+            lengths = range(1, self.cfg.block_size + 1) if prompt_lengths is None else prompt_lengths
+            for P in sorted({bucket(n, self.cfg.block_size) for n in lengths}):
+                self.state, out, _ = prefill_slot(self.params, self.state, np.int32(0), np.zeros((1, P), np.int32),
+                                                  np.int32(1), zero, cfg=self.cfg, score=False, **limits)
+            self.state = move_slot(self.state, np.int32(0), np.int32(0))  # slot 0 free again
+        jax.block_until_ready((self.state, out))
+        return time.perf_counter() - t
 
     def check(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
         check_request(self.cfg, prompt, max_new_tokens, temperature, top_p)
@@ -299,12 +329,14 @@ class Engine:
             self._retire(busy, "cancelled")
             return
         token = int(out.tok[b, k])
+        ended = token in busy.ends
+        end = ended or token == self.eot_token  # end-of-text is no text, also where ignore_eos decodes past it
         if out.logprob is None:
-            r.emit(token, 0.0, [])
+            r.emit(token, 0.0, [], end)
         else:
-            r.emit(token, float(out.logprob[b, k]), _pairs(out.top_id[b, k], out.top_logprob[b, k]))
+            r.emit(token, float(out.logprob[b, k]), _pairs(out.top_id[b, k], out.top_logprob[b, k]), end)
         busy.produced += 1
-        if token in busy.ends:
+        if ended:
             self._retire(busy, "stop")
         elif busy.produced >= r.max_new_tokens:
             self._retire(busy, "length")
@@ -355,7 +387,7 @@ def generate_many(params: Any, cfg: ModelConfig | Seq2SeqConfig, prompts: Sequen
         request = Request(list(prompt), count, temperature=temp, top_p=p, seed=seed, emit=lambda *_: None,
                           done=lambda _: bar.update())
 
-        def emit(token: int, _logprob: float, _top: list, r: int = r, request: Request = request) -> None:
+        def emit(token: int, _logprob: float, _top: list, _end: bool, r: int = r, request: Request = request) -> None:
             out[r].append(token)
             if until is not None and until(r, out[r]):
                 request.cancelled = True

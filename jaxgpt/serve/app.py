@@ -299,7 +299,7 @@ def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_
     choices: list[Choice] = []
     for ids in encoded:
         for j in range(body.n):
-            choice = Choice(len(choices), tokenizer, stops, tokenizer.eot_token, metrics, arrived)
+            choice = Choice(len(choices), tokenizer, stops, metrics, arrived)
             put = Feed(loop, choice.queue).put
             choice.request = Request(
                 ids, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j, logit_bias=bias,

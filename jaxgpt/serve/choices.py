@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.generate.chat import StreamDecoder
 from jaxgpt.generate.engine import Request
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import Sampling, error_body
@@ -33,7 +34,6 @@ class Choice:
     index: int
     tokenizer: Codec
     stops: list[str]
-    eot_token: int | None
     metrics: Metrics
     arrived: float  # time.perf_counter() when its HTTP request arrived
     prefix: str = ""  # the prompt's text, when echoed
@@ -42,14 +42,20 @@ class Choice:
     logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    generated: int = 0  # tokens the engine produced for it (end-of-text included)
+    generated: int = 0  # tokens the engine produced for it (end tokens included)
     last_token: float | None = None
-    text: str = ""
+    text: str = ""  # the text of `ids` but a partial character at its end, cut at a stop string
     sent: int = 0  # characters already streamed
     finish_reason: str | None = None
     request: Request | None = None
+    decoder: StreamDecoder = dataclasses.field(init=False)  # decodes each token once, not the whole text again
 
-    def add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
+    def __post_init__(self) -> None:
+        self.decoder = StreamDecoder(self.tokenizer)
+
+    def add(self, token: int, logprob: float, top: list[tuple[int, float]], end: bool) -> None:
+        """A token from the engine: timed and counted, and unless it is an end token (`end`, which the engine
+        says: end-of-text or a stop id, not text) added to the choice's ids and text."""
         now = time.perf_counter()
         if self.last_token is None:
             self.metrics.first_token.observe(now - self.arrived)
@@ -60,25 +66,35 @@ class Choice:
         if self.finish_reason is not None:  # decoded in the step that a stop string ended the choice
             return
         self.generated += 1
-        if token != self.eot_token and token not in self.request.stop_ids:  # an end token is not text
+        if not end:
             self.ids.append(token)
             self.logprobs.append((logprob, top))
-            self.text = self.tokenizer.decode(self.ids)
+            self._extend(self.decoder.push([token]))
+
+    def done(self, reason: str) -> None:
+        """The engine ended the choice (`Request.done`'s reason): the partial character held back joins the text,
+        then the finish reason, unless a stop string in that text ended it."""
+        self._extend(self.decoder.push([], final=True))
+        if self.finish_reason is None:
+            self.finish_reason = "length" if reason == "length" else "stop"
+
+    def _extend(self, new: str) -> None:
+        """`new` text onto the choice's, cut where a stop string first appears, which ends the choice. The text
+        before held no stop string, so only a match reaching into `new` is looked for."""
+        before, self.text = len(self.text), self.text + new
         for stop in self.stops:
-            if (cut := self.text.find(stop)) >= 0:
+            if (cut := self.text.find(stop, max(before - len(stop) + 1, 0))) >= 0:
                 self.text, self.finish_reason = self.text[:cut], "stop"
                 assert self.request is not None
                 self.request.cancelled = True  # the slot frees before the next step
 
     def ready(self) -> str:
-        """Text that can be streamed now: none that a stop string could still claim or a partial character."""
+        """Text that can be streamed now: none that a stop string could still claim (the decoder already holds
+        back a partial character)."""
         if self.finish_reason is not None:
             return self.text[self.sent:]
         hold = max((len(s) - 1 for s in self.stops), default=0)
-        end = len(self.text) - hold
-        while end > self.sent and self.text[end - 1] == "\ufffd":
-            end -= 1
-        return self.text[self.sent:max(end, self.sent)]
+        return self.text[self.sent:max(len(self.text) - hold, self.sent)]
 
     def kept(self) -> int:
         """How many generated tokens the answer's text holds (a stop string cuts the rest)."""
@@ -159,7 +175,7 @@ def _take(choice: Choice, kind: str, value: Any) -> None:
     elif value == "error":
         raise EngineFailedError("the engine failed while decoding this request (the server's log has the traceback)")
     elif choice.finish_reason is None:
-        choice.finish_reason = "length" if value == "length" else "stop"
+        choice.done(value)
 
 
 async def finish(choice: Choice, http: HTTPRequest) -> None:

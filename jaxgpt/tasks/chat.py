@@ -46,7 +46,7 @@ from jaxgpt.data.conversations import (
     split_held_out,
     to_rows,
 )
-from jaxgpt.data.tokenizer import tokenizer_from_meta
+from jaxgpt.data.tokenizer import WithSpecialTokens, tokenizer_from_meta
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.gpt import GPT, dummy_tokens
@@ -109,12 +109,55 @@ def _conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[s
             f"{len(numbered)} conversations from {c.data}")
 
 
-def held_out_conversations(c: ChatConfig, seed: int) -> list[tuple[Conversation, str]]:
-    """The conversations config.chat holds out, each with its kind (its built-in task): what evaluation scores,
-    for measuring a trained run elsewhere (through the server: benchmarks/bench_chat.py)."""
-    conversations, _, kinds, _ = _conversations(c, seed)
-    held = {id(m) for m in split_held_out(conversations, c.val_fraction)[1]}
-    return [(m, kind) for m, kind in zip(conversations, kinds, strict=True) if id(m) in held]
+Fitted = tuple[Encoded, str, Conversation]  # a conversation's ids as they fit the context, its kind, its messages
+
+
+def _fit(conversations: list[Conversation], origins: list[str], kinds: list[str], tokenizer: WithSpecialTokens,
+         block_size: int) -> tuple[list[Fitted], int, int]:
+    """The conversations encoded, each cut after its last assistant turn that fits a row of `block_size` inputs or
+    dropped: (those kept, how many were cut, how many dropped). One that cannot be encoded is a UserError naming
+    its origin, and so is none fitting."""
+    limit = block_size + 1  # a row's inputs are all ids but the last
+    kept: list[Fitted] = []
+    cut = dropped = 0
+    for messages, origin, kind in zip(conversations, origins, kinds, strict=True):
+        try:
+            encoded = encode_conversation(tokenizer, messages)
+        except UserError as e:
+            raise UserError(f"{origin}: {e}") from None
+        fitted = fit_context(encoded, limit)
+        cut += fitted is not None and fitted is not encoded
+        dropped += fitted is None
+        if fitted is not None:
+            kept.append((fitted, kind, messages))
+    if not kept:
+        raise UserError(f"no conversation's first assistant turn fits model.block_size={block_size} tokens: raise "
+                        "config.model.block_size (up to the weights' context)")
+    return kept, cut, dropped
+
+
+def _split(kept: list[Fitted], val_fraction: float) -> tuple[list[Fitted], list[Fitted]]:
+    """(train, held out) of the conversations that fit the context, by `split_held_out` of their messages: the one
+    split of the trainer and of `held_out_conversations`, made after those too long are dropped, so both hold out
+    the same conversations and agree on whether there are enough to hold some out."""
+    held = {id(m) for m in split_held_out([m for _, _, m in kept], val_fraction)[1]}
+    return [f for f in kept if id(f[2]) not in held], [f for f in kept if id(f[2]) in held]
+
+
+def _through_turn(messages: Conversation, n: int) -> Conversation:
+    """`messages` up to and including their `n`-th assistant turn (what `fit_context` keeps of them)."""
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return messages[:ends[n - 1]]
+
+
+def held_out_conversations(c: ChatConfig, seed: int, tokenizer: WithSpecialTokens,
+                           block_size: int) -> list[tuple[Conversation, str]]:
+    """The held-out conversations a chat run of config.chat scores, as it scores them, each with its kind (its
+    built-in task): those that fit its context (`tokenizer` and `block_size`: the run's), each up to its last
+    assistant turn that fits. For measuring a trained run elsewhere (through the server: benchmarks/bench_chat.py)."""
+    conversations, origins, kinds, _ = _conversations(c, seed)
+    kept, _, _ = _fit(conversations, origins, kinds, tokenizer, block_size)
+    return [(_through_turn(m, len(e.turn_ends)), kind) for e, kind, m in _split(kept, c.val_fraction)[1]]
 
 
 class Chat:
@@ -141,29 +184,13 @@ class Chat:
         self.model = GPT(self.model_cfg)
         self.tokenizer_meta = tokenizer.to_meta()
 
-        limit = self.model_cfg.block_size + 1  # a row's inputs are all ids but the last
-        kept: list[tuple[Encoded, str, Conversation]] = []
-        cut = dropped = 0
-        for messages, origin, kind in zip(conversations, origins, kinds, strict=True):
-            try:
-                encoded = encode_conversation(tokenizer, messages)
-            except UserError as e:
-                raise UserError(f"{origin}: {e}") from None
-            fitted = fit_context(encoded, limit)
-            cut += fitted is not None and fitted is not encoded
-            dropped += fitted is None
-            if fitted is not None:
-                kept.append((fitted, kind, messages))
-        if not kept:
-            raise UserError(f"no conversation's first assistant turn fits model.block_size={limit - 1} tokens: raise "
-                            "config.model.block_size (up to the weights' context)")
-        train, val = split_held_out([messages for _, _, messages in kept], cfg.chat.val_fraction)
-        held = {id(m) for m in val}
-        parts = {"train": [(e, k) for e, k, m in kept if id(m) not in held],
-                 "val": [(e, k) for e, k, m in kept if id(m) in held]}
+        block_size = self.model_cfg.block_size
+        kept, cut, dropped = _fit(conversations, origins, kinds, tokenizer, block_size)
+        train, val = _split(kept, cfg.chat.val_fraction)
+        parts = {"train": train, "val": val}
         self.width = max(len(e.ids) for e, _, _ in kept) - 1
-        self.data = {split: to_rows([e for e, _ in items], self.width) for split, items in parts.items()}
-        self.kinds = {split: np.array([k for _, k in items]) for split, items in parts.items()}
+        self.data = {split: to_rows([e for e, _, _ in items], self.width) for split, items in parts.items()}
+        self.kinds = {split: np.array([k for _, k, _ in items]) for split, items in parts.items()}
         n_train, n_val = len(train), len(val)
         self.eval_idx = {"val": spread_indices(n_val, cfg.eval_batches * cfg.batch_size),
                          "train": spread_indices(n_train, min(n_val, cfg.eval_batches * cfg.batch_size))}
@@ -173,7 +200,7 @@ class Chat:
         grown = self.model_cfg.vocab_size - base_cfg.vocab_size
         self._description = (
             f"{description}: {n_train} train / {n_val} held-out conversations, rows of {self.width} tokens; "
-            f"{cut} cut at a turn boundary and {dropped} dropped (longer than model.block_size={limit - 1})\n"
+            f"{cut} cut at a turn boundary and {dropped} dropped (longer than model.block_size={block_size})\n"
             f"{self.tokenizer.name} tokenizer + {len(SPECIAL_TOKENS)} chat tokens {list(SPECIAL_TOKENS)}"
             + (f"; vocabulary grown from {base_cfg.vocab_size} to {self.model_cfg.vocab_size}" if grown else ""))
         self.meta = {"chat": {

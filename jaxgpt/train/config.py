@@ -228,6 +228,9 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
     compilation_cache_dir: str = "~/.cache/jaxgpt/xla"  # persistent XLA cache ("" disables)
+    # GPUs: compile the step with XLA's deterministic ops (sums in a fixed order, no atomics), so that a resumed
+    # run equals an uninterrupted one bit for bit; CPUs and TPUs are deterministic without it
+    deterministic: bool = False
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     # Derived by from_config_dict, not keys: the vocabulary comes from the dataset; the ConfigDict as JSON.
     vocab_from_data: bool = dataclasses.field(default=False, metadata={"derived": True})

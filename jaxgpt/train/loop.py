@@ -93,7 +93,8 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, lock: 
             if cfg.optim.optimizer == "muon":
                 print(optim.describe_groups(prog.param_axes, state["params"], cfg.optim), flush=True)
         t0 = time.perf_counter()
-        compiled = prog.train_step.lower(state, feed.batch(start), dropout_key).compile()
+        options = {"xla_gpu_deterministic_ops": True} if cfg.deterministic else None
+        compiled = prog.train_step.lower(state, feed.batch(start), dropout_key).compile(compiler_options=options)
         compile_s = time.perf_counter() - t0
         meter = Meter(cfg, task, workdir, start, is_main)
         with GracefulStop() as stop:
