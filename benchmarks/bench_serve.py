@@ -8,10 +8,10 @@ padded `generate`.
 
 Part 1: the app (`jaxgpt.serve.app`, 16 slots) on 127.0.0.1 with random weights of the quick start's model
 (configs/stdlib_char.py: 4 layers x 4 heads x 128 wide, 256 characters of context) and of the 6 x 6 x 384 one,
-driven by N client threads of the official `openai` client, each streaming --requests completions (prompts of
-8-64 characters, 64 new tokens, temperature 1, stream_options.include_usage) one after another. First,
-`generate` alone (`jaxgpt.generate.sampling.generate`, what `sample.py` runs) on the same prompts one after
-another: its tokens/s, prefill included, is what one client could get with no server at all. Printed per N:
+driven by N client threads of the official `openai` client in a process of their own, each streaming --requests
+completions (prompts of 8-64 characters, 64 new tokens, temperature 1, stream_options.include_usage) one after
+another. First, `generate` alone (`jaxgpt.generate.sampling.generate`, what `sample.py` runs) on the same prompts
+one after another: its tokens/s, prefill included, is what one client could get with no server at all. Printed per N:
 aggregate completion tokens/s over the wall time, that over one client's and over `generate` alone's, and the
 p50 / p99 of time to first token (request sent to first text chunk) and of inter-token latency (between the
 chunks of one stream, divided by the tokens each brought). Targets (issue 36): one client >= 0.6x `generate`
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -48,8 +49,12 @@ from jaxgpt.model.config import ModelConfig  # noqa: E402
 from jaxgpt.model.gpt import init_params  # noqa: E402
 from jaxgpt.serve.app import create_app  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+from tests_helpers import free_port  # noqa: E402
+
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # a sorted character vocabulary of 96
 NEW_TOKENS = 64
+PROMPT_CHARS = (8, 64)  # the shortest and longest prompt
 
 
 def models() -> dict[str, ModelConfig]:
@@ -63,13 +68,10 @@ def models() -> dict[str, ModelConfig]:
 
 
 def serve(cfg: ModelConfig, params: dict) -> tuple[uvicorn.Server, int]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     engine = Engine(params, cfg, slots=16, max_waiting=256)
-    engine.warm_up()  # every row count's chunk and every prompt bucket, as `jaxgpt serve --warm_up`
+    # every row count's and span's chunk, and every prompt bucket, of the requests `load` sends
+    engine.warm_up(prompt_lengths=range(PROMPT_CHARS[0], PROMPT_CHARS[1] + 1), max_new_tokens=NEW_TOKENS)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, CharTokenizer(CHARS), "m"), host="127.0.0.1",
                                            port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -88,13 +90,14 @@ class Load:
 
 
 def prompts_for(n: int, rng: np.random.Generator) -> list[str]:
-    return ["".join(rng.choice(list(CHARS[1:]), int(k))) for k in rng.integers(8, 65, n)]
+    return ["".join(rng.choice(list(CHARS[1:]), int(k))) for k in rng.integers(PROMPT_CHARS[0], PROMPT_CHARS[1] + 1, n)]
 
 
-def load(port: int, clients: int, requests: int, rng: np.random.Generator) -> Load:
-    """Stream `requests` completions from each of `clients` threads, one after another, timing every chunk."""
+def load(port: int, clients: int, requests: int, seed: int) -> Load:
+    """Stream `requests` completions from each of `clients` threads, one after another, timing every chunk. Run in
+    a process of its own (`part1`), as clients are: their parsing then holds no lock the server needs."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-    prompts = prompts_for(clients * requests, rng)
+    prompts = prompts_for(clients * requests, np.random.default_rng(seed))
 
     def one_request(i: int) -> tuple[int, float, list[float]]:
         """(completion tokens, time to first token, inter-token latencies) of request i."""
@@ -141,14 +144,14 @@ def part1(args: argparse.Namespace) -> None:
     for name, cfg in names:
         params = init_params(cfg, jax.random.key(0))
         server, port = serve(cfg, params)
-        rng = np.random.default_rng(0)
         base = alone(cfg, params, 16, np.random.default_rng(1))
         print(f"{name}: generate alone {base:,.0f} tokens/s (batch 1, 64 new tokens, prefill included)")
         print(f"{'clients':>8}{'tokens/s':>11}{'x 1 client':>12}{'x generate':>12}{'TTFT p50':>10}{'p99 s':>8}"
               f"{'ITL p50':>10}{'p99 ms':>8}")
         one = None
         for clients in (1, 4, 16):
-            got = load(port, clients, args.requests, rng)
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as proc:
+                got = proc.submit(load, port, clients, args.requests, clients).result()
             one = one or got
             print(f"{clients:>8}{got.rate:>11,.0f}{got.rate / one.rate:>11.2f}x{got.rate / base:>11.2f}x"
                   f"{got.first_p50:>10.3f}{got.first_p99:>8.3f}{got.gap_p50 * 1e3:>10.2f}{got.gap_p99 * 1e3:>8.2f}")

@@ -265,8 +265,12 @@ def part_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     n = len(devices)
     steps = args.steps or shapes.steps
     peak = peak_flops_for(devices)
-    rate = lambda batch, step_s: (batch * n * cfg.block_size / step_s,
-                                  batch * n * cfg.block_size / step_s * flops_per_token(cfg) / peak if peak else None)
+
+    def rate(batch: int, step_s: float) -> tuple[float, float | None]:
+        """(tokens/s, MFU or None without a published peak) of a step of `batch` rows per device."""
+        tok_s = batch * n * cfg.block_size / step_s
+        return tok_s, tok_s * flops_per_token(cfg) / peak if peak else None
+
     batch, (compile_s, run), misses = largest_fitting(
         lambda b: bench_train.prepare_step(cfg, b * n, n_devices=n, loss_chunk=chunk), batches_of(shapes, args))
     step_s = statistics.median(run() for _ in range(steps))
@@ -536,9 +540,10 @@ def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     cfg, _ = recipe(shapes, args.attention)
     slots = max(shapes.clients)
     engine = Engine(init_params(cfg, jax.random.key(0)), cfg, slots=slots, max_waiting=slots * shapes.requests)
-    # every row count's chunk for what drive's requests need, and their prompts' bucket (`jaxgpt serve --warm_up`:
-    # every bucket; on an H100 the 21 programs of GPT-2 124M took over 75 s)
-    warm_up_s = engine.warm_up([Needs(bias=False, noise=True, nucleus=False, scores=False)], [shapes.prompt_len])
+    # every row count's and span's chunk for what drive's requests need, and their prompts' bucket (`jaxgpt serve
+    # --warm_up`: every bucket and span; on an H100 the 21 programs of GPT-2 124M took over 75 s)
+    warm_up_s = engine.warm_up([Needs(bias=False, noise=True, nucleus=False, scores=False)], [shapes.prompt_len],
+                               shapes.serve_tokens)
     metrics, rows = {"warm_up_s": warm_up_s}, []
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()

@@ -29,6 +29,7 @@ from jaxgpt.data.conversations import (
     encode_conversation,
     fit_context,
     load_jsonl,
+    pack_rows,
     split_held_out,
     to_rows,
 )
@@ -93,6 +94,47 @@ def test_padding_after_a_conversation_changes_nothing_it_is_trained_on() -> None
     assert float(l1) == float(l2)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
+
+
+def test_packing_is_deterministic_and_holds_every_train_conversation_once() -> None:
+    # longest first, each into the row it leaves the least room in: 5 -> row 0 (1 left), 4 -> row 1 (2 left),
+    # 3 -> row 2 (3 left), 2 -> row 1 (the fullest with room), 1 -> row 0
+    assert pack_rows([3, 5, 2, 4, 1], 6) == [[1, 4], [3, 2], [0]]
+    tok = chat_tokenizer(CharTokenizer(ALPHABET))
+    lengths = [len(encode_conversation(tok, c).ids) for c in builtin_conversations(2, 400)]
+    plan = pack_rows(lengths, max(lengths))
+    assert plan == pack_rows(list(lengths), max(lengths))
+    assert sorted(i for row in plan for i in row) == list(range(400))  # each exactly once
+    assert all(sum(lengths[i] for i in row) <= max(lengths) for row in plan) and len(plan) < 0.7 * 400
+
+
+def test_packed_rows_hold_each_conversation_whole_and_train_on_what_one_per_row_does() -> None:
+    """Every packed conversation's ids, segment and loss mask are its own (the mask exactly its assistant tokens,
+    the target after one conversation's end token not counted), and the model's loss over packed rows is the loss
+    over one conversation per row."""
+    tok = chat_tokenizer(CharTokenizer(ALPHABET))
+    encoded = [encode_conversation(tok, c) for c in builtin_conversations(3, 40)]
+    W = max(len(e.ids) for e in encoded) - 1
+    plan = pack_rows([len(e.ids) for e in encoded], W + 1)
+    rows = to_rows(encoded, W, plan)
+    assert max(len(row) for row in plan) == 3 and set(rows) == {"x", "y", "loss_mask", "answer_mask", "segments"}
+    for n, row in enumerate(plan):  # a row's W + 1 ids, and per id whether it is a target the loss counts
+        ids, counted = np.append(rows["x"][n, :1], rows["y"][n]), np.append(0.0, rows["loss_mask"][n])
+        start = 0
+        for segment, i in enumerate(row, 1):
+            end = start + len(encoded[i].ids)
+            assert ids[start:end].tolist() == encoded[i].ids.tolist()
+            assert counted[start:end].tolist() == encoded[i].assistant.tolist()
+            assert (rows["segments"][n, start:min(end, W)] == segment).all()
+            start = end
+        assert not ids[start:].any() and not counted[start:].any() and not rows["segments"][n, start:].any()
+    cfg = ModelConfig(vocab_size=tok.vocab_size, block_size=W, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(cfg)
+    params = init_params(cfg, jax.random.key(0), model)
+    single = to_rows(encoded, W)
+    assert rows["loss_mask"].sum() == single["loss_mask"].sum()  # the same tokens, so means compare
+    loss = jax.jit(lambda b, seg: chat_loss(model.apply({"params": params}, b["x"], segments_BT=seg), b))
+    np.testing.assert_allclose(float(loss(rows, rows["segments"])), float(loss(single, None)), rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["char", "word", "bpe"])
@@ -233,11 +275,12 @@ def sft_config(workdir: Path, base: Path, **overrides: object):
     return c
 
 
-def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, base_run: Path) -> None:
+@pytest.mark.parametrize("pack", [False, True])
+def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, base_run: Path, pack: bool) -> None:
     from tests_helpers import train_run
 
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
-    whole = train_run(sft_config(whole_dir, base_run))
+    whole = train_run(sft_config(whole_dir, base_run, **{"chat.pack": pack}))
     evals = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
     val_losses = [row["val_loss"] for row in evals if "val_loss" in row]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0]
@@ -251,7 +294,7 @@ def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, bas
     assert loaded.meta["chat"]["end_id"] == tok.special_ids[END]
     shutil.copytree(whole_dir, split_dir)  # the run as it was when it stopped after step 6
     shutil.rmtree(split_dir / "checkpoints" / "12")
-    resumed = train_run(sft_config(split_dir, base_run))
+    resumed = train_run(sft_config(split_dir, base_run, **{"chat.pack": pack}))
     assert resumed["steps"] == 6 and resumed["val_loss"] == whole["val_loss"]
     for a, b in zip(jax.tree.leaves(whole["state"]["params"]), jax.tree.leaves(resumed["state"]["params"]),
                     strict=True):
@@ -264,6 +307,7 @@ def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, bas
     ({"chat.data": "hf:HuggingFaceTB/smoltalk"}, "to_json"),
     ({"chat.tasks": "arithmetic,poetry"}, "unknown built-in task"),
     ({"model.block_size": 8}, "no conversation's first assistant turn fits"),
+    ({"chat.pack": True, "model.attention_impl": "splash"}, "splash sees padding, not documents"),
 ])
 def test_bad_chat_config_is_a_user_error(tmp_path: Path, base_run: Path, overrides: dict, message: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -321,5 +365,5 @@ def test_held_out_conversations_are_the_ones_the_trainer_scores_when_some_are_dr
     assert len(held) == task.meta["chat"]["n_val"] and {kind for _, kind in held} == {"conversations"}
     assert any(m == c[:2] for m, _ in held for c in long)  # a cut conversation, up to the turn that fits
     rows = to_rows([encode_conversation(task.tokenizer, m) for m, _ in held], task.width)
-    for key, value in rows.items():
-        np.testing.assert_array_equal(value, task.data["val"][key], err_msg=key)
+    for key, value in task.data["val"].items():
+        np.testing.assert_array_equal(value, rows[key], err_msg=key)

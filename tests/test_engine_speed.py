@@ -82,6 +82,29 @@ def test_only_the_busy_slots_decode_in_power_of_two_rows(monkeypatch):
     assert max(rows) == 4 and all(t == alone(p, 6) for (_, t, _), p in zip(three, PROMPTS, strict=False))
 
 
+def test_chunks_attend_over_the_span_their_rows_fill_and_a_reused_slot_sees_none_of_its_past(monkeypatch):
+    """A chunk reads the power of two of cache positions its busy rows fill by its end, not the whole context:
+    requests that cross from one span into the next, and a short request in a slot a longer one had filled
+    (the prefill writes only its prompt's positions), each get `generate`'s tokens for their prompt alone."""
+    monkeypatch.setattr(sampling, "SHORTEST_CACHE", 8)  # spans 8, 16, 32, 64 on the 64-position test model
+    spans: list[tuple[int, int]] = []
+    chunk = engine_module.decode_chunk
+
+    def spy(*args, **kwargs):
+        spans.append((kwargs["rows"], kwargs["span"]))
+        return chunk(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode_chunk", spy)
+    long_, short = PROMPTS[2], PROMPTS[1]  # 18 and 1 tokens
+    cases = [collecting(long_, 40, temperature=1.0, seed=5), collecting(short, 20, temperature=0.0),
+             collecting(short, 6, temperature=0.0)]  # the third takes the second's slot
+    run([r for r, _, _ in cases], slots=2, chunk=4)
+    assert {span for _, span in spans} == {32, 64}  # the long request crosses from one span into the next
+    assert spans[0] == (2, 32)  # 18 + 4 positions of the long prompt, 1 + 4 of the short one
+    want = [alone(long_, 40, 1.0, 5), alone(short, 20), alone(short, 6)]
+    assert [tokens for _, tokens, _ in cases] == want
+
+
 def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
     """`warm_up` compiles every row count's chunk and every prompt bucket: requests of any count and prompt
     length afterwards compile nothing (on a GPU each first use stalled the busy requests); it leaves no trace

@@ -234,6 +234,60 @@ def test_causality_through_gradients() -> None:
     assert np.all(pos_norm[t + 1:] == 0) and np.all(pos_norm[: t + 1] > 0)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "rotary-qk-norm-scaled", "nanochat-gqa-scan-xla"])
+def test_packed_documents_do_not_see_each_other(name: str) -> None:
+    """Two documents packed in a row (segments 1 and 2, then padding 0): the next-token loss of either has exactly
+    zero gradient w.r.t. every other token's input embedding (an untied table, each token once), and its logits
+    are those of the document alone in a row, so positions restart (a learned table, or rotary under a scaled
+    QK-norm, where absolute positions matter); the XLA path takes the mask, and scanned layers the positions."""
+    cfg = (shrink(get_preset("gpt2")) if name == "gpt2" else modern(name)).replace(tie_embeddings=False)
+    params = to_jax(ref.random_params(cfg.to_dict(), seed=5, std=0.3))
+    params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else params
+    T = cfg.block_size
+    idx_BT = jnp.asarray(np.random.default_rng(5).permutation(cfg.vocab_size)[:2 * T].reshape(2, T))
+    segments_BT = jnp.asarray([[1] * 6 + [2] * 7 + [0] * (T - 13), [1] * T])
+    apply = jax.jit(lambda wte, idx, seg: GPT(cfg).apply({"params": {**params, "wte": {"embedding": wte}}}, idx,
+                                                         segments_BT=seg))
+    wte = params["wte"]["embedding"]
+    packed_BTV = apply(wte, idx_BT, segments_BT)
+    for doc in (slice(0, 6), slice(6, 13)):
+        alone_BTV = apply(wte, idx_BT[:, doc], None)
+        np.testing.assert_allclose(np.asarray(packed_BTV[0, doc]), np.asarray(alone_BTV[0]), rtol=0, atol=2e-5)
+
+        def doc_loss(table: jax.Array, doc: slice = doc) -> jax.Array:
+            logp_TV = jax.nn.log_softmax(apply(table, idx_BT, segments_BT)[0, doc.start:doc.stop - 1])
+            return -jnp.sum(jnp.take_along_axis(logp_TV, idx_BT[0, doc.start + 1:doc.stop, None], -1))
+
+        row_norm = np.abs(np.asarray(jax.grad(doc_loss)(wte))).sum(-1)
+        inside = np.zeros(cfg.vocab_size, bool)
+        inside[np.asarray(idx_BT[0, doc])] = True
+        assert np.all(row_norm[~inside] == 0)  # the other document, the padding, the other row, unused tokens
+        assert np.all(row_norm[np.asarray(idx_BT[0, doc.start:doc.stop - 1])] > 0)  # the last token feeds no target
+
+
+def test_segments_on_splash_are_a_user_error() -> None:
+    model = GPT(ModelConfig(**TINY, attention_impl="splash"))
+    idx_BT = jnp.zeros((2, TINY["block_size"]), jnp.int32)
+    with pytest.raises(UserError, match="splash sees padding"):
+        jax.eval_shape(lambda: model.init(jax.random.key(0), idx_BT, segments_BT=jnp.ones_like(idx_BT)))
+
+
+def test_a_one_row_batch_keeps_its_mask_on_the_xla_path() -> None:
+    """A batch of one row with left padding or packed documents: XLA's attention reads its one mask row as given
+    (the plain causal triangle is one mask row for a batch of several), so it computes what the einsum path does."""
+    cfg = ModelConfig(**TINY)
+    T = cfg.block_size
+    idx_1T = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, T)))
+    params = GPT(cfg).init(jax.random.key(3), idx_1T)["params"]
+    real_1T = jnp.arange(T)[None] >= 5  # five padding tokens first
+    segments_1T = jnp.asarray([[1] * 7 + [2] * (T - 7)])
+    for inputs in ({"mask_BT": real_1T}, {"segments_BT": segments_1T}):
+        want, got = (GPT(cfg.replace(attention_impl=impl)).apply({"params": params}, idx_1T, **inputs)
+                     for impl in ("einsum", "xla"))
+        keep = slice(5, None) if "mask_BT" in inputs else slice(None)  # outputs at padding are not defined alike
+        np.testing.assert_allclose(np.asarray(got[0, keep]), np.asarray(want[0, keep]), rtol=0, atol=2e-5)
+
+
 def _loss_and_grad(cfg: ModelConfig, params: dict, idx: jax.Array):
     def loss(p):
         logits = GPT(cfg).apply({"params": p}, idx[:, :-1])

@@ -82,7 +82,8 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
                     vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < vocab else None,
                     version=version(loaded.meta["step"]) if flags_.workdir is not None else None)
     if flags_.warm_up:
-        print(f"warmed up: every row count and prompt bucket compiled in {engine.warm_up():.1f} s", flush=True)
+        print(f"warmed up: every row count, span and prompt bucket compiled in {engine.warm_up():.1f} s",
+              flush=True)
     follower = (Follower(engine, flags_.workdir, flags_.which, loaded, flags_.follow_interval) if flags_.follow
                 else None)
     source = load_template(flags_.workdir, flags_.chat_template)

@@ -26,6 +26,7 @@ a fact about a random name from the system message): held-out prompts test the s
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
@@ -245,15 +246,46 @@ def fit_context(encoded: Encoded, max_tokens: int) -> Encoded | None:
     return Encoded(encoded.ids[:n], encoded.assistant[:n], answer, tuple(ends))
 
 
-def to_rows(encoded: Sequence[Encoded], width: int) -> dict[str, np.ndarray]:
-    """One conversation per row, right-padded to `width` + 1 ids: inputs x, targets y, and the loss masks of
-    the targets. Padding follows the conversation, so causal attention never lets a real token see it."""
-    ids_NW = np.zeros((len(encoded), width + 1), np.int32)
-    assistant_NW = np.zeros((len(encoded), width + 1), np.float32)
-    answer_NW = np.zeros((len(encoded), width + 1), np.float32)
-    for i, e in enumerate(encoded):
-        ids_NW[i, :len(e.ids)], assistant_NW[i, :len(e.ids)], answer_NW[i, :len(e.ids)] = e.ids, e.assistant, e.answer
-    return {"x": ids_NW[:, :-1], "y": ids_NW[:, 1:], "loss_mask": assistant_NW[:, 1:], "answer_mask": answer_NW[:, 1:]}
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """The conversations each row holds (indices into `lengths`, each `capacity` ids at most), best-fit decreasing:
+    the longest first, each into the open row it leaves the least room in (the earliest of equals), else a new one.
+
+    Long conversations take rows first and the short ones fill their gaps, which leaves less padding than placing
+    them in a shuffled order. A pure function of the lengths: the rows, and with them the batch of every step
+    (`batch_indices` over the rows), are fixed by the data, so a resumed run sees the same batches.
+    """
+    rows: list[list[int]] = []
+    open_rows: list[tuple[int, int]] = []  # (room left, row), sorted: the best fit is the first with room enough
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = bisect.bisect_left(open_rows, (lengths[i], 0))
+        if k < len(open_rows):
+            room, row = open_rows.pop(k)
+        else:
+            room, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if room > lengths[i]:
+            bisect.insort(open_rows, (room - lengths[i], row))
+    return rows
+
+
+def to_rows(encoded: Sequence[Encoded], width: int, rows: Sequence[Sequence[int]] | None = None
+            ) -> dict[str, np.ndarray]:
+    """Rows of `width` + 1 ids, one conversation each or those `rows` lists (`pack_rows`) one after another, then
+    padding: inputs x, targets y, the loss masks of the targets, and the segment of each input (1, 2, ... for the
+    row's conversations in turn, 0 for padding), which keeps packed conversations apart (`GPT.hidden`). Padding
+    follows the conversations, so causal attention never lets a real token see it."""
+    rows = [[i] for i in range(len(encoded))] if rows is None else rows
+    ids_NW, segments_NW = (np.zeros((len(rows), width + 1), np.int32) for _ in range(2))
+    assistant_NW, answer_NW = (np.zeros((len(rows), width + 1), np.float32) for _ in range(2))
+    for n, row in enumerate(rows):
+        start = 0
+        for segment, i in enumerate(row, 1):
+            e, end = encoded[i], start + len(encoded[i].ids)
+            ids_NW[n, start:end], assistant_NW[n, start:end], answer_NW[n, start:end] = e.ids, e.assistant, e.answer
+            segments_NW[n, start:end], start = segment, end
+    return {"x": ids_NW[:, :-1], "y": ids_NW[:, 1:], "loss_mask": assistant_NW[:, 1:], "answer_mask": answer_NW[:, 1:],
+            "segments": segments_NW[:, :-1]}
 
 
 def split_held_out(conversations: list[Conversation], val_fraction: float) -> tuple[list, list]:

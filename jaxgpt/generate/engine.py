@@ -5,7 +5,9 @@ length, step counter, key and sampling settings (`jaxgpt.generate.slots` has the
 chunk runs the model's batch-1 decode under `jax.vmap` for several steps in one on-device loop, so every request
 decodes at its own position and one program serves any mix of requests: nothing recompiles when requests come
 and go. Only the busy slots decode: they are kept at the front (a freed slot takes the last busy one), and a
-chunk decodes the first `rows` slots, the next power of two (one program per power of two up to `slots`). A
+chunk decodes the first `rows` slots, the next power of two (one program per power of two up to `slots`), over
+the first `span` positions of their caches, the power of two (from `sampling.SHORTEST_CACHE`) that holds every
+position they write by the chunk's end, so short requests read a short cache whatever the context. A
 new request's prompt is prefilled into the first free slot, right-padded to a power-of-two bucket (one compile
 per bucket), and its first token is picked there and sent at once; the padding's keys and values sit past the
 request's length, invisible to it, and are overwritten as it decodes.
@@ -38,6 +40,7 @@ finished, so each request runs wholly on one set of weights, whose `version` it 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 import traceback
@@ -53,7 +56,7 @@ from tqdm import tqdm
 from jaxgpt.errors import UserError
 from jaxgpt.evals.loglik import bucket
 from jaxgpt.generate import seq2seq
-from jaxgpt.generate.sampling import validate_options
+from jaxgpt.generate.sampling import cache_slots, validate_options
 from jaxgpt.generate.slots import (
     NO_TOKEN,
     TOP_LOGPROBS,
@@ -110,6 +113,8 @@ class _Busy:
     request: Request
     slot: int
     ends: frozenset[int]  # tokens that end it
+    start: int  # positions its cache held after its prefill (the prompt's; an encoder-decoder's bos: 1)
+    dispatched: int = 0  # decode steps dispatched for it: its cache holds at most start + dispatched positions
     produced: int = 0
     finished: bool = False
 
@@ -172,28 +177,33 @@ class Engine:
         self.wake = threading.Condition()
         self.stopping = False
 
-    def warm_up(self, needs: Sequence[Needs] = WARM_NEEDS, prompt_lengths: Sequence[int] | None = None) -> float:
+    def warm_up(self, needs: Sequence[Needs] = WARM_NEEDS, prompt_lengths: Sequence[int] | None = None,
+                max_new_tokens: int | None = None) -> float:
         """Compile, before any request, the decode chunk of every row count (each power of two up to the slots)
-        for each of `needs`, and a decoder's prefill of the buckets of `prompt_lengths` (None: every bucket);
-        seconds taken. Without this the first time a load reaches a row count it stalls every busy request for
-        that compile (on a GPU a server under 64 clients spent most of its time there). Call before `run`, on
-        the empty state: every slot is done, so each chunk's loop ends at once, and the slot the prefills wrote
-        is freed again."""
+        and span for each of `needs`, and a decoder's prefill of the buckets of `prompt_lengths`; seconds taken.
+        Spans: those of requests with `prompt_lengths` and up to `max_new_tokens` new tokens (None: every
+        prompt length, and up to the context). Without this the first time a load reaches a row count or span
+        it stalls every busy request for that compile (on a GPU a server under 64 clients spent most of its
+        time there). Call before `run`, on the empty state: every slot is done, so each chunk's loop ends at
+        once, and the slot the prefills wrote is freed again."""
         t = time.perf_counter()
         limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
+        model = self.cfg.model if self.specials is not None else self.cfg
+        lengths = range(1, model.block_size + 1) if prompt_lengths is None else prompt_lengths
+        longest = self._span(max(lengths), max_new_tokens or model.block_size)
+        spans = sorted({min(longest, self._span(1, 1) << i) for i in range(longest.bit_length())})
         for rows in sorted({min(self.n_slots, 1 << i) for i in range(self.n_slots.bit_length() + 1)}):
-            for need in needs:
-                self.state, out = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, steps=self.chunk,
-                                               needs=need, **limits)
+            for span, need in itertools.product(spans, needs):
+                self.state, _ = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
+                                               steps=self.chunk, needs=need, **limits)
         if self.specials is None:
             zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
                            np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool))
-            lengths = range(1, self.cfg.block_size + 1) if prompt_lengths is None else prompt_lengths
             for P in sorted({bucket(n, self.cfg.block_size) for n in lengths}):
-                self.state, out, _ = prefill_slot(self.params, self.state, np.int32(0), np.zeros((1, P), np.int32),
-                                                  np.int32(1), zero, cfg=self.cfg, score=False, **limits)
+                self.state, _, _ = prefill_slot(self.params, self.state, np.int32(0), np.zeros((1, P), np.int32),
+                                                np.int32(1), zero, cfg=self.cfg, score=False, **limits)
             self.state = move_slot(self.state, np.int32(0), np.int32(0))  # slot 0 free again
-        jax.block_until_ready((self.state, out))
+        jax.block_until_ready(self.state)
         return time.perf_counter() - t
 
     def check(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -288,7 +298,7 @@ class Engine:
             self.state, first, scored = prefill_slot(self.params, self.state, np.int32(s), prompt_1P, np.int32(T),
                                                      setting, cfg=self.cfg, score=r.prompt_logprobs is not None,
                                                      **limits)
-        self.active[s], r.version = _Busy(r, s, ends), self.version
+        self.active[s], r.version = _Busy(r, s, ends, 1 if self.specials is not None else T), self.version
         self.unread.append((self._take_first, self.active[s], (first, scored)))
 
     def _step(self) -> None:
@@ -298,9 +308,20 @@ class Engine:
         sampled = [r for r in busy if r.temperature > 0]
         needs = Needs(bias=any(r.logit_bias for r in busy), noise=bool(sampled),
                       nucleus=any(r.top_p < 1 for r in sampled), scores=any(r.logprobs for r in busy))
-        self.state, out = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, steps=self.chunk,
+        span = max(self._span(b.start, min(b.request.max_new_tokens, b.dispatched + self.chunk + 1))
+                   for b in self.active[:rows] if b is not None)
+        for b in self.active[:rows]:
+            if b is not None:
+                b.dispatched += self.chunk
+        self.state, out = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span, steps=self.chunk,
                                        needs=needs, banned=self.banned, vocab_limit=self.vocab_limit)
         self.unread.append((self._take_chunk, self.active[:rows], out))
+
+    def _span(self, start: int, new_tokens: int) -> int:
+        """The cache positions a chunk attends over for a request with `start` positions cached and up to
+        `new_tokens` picked by the end of the chunk: `cache_slots`'s power of two, so that short requests read a
+        short prefix of the cache (its reads grow with the span, not with block_size) with a few programs."""
+        return cache_slots(self.cfg.model if self.specials is not None else self.cfg, start, new_tokens)
 
     def _take_first(self, busy: _Busy, out: tuple[Picked, Any]) -> None:
         """A prefill's results: the prompt's log-probabilities when asked for, and the first token."""

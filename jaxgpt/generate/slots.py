@@ -7,8 +7,10 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
   send it as soon as the prefill is done instead of one decode chunk later.
 * `decode_chunk`: up to `steps` tokens for the first `rows` slots (a power of two: the busy slots are kept at
   the front, so one client decodes one row, not all of them), in one on-device loop, with no return to Python
-  between tokens. A slot stops advancing at its end (a token of its end set: end-of-text unless ignored, a
-  stop id; or its last token); the loop stops early once every row has ended.
+  between tokens, attending over the first `span` positions of their caches (a power of two that holds what
+  they fill: a decode step reads its row's cache, which for short requests on a long context costs more than
+  the weights when many rows decode). A slot stops advancing at its end (a token of its end set: end-of-text
+  unless ignored, a stop id; or its last token); the loop stops early once every row has ended.
 * `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front.
 
 A slot holds the token it picked last, not yet fed to the model: a decode step feeds it at the slot's length and
@@ -98,15 +100,18 @@ def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None
                  jnp.ones(slots, jnp.float32), jnp.zeros((slots, V), jnp.float32), jnp.zeros((slots, V), bool), memory)
 
 
-def pick_rows(logits_BV: Array, key_B: Array, step_B: Array, temperature_B: Array, top_p_B: Array, needs: Needs,
+def row_noise(key_B: Array, step_B: Array, V: int) -> Array:
+    """Each row's Gumbel noise (B, V) for its step: `generate`'s (`gumbel_noise`), drawn per row."""
+    return jax.vmap(lambda key, step: gumbel_noise(key, step, (1, V))[0])(key_B, step_B)
+
+
+def pick_rows(logits_BV: Array, gumbel_BV: Array | None, temperature_B: Array, top_p_B: Array, needs: Needs,
               banned: int | None, vocab_limit: int | None) -> Array:
-    """`generate`'s choice for each row: greedy at temperature 0, top-p only below 1."""
+    """`generate`'s choice for each row: greedy at temperature 0 (or without noise), top-p only below 1."""
     limits = {"banned": banned, "vocab_limit": vocab_limit}
     greedy_B = pick_tokens(logits_BV, None, **limits)
-    if not needs.noise:
+    if gumbel_BV is None:
         return greedy_B
-    V = logits_BV.shape[-1]
-    gumbel_BV = jax.vmap(lambda key, step: gumbel_noise(key, step, (1, V))[0])(key_B, step_B)
     temperature_B1 = jnp.maximum(temperature_B, 1e-6)[:, None]
     tok_B = pick_tokens(logits_BV, gumbel_BV, temperature_B1, **limits)
     if needs.nucleus:
@@ -125,12 +130,14 @@ def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Ar
            memory: Any, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
     """Put a prefilled request into slot `s` and pick its first token (step 0) from the prompt's last logits."""
     logits_1V = logits_V[None]
-    tok_1 = pick_rows(logits_1V + setting.bias_V, setting.key[None], jnp.zeros(1, jnp.int32),
-                      setting.temperature[None], setting.top_p[None], Needs(), banned, vocab_limit)
+    noise_1V = row_noise(setting.key[None], jnp.zeros(1, jnp.int32), logits_V.shape[-1])
+    tok_1 = pick_rows(logits_1V + setting.bias_V, noise_1V, setting.temperature[None], setting.top_p[None], Needs(),
+                      banned, vocab_limit)
     lp_1, (top_lp_1K, top_id_1K) = logprobs(logits_1V, tok_1)
     done = (setting.max_new_tokens <= 1) | setting.end_V[tok_1[0]]
     put = lambda whole, one: whole.at[s].set(one)
-    state = Slots(jax.tree.map(put, state.cache, cache), put(state.tok_S, tok_1[0]), put(state.length_S, length),
+    put_cache = lambda whole, one: whole.at[s, ..., :one.shape[-2], :].set(one)  # a prefix of the slot's positions
+    state = Slots(jax.tree.map(put_cache, state.cache, cache), put(state.tok_S, tok_1[0]), put(state.length_S, length),
                   put(state.step_S, 1), put(state.left_S, setting.max_new_tokens - 1), put(state.done_S, done),
                   put(state.key_S, setting.key), put(state.temperature_S, setting.temperature),
                   put(state.top_p_S, setting.top_p), put(state.bias_SV, setting.bias_V),
@@ -143,8 +150,12 @@ def prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array
                  cfg: ModelConfig, score: bool, banned: int | None, vocab_limit: int | None
                  ) -> tuple[Slots, Picked, tuple[Array, tuple[Array, Array]] | None]:
     """Prefill a (right-padded) prompt into slot `s` and pick its first token; with `score`, also each prompt
-    position's log-probability of the next prompt token (positions from T - 1 on are padding)."""
-    logits_1PV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1), 0, False, last_only=False)
+    position's log-probability of the next prompt token (positions from T - 1 on are padding). The prompt
+    attends over a cache of its own length, which then fills the slot's first positions: the slot's later
+    positions keep an earlier request's keys, which its decode steps never see (they read positions below its
+    length) and overwrite as it goes."""
+    P = prompt_1P.shape[1]
+    logits_1PV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1, P), 0, False, last_only=False)
     state, first = _start(state, s, cache, logits_1PV[0, T - 1], T, setting, None, banned, vocab_limit)
     return state, first, logprobs(logits_1PV[0, :-1], prompt_1P[0, 1:]) if score else None
 
@@ -167,38 +178,48 @@ def move_slot(state: Slots, src: Array, dst: Array) -> Slots:
     return state._replace(done_S=state.done_S.at[src].set(True))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rows", "steps", "needs", "banned", "vocab_limit"),
+@functools.partial(jax.jit, static_argnames=("cfg", "rows", "span", "steps", "needs", "banned", "vocab_limit"),
                    donate_argnames=("state",))
-def decode_chunk(params: Any, state: Slots, *, cfg: ModelConfig | Seq2SeqConfig, rows: int, steps: int,
+def decode_chunk(params: Any, state: Slots, *, cfg: ModelConfig | Seq2SeqConfig, rows: int, span: int, steps: int,
                  needs: Needs, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
-    """Up to `steps` tokens for each of the first `rows` slots; tokens of rows that had ended are NO_TOKEN."""
+    """Up to `steps` tokens for each of the first `rows` slots, attending over the first `span` positions of
+    their caches, which must hold every position the busy rows write in this chunk (the rest of each cache is
+    neither read nor written); tokens of rows that had ended are NO_TOKEN."""
     part = jax.tree.map(lambda x: x[:rows], state)
+    part = part._replace(cache=jax.tree.map(lambda c: c[..., :span, :], part.cache))
     out = Picked(jnp.full((rows, steps), NO_TOKEN, jnp.int32))
     if needs.scores:
         out = out._replace(logprob=jnp.zeros((rows, steps), jnp.float32),
                            top_logprob=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.float32),
                            top_id=jnp.zeros((rows, steps, TOP_LOGPROBS), jnp.int32))
     advance = functools.partial(_advance, params, cfg=cfg, needs=needs, banned=banned, vocab_limit=vocab_limit)
+    # The noise of all the chunk's steps at once: a live row's step counter advances by one per step, so step i
+    # of the chunk draws row b's noise for its step step_S[b] + i. One draw instead of one per step matters on
+    # CPUs, where jax runs the random bits' rounds as a loop of small ops each time.
+    V = part.bias_SV.shape[-1]
+    noise_RNV = (jax.vmap(lambda i: row_noise(part.key_S, part.step_S + i, V), out_axes=1)(jnp.arange(steps))
+                 if needs.noise else None)
 
     def one(carry: tuple[Array, Slots, Picked]) -> tuple[Array, Slots, Picked]:
         i, st, out = carry
-        st, picked = advance(st)
+        st, picked = advance(st, None if noise_RNV is None else noise_RNV[:, i])
         put = lambda whole, new: None if whole is None else jax.lax.dynamic_update_index_in_dim(whole, new, i, 1)
         return i + 1, st, Picked(*map(put, out, picked))
 
     more = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1].done_S)
     _, part, out = jax.lax.while_loop(more, one, (jnp.int32(0), part, out))
-    S = state.length_S.shape[0]
-    state = part if rows == S else jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state, part)
-    return state, out
+    cache = jax.tree.map(lambda whole, p: whole.at[:rows, ..., :span, :].set(p), state.cache, part.cache)
+    rest = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None), part._replace(cache=None))
+    return rest._replace(cache=cache), out
 
 
-def _advance(params: Any, st: Slots, *, cfg: ModelConfig | Seq2SeqConfig, needs: Needs, banned: int | None,
-             vocab_limit: int | None) -> tuple[Slots, Picked]:
-    """One decode step of every row: feed its last token, pick the next; rows that had ended stay as they are
-    (their cache takes a write past their tokens, which nothing reads) and report NO_TOKEN."""
-    context = cfg.model.block_size if isinstance(cfg, Seq2SeqConfig) else cfg.block_size
-    index_B = jnp.minimum(st.length_S, context - 1)  # a free slot's length never runs past the cache
+def _advance(params: Any, st: Slots, noise_BV: Array | None, *, cfg: ModelConfig | Seq2SeqConfig, needs: Needs,
+             banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
+    """One decode step of every row: feed its last token, pick the next (with each row's noise for its step, None
+    when no row samples); rows that had ended stay as they are (their cache takes a write past their tokens, which
+    nothing reads) and report NO_TOKEN."""
+    span = jax.tree.leaves(st.cache)[0].shape[-2]
+    index_B = jnp.minimum(st.length_S, span - 1)  # a free slot's (stale) length never runs past the cache
 
     def decode_one(tok: Array, cache: Any, index: Array, memory: Any) -> tuple[Array, Any]:
         if isinstance(cfg, Seq2SeqConfig):
@@ -208,8 +229,8 @@ def _advance(params: Any, st: Slots, *, cfg: ModelConfig | Seq2SeqConfig, needs:
         return logits_11V[0, 0], cache
 
     logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory)
-    tok_B = pick_rows(logits_BV + st.bias_SV if needs.bias else logits_BV, st.key_S, st.step_S, st.temperature_S,
-                      st.top_p_S, needs, banned, vocab_limit)
+    tok_B = pick_rows(logits_BV + st.bias_SV if needs.bias else logits_BV, noise_BV, st.temperature_S, st.top_p_S,
+                      needs, banned, vocab_limit)
     live_B = ~st.done_S
     ends_B = jnp.take_along_axis(st.end_SV, tok_B[:, None], axis=1)[:, 0] | (st.left_S <= 1)
     step_B = live_B.astype(jnp.int32)

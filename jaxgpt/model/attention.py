@@ -45,8 +45,10 @@ class Attention(nn.Module):
     from a memory, given as the memory (B, S, C) or as its keys and values (`memory_kv`: decoding computes them
     once per source). Grouped-query self-attention (n_kv_head K < H) has cross-attention's two kernels, `kv`
     (C, 2, K, D) with K heads, from x: query heads k G .. (k + 1) G - 1 share key/value head k (G = H / K).
-    Rotary positions (rope_theta) rotate the queries and keys at their positions (cache_index on when decoding),
-    then QK-norm (qk_norm) normalizes them, nanochat's order; the cache holds them rotated and normalized.
+    Rotary positions (rope_theta) rotate the queries and keys at their positions (cache_index on when decoding;
+    `positions_BT` when given, which packed rows restart at each document, `GPT.hidden`: a learned QK-norm scale
+    makes even rotary attention depend on more than distances), then QK-norm (qk_norm) normalizes them,
+    nanochat's order; the cache holds them rotated and normalized.
     `causal` says the visible keys are a causal subset (the GPT, the decoder's self-attention),
     so the attention may skip the masked triangle; the encoder and cross-attention see keys after the query.
     A KV cache (`init_cache`) makes self-attention write this call's keys and values at `cache_index` and attend
@@ -84,8 +86,8 @@ class Attention(nn.Module):
         return kv[:, :, 0].transpose(0, 2, 1, 3), kv[:, :, 1].transpose(0, 2, 1, 3)
 
     def __call__(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
-                 cache_index: Array | None = None, memory: Array | tuple[Array, Array] | None = None
-                 ) -> tuple[Array, Cache | None]:
+                 cache_index: Array | None = None, memory: Array | tuple[Array, Array] | None = None,
+                 positions_BT: Array | None = None) -> tuple[Array, Cache | None]:
         cfg = self.cfg
         if self.cross:
             q_BTHD = self.q(x_BTC)
@@ -97,10 +99,12 @@ class Attention(nn.Module):
             qkv = self.qkv(x_BTC)
             q_BTHD = qkv[:, :, 0]
             k_BKSD, v_BKSD = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
-        if cfg.rotary:  # this call's tokens sit at cache_index.. (0.. without a cache)
-            pos_T = jnp.arange(x_BTC.shape[1]) + (0 if cache_index is None else cache_index)
-            q_BTHD = rotary(q_BTHD, pos_T, cfg.rope_theta)
-            k_BKSD = rotary(k_BKSD.transpose(0, 2, 1, 3), pos_T, cfg.rope_theta).transpose(0, 2, 1, 3)
+        if cfg.rotary:  # this call's tokens sit at positions_BT, else at cache_index.. (0.. without a cache)
+            rotate, pos = rotary, jnp.arange(x_BTC.shape[1]) + (0 if cache_index is None else cache_index)
+            if positions_BT is not None:  # a position per token (packed rows restart them): `rotary` per row
+                rotate, pos = jax.vmap(rotary, in_axes=(0, 0, None)), positions_BT
+            q_BTHD = rotate(q_BTHD, pos, cfg.rope_theta)
+            k_BKSD = rotate(k_BKSD.transpose(0, 2, 1, 3), pos, cfg.rope_theta).transpose(0, 2, 1, 3)
         if cfg.qk_norm:
             q_BTHD, k_BKSD = self.q_norm(q_BTHD), self.k_norm(k_BKSD)
         y_BTHD, probs, cache = attend(q_BTHD, k_BKSD, v_BKSD, visible_BTS, impl=cfg.attention_impl, dtype=cfg.dtype,

@@ -16,9 +16,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.errors import UserError
 from jaxgpt.model.attention import Attention, Cache
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.layers import MLP, Norm, bias_init, embed, embedding_table, lm_head, logits, param_init, residual
+from jaxgpt.ops.attention import resolve_impl
 from jaxgpt.ops.projection import DECLARED
 
 Array = jax.Array
@@ -37,7 +39,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTC: Array, cache: Cache | None, visible_BTS: Array, cache_index: Array | None,
-                 deterministic: bool) -> tuple[Array, Cache | None]:
+                 deterministic: bool, positions_BT: Array | None = None) -> tuple[Array, Cache | None]:
         cfg = self.cfg
         attn = Attention(cfg, causal=self.causal, kernel_storage=self.kernel_storage, name="attn")
         mlp = MLP(cfg, kernel_storage=self.kernel_storage, name="mlp")
@@ -45,7 +47,8 @@ class Block(nn.Module):
         written = {}
 
         def self_attention(h_BTC: Array) -> Array:
-            y_BTC, written["cache"] = attn(h_BTC, visible_BTS, deterministic, cache, cache_index)
+            y_BTC, written["cache"] = attn(h_BTC, visible_BTS, deterministic, cache, cache_index,
+                                           positions_BT=positions_BT)
             return y_BTC
 
         x_BTC = residual(cfg, x_BTC, self_attention, ln_1, deterministic, is_attention=True)
@@ -59,6 +62,28 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "save_dots" else None
     # `deterministic` is a Python bool: it must be static (self=0, x=1, ..., deterministic=5).
     return nn.remat(Block, static_argnums=(5,), policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+def segment_positions(segments_BT: Array) -> Array:
+    """Each token's position within its segment (B, T): 0 where a run of equal ids starts, counting up in it."""
+    t_T = jnp.arange(segments_BT.shape[1])
+    starts_BT = jnp.concatenate([jnp.ones_like(segments_BT[:, :1], bool), segments_BT[:, 1:] != segments_BT[:, :-1]],
+                                axis=1)
+    return t_T - jax.lax.cummax(jnp.where(starts_BT, t_T, 0), axis=1)
+
+
+def document_mask(segments_BT: Array) -> Array:
+    """Causal attention within segments (B, T, S): query t sees key s <= t of the same segment id."""
+    T = segments_BT.shape[1]
+    return jnp.tril(jnp.ones((1, T, T), bool)) & (segments_BT[:, :, None] == segments_BT[:, None, :])
+
+
+def check_segments(cfg: ModelConfig) -> None:
+    """A UserError where the attention would not honour a document mask (`jaxgpt.ops.attention.attend`): splash
+    builds its segment ids from padding alone (`splash.padding_segments`)."""
+    if resolve_impl(cfg.attention_impl, cfg.dtype) == "splash":
+        raise UserError(f"packed rows (segments) on attention_impl={cfg.attention_impl!r}: splash sees padding, not "
+                        "documents; use model.attention_impl='einsum', 'xla' or 'cudnn'")
 
 
 class GPT(nn.Module):
@@ -83,7 +108,7 @@ class GPT(nn.Module):
         if cfg.scan_layers:
             self.h = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                              split_rngs={"params": True, "dropout": True},
-                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layer,
+                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layer,
                              metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.kernel_storage)
         else:
             self.blocks = [block(cfg, self.kernel_storage, name=f"h_{i}") for i in range(cfg.n_layer)]
@@ -104,20 +129,33 @@ class GPT(nn.Module):
         return self.ln_emb(x_BTC) if self.cfg.embd_norm else x_BTC
 
     def _layers(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
-                cache_index: Array | None = None) -> tuple[Array, Any]:
+                cache_index: Array | None = None, positions_BT: Array | None = None) -> tuple[Array, Any]:
         if self.cfg.scan_layers:
-            return self.h(x_BTC, cache, visible_BTS, cache_index, deterministic)
+            return self.h(x_BTC, cache, visible_BTS, cache_index, deterministic, positions_BT)
         new_cache = []
         for i, block in enumerate(self.blocks):
-            x_BTC, c = block(x_BTC, None if cache is None else cache[i], visible_BTS, cache_index, deterministic)
+            x_BTC, c = block(x_BTC, None if cache is None else cache[i], visible_BTS, cache_index, deterministic,
+                             positions_BT)
             new_cache.append(c)
         return x_BTC, new_cache
 
-    def hidden(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
-        """Final hidden states (B, T, C): after the final norm when the model has one."""
+    def hidden(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True,
+               segments_BT: Array | None = None) -> Array:
+        """Final hidden states (B, T, C): after the final norm when the model has one.
+
+        `segments_BT` (int, a distinct id per contiguous run of tokens) packs several documents into each row: a
+        token then sees only the earlier tokens of its own run, and positions (the table's and the rotary ones)
+        restart at each run's start, so each document is computed as if it had the row to itself. Without it
+        the program is exactly the unpacked one.
+        """
         T = idx_BT.shape[1]
-        pos_BT = jnp.broadcast_to(jnp.arange(T), idx_BT.shape)
-        visible_BTS = jnp.tril(jnp.ones((1, T, T), bool))
+        if segments_BT is None:
+            pos_BT = jnp.broadcast_to(jnp.arange(T), idx_BT.shape)
+            visible_BTS = jnp.tril(jnp.ones((1, T, T), bool))
+        else:
+            check_segments(self.cfg)
+            pos_BT, visible_BTS = segment_positions(segments_BT), document_mask(segments_BT)
+        rotary_pos_BT = None if segments_BT is None else pos_BT
         pad_BT = self._is_pad(idx_BT, mask_BT)
         if self.cfg.pad_positions:
             pos_BT = pos_BT + 1 if pad_BT is None else jnp.where(pad_BT, 0, pos_BT + 1)
@@ -125,14 +163,15 @@ class GPT(nn.Module):
             visible_BTS = (visible_BTS & ~pad_BT[:, None, :]) | jnp.eye(T, dtype=bool)[None]
         x_BTC = self._embed(idx_BT, pos_BT, deterministic)
         x_BTC = nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed"))
-        x_BTC, _ = self._layers(x_BTC, visible_BTS, deterministic)
+        x_BTC, _ = self._layers(x_BTC, visible_BTS, deterministic, positions_BT=rotary_pos_BT)
         return self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC
 
     def logits(self, h_BTC: Array) -> Array:
         return logits(self.wte, self.lm_head, h_BTC, self.cfg.logit_softcap)
 
-    def __call__(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True) -> Array:
-        return self.logits(self.hidden(idx_BT, mask_BT, deterministic))
+    def __call__(self, idx_BT: Array, mask_BT: Array | None = None, deterministic: bool = True,
+                 segments_BT: Array | None = None) -> Array:
+        return self.logits(self.hidden(idx_BT, mask_BT, deterministic, segments_BT))
 
     def decode(self, idx_BT: Array, cache: Cache | list[Cache], cache_index: Array, last_only: bool = False
                ) -> tuple[Array, Cache | list[Cache]]:

@@ -184,12 +184,13 @@ def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, i
     B, T, H, _ = q_BTHD.shape
     if impl == "splash" and causal and k_BKSD.shape[1] == H and splash.splash_fits(B, H, T):
         y_BHTD = splash.splash_attention(scaled_queries(q_BTHD, dtype), k_BKSD.astype(dtype),
-                                         v_BKSD.astype(dtype), splash.padding_segments(visible_BTS))
+                                         v_BKSD.astype(dtype), splash.padding_segments(visible_BTS, B))
         return y_BHTD.transpose(0, 2, 1, 3), None, cache
     if impl != "einsum":  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, K, D)
-        # One mask row for the batch under `causal` is exactly the causal triangle: say so (cuDNN then skips
-        # the masked tiles and computes no mask gradient); padding needs the explicit mask.
-        plain_causal = causal and visible_BTS.shape[0] == 1
+        # One mask row for a batch of several under `causal` is exactly the causal triangle: say so (cuDNN then
+        # skips the masked tiles and computes no mask gradient); padding and packed documents need the explicit
+        # mask, and so does a batch of one row, whose one mask row may hold them.
+        plain_causal = causal and visible_BTS.shape[0] < B
         y_BTHD = jax.nn.dot_product_attention(
             q_BTHD, k_BKSD.transpose(0, 2, 1, 3), v_BKSD.transpose(0, 2, 1, 3),
             mask=None if plain_causal else visible_BTS[:, None], is_causal=plain_causal,

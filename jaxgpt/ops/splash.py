@@ -61,15 +61,17 @@ def splash_fits(B: int, H: int, T: int) -> bool:
     return B % _ways(spec[0], shape) == 0 and H % _ways(spec[1], shape) == 0
 
 
-def padding_segments(visible_BTS: Array) -> Array | None:
-    """Splash segment ids from a causal visibility mask: 0 for real keys, a unique id per padding key.
+def padding_segments(visible_BTS: Array, B: int) -> Array | None:
+    """Splash segment ids from a causal visibility mask of a batch of B rows: 0 for real keys, a unique id per
+    padding key.
 
-    A mask with one row for the whole batch is the plain causal one (no padding): None. Otherwise the
-    last query sees every earlier real key, so its row lists which keys are real. Real queries then see
-    exactly the real keys of the einsum path; a padding query sees only itself (the einsum path lets it
-    see the real keys too), so outputs at padding positions differ, and nothing reads those.
+    A mask with one row for a batch of several is the plain causal one (no padding): None. Otherwise (one row
+    of a batch of one may hold padding) the last query sees every earlier real key, so its row lists which keys
+    are real. Real queries then see exactly the real keys of the einsum path; a padding query sees only itself
+    (the einsum path lets it see the real keys too), so outputs at padding positions differ, and nothing reads
+    those.
     """
-    if visible_BTS.shape[0] == 1:
+    if visible_BTS.shape[0] < B:
         return None
     T = visible_BTS.shape[-1]
     return jnp.where(visible_BTS[:, -1, :], 0, 1 + jnp.arange(T)).astype(jnp.int32)

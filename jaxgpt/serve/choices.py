@@ -149,7 +149,7 @@ class Feed:
         with self.lock:
             self.gathered.append((kind, value))
             first = len(self.gathered) == 1
-        if first:
+        if first and not self.loop.is_closed():  # closed: the server has shut down, no one reads these events
             self.loop.call_soon_threadsafe(self._move)
 
     def _move(self) -> None:

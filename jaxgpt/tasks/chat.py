@@ -5,11 +5,15 @@ preset); the chat format's special tokens are added to that tokenizer (`jaxgpt.d
 do not fit the model's vocabulary its token table (and untied head) grows by their rows, started at the mean of the
 existing rows plus noise of their spread, so the new tokens begin as typical tokens rather than as outliers.
 
-Each row holds one conversation, right-padded to the longest conversation that fits `model.block_size` (longer
-ones are cut after their last assistant turn that fits, or dropped; both counted). Padding comes after the
-conversation, so causal attention keeps it unseen and the model needs no mask; packing several conversations
-into a row would need document masks (segment ids) in `jaxgpt.model.gpt`, which it does not have. The loss is
-the mean cross-entropy over the assistant's tokens and their end tokens only.
+Rows are as wide as the longest conversation that fits `model.block_size` (longer ones are cut after their last
+assistant turn that fits, or dropped; both counted). By default a training row holds one conversation,
+right-padded: padding comes after it, so causal attention keeps it unseen. With `config.chat.pack` the training
+conversations are packed into rows (`pack_rows`: best-fit decreasing, fixed by the data, so the batch of every
+step is still a pure function of (seed, step)) and each token's segment id keeps them apart: a token sees only
+its own conversation and positions restart at each one (`GPT.hidden`'s document mask). The run's description
+gives both layouts' rows, conversations per row and padding. Evaluation (held-out and train) keeps one
+conversation per row either way, since exact match is per row. The loss is the mean cross-entropy over the
+assistant's tokens and their end tokens only.
 
 Evaluation reports the loss on held-out conversations and exact match: the fraction whose last assistant turn is
 predicted token for token (end token included) by argmax given the conversation before it. That is exactly
@@ -43,18 +47,21 @@ from jaxgpt.data.conversations import (
     fit_context,
     load_hub,
     load_jsonl,
+    pack_rows,
     split_held_out,
     to_rows,
 )
 from jaxgpt.data.tokenizer import WithSpecialTokens, tokenizer_from_meta
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
-from jaxgpt.model.gpt import GPT, dummy_tokens
+from jaxgpt.model.gpt import GPT, check_segments, dummy_tokens
 from jaxgpt.tasks.classify_data import spread_indices
 from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.train.config import ChatConfig, TrainConfig, base_config
 
-Batch = dict[str, jax.Array]  # x, y (B, W) int32; loss_mask, answer_mask (B, W) float32 over the targets y
+# x, y (B, W) int32; loss_mask, answer_mask (B, W) float32 over the targets y; segments (B, W) int32 of the inputs
+# when rows are packed (config.chat.pack)
+Batch = dict[str, jax.Array]
 
 
 def chat_loss(logits_BWV: jax.Array, batch: Batch, label_smoothing: float = 0.0) -> jax.Array:
@@ -109,6 +116,12 @@ def _conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[s
             f"{len(numbered)} conversations from {c.data}")
 
 
+def _layout(rows: dict[str, np.ndarray], n_conversations: int) -> str:
+    """Rows, conversations per row and the fraction of inputs that are padding, for the description."""
+    n = len(rows["x"])
+    return f"{n} rows, {n_conversations / n:.2f} conversations per row, {np.mean(rows['segments'] == 0):.1%} padding"
+
+
 Fitted = tuple[Encoded, str, Conversation]  # a conversation's ids as they fit the context, its kind, its messages
 
 
@@ -136,12 +149,12 @@ def _fit(conversations: list[Conversation], origins: list[str], kinds: list[str]
     return kept, cut, dropped
 
 
-def _split(kept: list[Fitted], val_fraction: float) -> tuple[list[Fitted], list[Fitted]]:
-    """(train, held out) of the conversations that fit the context, by `split_held_out` of their messages: the one
-    split of the trainer and of `held_out_conversations`, made after those too long are dropped, so both hold out
-    the same conversations and agree on whether there are enough to hold some out."""
+def _split(kept: list[Fitted], val_fraction: float) -> dict[str, list[Fitted]]:
+    """{"train", "val" (held out)} of the conversations that fit the context, by `split_held_out` of their messages:
+    the one split of the trainer and of `held_out_conversations`, made after those too long are dropped, so both
+    hold out the same conversations and agree on whether there are enough to hold some out."""
     held = {id(m) for m in split_held_out([m for _, _, m in kept], val_fraction)[1]}
-    return [f for f in kept if id(f[2]) not in held], [f for f in kept if id(f[2]) in held]
+    return {"train": [f for f in kept if id(f[2]) not in held], "val": [f for f in kept if id(f[2]) in held]}
 
 
 def _through_turn(messages: Conversation, n: int) -> Conversation:
@@ -157,13 +170,12 @@ def held_out_conversations(c: ChatConfig, seed: int, tokenizer: WithSpecialToken
     assistant turn that fits. For measuring a trained run elsewhere (through the server: benchmarks/bench_chat.py)."""
     conversations, origins, kinds, _ = _conversations(c, seed)
     kept, _, _ = _fit(conversations, origins, kinds, tokenizer, block_size)
-    return [(_through_turn(m, len(e.turn_ends)), kind) for e, kind, m in _split(kept, c.val_fraction)[1]]
+    return [(_through_turn(m, len(e.turn_ends)), kind) for e, kind, m in _split(kept, c.val_fraction)["val"]]
 
 
 class Chat:
     """Supervised fine-tuning on conversations: data, chat tokenizer, grown vocabulary, masked loss, exact match."""
 
-    batch_ndims: ClassVar[dict[str, int]] = {"x": 2, "y": 2, "loss_mask": 2, "answer_mask": 2}
     run_files: ClassVar[dict[str, str]] = {TEMPLATE_FILE: CHAT_TEMPLATE}
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -172,6 +184,7 @@ class Chat:
                             "--config.init_from=workdir:runs/stdlib_char (or hf:PATH, preset:NAME)")
         if cfg.loss_chunk:
             raise UserError("config.loss_chunk applies to task lm: set it to 0 for chat (rows are conversations)")
+        pack = cfg.chat.pack
         conversations, origins, kinds, description = _conversations(cfg.chat, cfg.seed)
         base_cfg, tokenizer_meta = weights.fit_architecture(cfg.init_from, cfg.model, base_config().model.to_dict(),
                                                             cfg.vocab_from_data)
@@ -182,16 +195,23 @@ class Chat:
         self.cfg, self.base_cfg, self.tokenizer = cfg, base_cfg, tokenizer
         self.model_cfg = base_cfg.replace(vocab_size=max(base_cfg.vocab_size, tokenizer.vocab_size))
         self.model = GPT(self.model_cfg)
+        if pack:  # an attention that would not keep packed conversations apart: one line now, not at the first step
+            check_segments(self.model_cfg)
         self.tokenizer_meta = tokenizer.to_meta()
 
         block_size = self.model_cfg.block_size
         kept, cut, dropped = _fit(conversations, origins, kinds, tokenizer, block_size)
-        train, val = _split(kept, cfg.chat.val_fraction)
-        parts = {"train": train, "val": val}
+        parts = _split(kept, cfg.chat.val_fraction)
         self.width = max(len(e.ids) for e, _, _ in kept) - 1
-        self.data = {split: to_rows([e for e, _, _ in items], self.width) for split, items in parts.items()}
+        self.batch_ndims = {"x": 2, "y": 2, "loss_mask": 2, "answer_mask": 2, **({"segments": 2} if pack else {})}
+        rows = {split: to_rows([e for e, _, _ in items], self.width) for split, items in parts.items()}
+        train = [e for e, _, _ in parts["train"]]
+        packed = to_rows(train, self.width, pack_rows([len(e.ids) for e in train], self.width + 1))
+        keep = lambda r: {k: r[k] for k in self.batch_ndims}
+        self.data = {split: keep(r) for split, r in rows.items()}  # one conversation per row: what evaluation scores
+        self.train = keep(packed if pack else rows["train"])  # what training samples
         self.kinds = {split: np.array([k for _, k, _ in items]) for split, items in parts.items()}
-        n_train, n_val = len(train), len(val)
+        n_train, n_val = len(parts["train"]), len(parts["val"])
         self.eval_idx = {"val": spread_indices(n_val, cfg.eval_batches * cfg.batch_size),
                          "train": spread_indices(n_train, min(n_val, cfg.eval_batches * cfg.batch_size))}
         self.tokens_per_row = self.width
@@ -201,28 +221,32 @@ class Chat:
         self._description = (
             f"{description}: {n_train} train / {n_val} held-out conversations, rows of {self.width} tokens; "
             f"{cut} cut at a turn boundary and {dropped} dropped (longer than model.block_size={block_size})\n"
+            f"train rows, one conversation each: {_layout(rows['train'], n_train)}; packed: {_layout(packed, n_train)}"
+            f" (config.chat.pack={pack}: training samples the {'packed' if pack else 'one-conversation'} rows)\n"
             f"{self.tokenizer.name} tokenizer + {len(SPECIAL_TOKENS)} chat tokens {list(SPECIAL_TOKENS)}"
             + (f"; vocabulary grown from {base_cfg.vocab_size} to {self.model_cfg.vocab_size}" if grown else ""))
         self.meta = {"chat": {
             "special_tokens": list(SPECIAL_TOKENS), "end_token": END, "end_id": tokenizer.special_ids[END],
             "template": CHAT_TEMPLATE, "init_from": cfg.init_from, "data": description, "n_train": n_train,
-            "n_val": n_val, "cut": cut, "dropped": dropped,
-            **{f"{split}_sha256": rows_sha256(self.data[split], ("x", "loss_mask")) for split in ("train", "val")}}}
+            "n_val": n_val, "cut": cut, "dropped": dropped, "pack": pack,
+            "train_sha256": rows_sha256(self.train, ("x", "loss_mask", "segments") if pack else ("x", "loss_mask")),
+            "val_sha256": rows_sha256(self.data["val"], ("x", "loss_mask"))}}
 
     def example_inputs(self) -> tuple[jax.Array]:
         return (dummy_tokens(self.model_cfg),)
 
-    def _logits(self, params: Any, x_BW: jax.Array, key: jax.Array | None) -> jax.Array:
+    def _logits(self, params: Any, batch: Batch, key: jax.Array | None) -> jax.Array:
+        """The model on the batch's inputs, with its segments when rows are packed (then in every batch)."""
         dropout = self._dropout and key is not None
-        return self.model.apply({"params": params}, x_BW, deterministic=not dropout,
-                                rngs={"dropout": key} if dropout else None)
+        return self.model.apply({"params": params}, batch["x"], deterministic=not dropout,
+                                rngs={"dropout": key} if dropout else None, segments_BT=batch.get("segments"))
 
     def loss(self, params: Any, batch: Batch, key: jax.Array) -> tuple[jax.Array, dict]:
-        return chat_loss(self._logits(params, batch["x"], key), batch, self.cfg.label_smoothing), {}
+        return chat_loss(self._logits(params, batch, key), batch, self.cfg.label_smoothing), {}
 
     def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
         """Sums over the batch's assistant tokens (so batches combine exactly) and each row's exact match."""
-        logits_BWV = self._logits(params, batch["x"], None)
+        logits_BWV = self._logits(params, batch, None)
         mask_BW, answer_BW = batch["loss_mask"], batch["answer_mask"]
         right_BW = jnp.argmax(logits_BWV, -1) == batch["y"]
         n_tokens = jnp.sum(mask_BW)
@@ -242,9 +266,9 @@ class Chat:
                             "init_from, or a new --config.workdir")
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
-        idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["x"]), self.cfg.batch_size)
+        idx = batch_indices(self.cfg.seed, step, len(self.train["x"]), self.cfg.batch_size)
         idx = idx[process_share(self.cfg.batch_size, process_index, process_count)]
-        return {k: v[idx] for k, v in self.data["train"].items()}
+        return {k: v[idx] for k, v in self.train.items()}
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
         """Fixed batches of the sampled conversations; the last is completed by filler rows whose masks are 0."""

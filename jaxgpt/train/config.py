@@ -115,6 +115,9 @@ class ChatConfig:
     tasks: str = "arithmetic,reverse,count,fact"  # "builtin": which generators, comma-separated
     examples: int = 20000  # "builtin": conversations generated (train + held-out)
     val_fraction: float = 0.05  # conversations held out (by a hash of the prompt) for loss and exact match
+    # Training rows: False, one conversation per row, right-padded; True, several packed into each row, none seeing
+    # another (document masks: GPT.hidden's segments). Held-out rows hold one each either way.
+    pack: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
