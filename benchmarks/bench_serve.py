@@ -11,7 +11,9 @@ Part 1: the app (`jaxgpt.serve.app`, 16 slots) on 127.0.0.1 with random weights 
 driven by N client threads of the official `openai` client in a process of their own, each streaming --requests
 completions (prompts of 8-64 characters, 64 new tokens, temperature 1, stream_options.include_usage) one after
 another. First, `generate` alone (`jaxgpt.generate.sampling.generate`, what `sample.py` runs) on the same prompts
-one after another: its tokens/s, prefill included, is what one client could get with no server at all. Printed per N:
+one after another: its tokens/s, prefill included, is what one client could get with no server at all. Then the
+engine alone (its loop in this process, no HTTP) on the same kind of requests, one at a time and 16 at once: the
+most the server can reach on this machine, so the clients' ratios below show what HTTP costs. Printed per N:
 aggregate completion tokens/s over the wall time, that over one client's and over `generate` alone's, and the
 p50 / p99 of time to first token (request sent to first text chunk) and of inter-token latency (between the
 chunks of one stream, divided by the tokens each brought). Targets (issue 36): one client >= 0.6x `generate`
@@ -43,10 +45,11 @@ import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
 from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
-from jaxgpt.generate.engine import Engine, generate_many  # noqa: E402
+from jaxgpt.generate.engine import Engine, Request, generate_many  # noqa: E402
 from jaxgpt.generate.sampling import generate  # noqa: E402
 from jaxgpt.model.config import ModelConfig  # noqa: E402
 from jaxgpt.model.gpt import init_params  # noqa: E402
+from jaxgpt.ops.platform import keep_freed_memory  # noqa: E402
 from jaxgpt.serve.app import create_app  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -67,17 +70,36 @@ def models() -> dict[str, ModelConfig]:
             "6x6x384": ModelConfig(vocab_size=len(CHARS), block_size=256, n_layer=6, n_head=6, n_embd=384)}
 
 
-def serve(cfg: ModelConfig, params: dict) -> tuple[uvicorn.Server, int]:
-    port = free_port()
+def warmed_engine(cfg: ModelConfig, params: dict) -> Engine:
     engine = Engine(params, cfg, slots=16, max_waiting=256)
     # every row count's and span's chunk, and every prompt bucket, of the requests `load` sends
     engine.warm_up(prompt_lengths=range(PROMPT_CHARS[0], PROMPT_CHARS[1] + 1), max_new_tokens=NEW_TOKENS)
+    return engine
+
+
+def serve(engine: Engine) -> tuple[uvicorn.Server, int]:
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, CharTokenizer(CHARS), "m"), host="127.0.0.1",
                                            port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
     return server, port
+
+
+def engine_alone(engine: Engine, at_once: int, requests: int, seed: int) -> float:
+    """Tokens/s of the engine itself (no HTTP, its loop in this thread) on `at_once` * `requests` of the
+    clients' requests, `at_once` decoding together: what the server could give that many clients at most."""
+    prompts = [CharTokenizer(CHARS).encode(p) for p in prompts_for(at_once * requests, np.random.default_rng(seed))]
+    t = time.perf_counter()
+    for start in range(0, len(prompts), at_once):
+        for i, p in enumerate(prompts[start:start + at_once], start):
+            engine.submit(Request(p, NEW_TOKENS, emit=lambda *_: None, done=lambda _: None, temperature=1.0, seed=i,
+                                  logprobs=False, ignore_eos=True))
+        if at_once == 1:  # one client: the next request once this one has ended
+            engine.drain()
+    engine.drain()  # many: the queue refills each slot as it frees, as clients that send again at once would
+    return NEW_TOKENS * len(prompts) / (time.perf_counter() - t)
 
 
 class Load:
@@ -140,12 +162,17 @@ def alone(cfg: ModelConfig, params: dict, requests: int, rng: np.random.Generato
 
 
 def part1(args: argparse.Namespace) -> None:
+    keep_freed_memory()  # as `jaxgpt serve` does
     names = list(models().items())[:1 if args.quick else None]
     for name, cfg in names:
         params = init_params(cfg, jax.random.key(0))
-        server, port = serve(cfg, params)
+        engine = warmed_engine(cfg, params)
         base = alone(cfg, params, 16, np.random.default_rng(1))
         print(f"{name}: generate alone {base:,.0f} tokens/s (batch 1, 64 new tokens, prefill included)")
+        solo, many = (engine_alone(engine, n, args.requests, seed=n) for n in (1, 16))
+        print(f"{name}: the engine alone (no HTTP) {solo:,.0f} tokens/s one request at a time ({solo / base:.2f}x "
+              f"generate), {many:,.0f} with 16 at once ({many / solo:.2f}x): the most the server can reach here")
+        server, port = serve(engine)
         print(f"{'clients':>8}{'tokens/s':>11}{'x 1 client':>12}{'x generate':>12}{'TTFT p50':>10}{'p99 s':>8}"
               f"{'ITL p50':>10}{'p99 ms':>8}")
         one = None
@@ -174,7 +201,7 @@ def part2() -> None:
     params = init_params(cfg, jax.random.key(1))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, len(CHARS), int(n)).tolist() for n in rng.integers(4, 120, 32)]
-    generate_many(params, cfg, prompts[:16], max_new_tokens=4, temperature=0.0, slots=16)  # compile
+    generate_many(params, cfg, prompts, max_new_tokens=48, temperature=0.0, slots=16)  # compile what the run uses
     t = time.perf_counter()
     ours = generate_many(params, cfg, prompts, max_new_tokens=48, temperature=0.0, slots=16)
     ours_s = time.perf_counter() - t

@@ -10,6 +10,8 @@ import pytest
 from jaxgpt.generate import engine as engine_module
 from jaxgpt.generate import sampling
 from jaxgpt.generate.engine import Engine, Request
+from jaxgpt.generate.slots import chunk_program
+from jaxgpt.ops.platform import current_platform
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -64,22 +66,30 @@ def test_chunks_of_ragged_requests_give_each_its_tokens_alone_and_its_end():
     assert cases[5][1:] == (want_eot, ["length"])
 
 
-def test_only_the_busy_slots_decode_in_power_of_two_rows(monkeypatch):
-    rows: list[int] = []
-    chunk = engine_module.decode_chunk
+def spy_on_chunks(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments (rows, span, ...) of every decode chunk that engines made from now on dispatch."""
+    calls: list[dict] = []
+    chunk = chunk_program(current_platform())
 
     def spy(*args, **kwargs):
-        rows.append(kwargs["rows"])
+        calls.append(kwargs)
         return chunk(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "decode_chunk", spy)
+    monkeypatch.setattr(engine_module, "chunk_program", lambda _platform: spy)
+    return calls
+
+
+def test_only_the_busy_slots_decode_in_power_of_two_rows(monkeypatch):
+    calls = spy_on_chunks(monkeypatch)
     one, tokens, _ = collecting(PROMPTS[0], 7, temperature=0.0)
     run([one], slots=8, chunk=4)
+    rows = [c["rows"] for c in calls]
     assert tokens == alone(PROMPTS[0], 7) and set(rows) == {1} and len(rows) <= 3  # 2 chunks (+1 dispatched ahead)
-    rows.clear()
+    calls.clear()
     three = [collecting(p, 6, temperature=0.0) for p in PROMPTS[:3]]
     run([r for r, _, _ in three], slots=8, chunk=4)
-    assert max(rows) == 4 and all(t == alone(p, 6) for (_, t, _), p in zip(three, PROMPTS, strict=False))
+    assert max(c["rows"] for c in calls) == 4
+    assert all(t == alone(p, 6) for (_, t, _), p in zip(three, PROMPTS, strict=False))
 
 
 def test_chunks_attend_over_the_span_their_rows_fill_and_a_reused_slot_sees_none_of_its_past(monkeypatch):
@@ -87,22 +97,30 @@ def test_chunks_attend_over_the_span_their_rows_fill_and_a_reused_slot_sees_none
     requests that cross from one span into the next, and a short request in a slot a longer one had filled
     (the prefill writes only its prompt's positions), each get `generate`'s tokens for their prompt alone."""
     monkeypatch.setattr(sampling, "SHORTEST_CACHE", 8)  # spans 8, 16, 32, 64 on the 64-position test model
-    spans: list[tuple[int, int]] = []
-    chunk = engine_module.decode_chunk
-
-    def spy(*args, **kwargs):
-        spans.append((kwargs["rows"], kwargs["span"]))
-        return chunk(*args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "decode_chunk", spy)
+    calls = spy_on_chunks(monkeypatch)
     long_, short = PROMPTS[2], PROMPTS[1]  # 18 and 1 tokens
     cases = [collecting(long_, 40, temperature=1.0, seed=5), collecting(short, 20, temperature=0.0),
              collecting(short, 6, temperature=0.0)]  # the third takes the second's slot
     run([r for r, _, _ in cases], slots=2, chunk=4)
+    spans = [(c["rows"], c["span"]) for c in calls]
     assert {span for _, span in spans} == {32, 64}  # the long request crosses from one span into the next
     assert spans[0] == (2, 32)  # 18 + 4 positions of the long prompt, 1 + 4 of the short one
     want = [alone(long_, 40, 1.0, 5), alone(short, 20), alone(short, 6)]
     assert [tokens for _, tokens, _ in cases] == want
+
+
+def test_an_encoder_decoder_warms_up_the_spans_of_its_decoder_not_of_its_sources(monkeypatch):
+    """An encoder-decoder's decoder starts from bos whatever its source's length: `warm_up` compiles the spans
+    that max_new_tokens fill after that one position, not those after the longest source."""
+    from test_seq2seq_decoding import BOS, PAD, tiny
+    from test_seq2seq_decoding import random_params as encdec_params
+
+    monkeypatch.setattr(sampling, "SHORTEST_CACHE", 2)
+    calls = spy_on_chunks(monkeypatch)
+    cfg = tiny()  # sources of up to 9 tokens, a decoder context of 8
+    engine = Engine(encdec_params(cfg), cfg, slots=2, specials={"pad_id": PAD, "bos_id": BOS, "eos_id": 2})
+    engine.warm_up(prompt_lengths=[cfg.src_block_size], max_new_tokens=3)
+    assert {c["span"] for c in calls} == {2, 4}  # bos + 3 new tokens: 4 positions at most, never the whole context of 8
 
 
 def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
@@ -112,11 +130,11 @@ def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
     cases = [collecting(p, 5 + i, temperature=float(i % 2), seed=i, logprobs=False) for i, p in enumerate(PROMPTS)]
     engine = Engine(PARAMS, CFG, slots=4, chunk=3)
     engine.warm_up()
-    compiled = (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size())
+    compiled = (engine.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size())
     for r, _, _ in cases:
         engine.submit(r)
     engine.drain()
-    assert (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size()) == compiled
+    assert (engine.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size()) == compiled
     for i, (_, tokens, reasons) in enumerate(cases):
         assert (tokens, reasons) == (alone(PROMPTS[i], 5 + i, float(i % 2), i), ["length"])
 

@@ -30,6 +30,7 @@ from jaxgpt.commands.sample import MODEL_LOCATIONS, define_model, load_model
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import storage
 from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.ops.platform import keep_freed_memory
 from jaxgpt.tasks.pairs import PairText
 
 
@@ -71,6 +72,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
 
     if flags_.follow and flags_.workdir is None:
         raise UserError("--follow follows a training run's checkpoints: give it with --workdir")
+    keep_freed_memory()  # the engine's programs run over and over: their temporaries stay mapped on a CPU
     loaded, tokenizer = load_model(flags_)
     name = Path(flags_.workdir).name if flags_.workdir is not None else flags_.init_from or flags_.preset
     cfg, specials = loaded.model, loaded.meta.get("seq2seq")

@@ -63,7 +63,7 @@ from jaxgpt.generate.slots import (
     Needs,
     Picked,
     Setting,
-    decode_chunk,
+    chunk_program,
     empty_slots,
     encode_slot,
     move_slot,
@@ -71,6 +71,7 @@ from jaxgpt.generate.slots import (
 )
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.ops.decode import decoding_weights
+from jaxgpt.ops.platform import current_platform
 
 __all__ = ["TOP_LOGPROBS", "Engine", "Request", "check_request", "generate_many"]
 CHUNK = 8  # tokens a decode chunk gives each busy slot (fewer once they all end)
@@ -88,7 +89,8 @@ class Request:
     the prefill with (logprob, top) of prompt tokens 1.. (the first has no context); `logit_bias` maps token ids
     to what is added to their logits before each pick; `stop_ids` end the request like end-of-text (emitted,
     then done("stop")), whatever `ignore_eos` says. With `logprobs` False, emit's logprob is 0.0 and top empty,
-    which spares the decode their cost."""
+    which spares the decode their cost. `read` is called after the emits of each read of the device (a prefill's
+    first token, a chunk's tokens): a consumer on another thread can wake once per read, not once per token."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -103,6 +105,7 @@ class Request:
     stop_ids: Sequence[int] = ()
     logprobs: bool = True
     prompt_logprobs: Callable[[list[tuple[float, list[tuple[int, float]]]]], None] | None = None
+    read: Callable[[], None] = lambda: None
     version: str | None = None  # set when admitted: the engine's `version`, the weights that answer it
 
 
@@ -175,6 +178,7 @@ class Engine:
         self.unread: deque[tuple[Callable[..., None], Any, Any]] = deque()  # dispatched, not yet read: oldest first
         self.waiting: deque[Request] = deque()
         self.wake = threading.Condition()
+        self.decode_chunk = chunk_program(current_platform())
         self.stopping = False
 
     def warm_up(self, needs: Sequence[Needs] = WARM_NEEDS, prompt_lengths: Sequence[int] | None = None,
@@ -190,12 +194,13 @@ class Engine:
         limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
         model = self.cfg.model if self.specials is not None else self.cfg
         lengths = range(1, model.block_size + 1) if prompt_lengths is None else prompt_lengths
-        longest = self._span(max(lengths), max_new_tokens or model.block_size)
+        cached = 1 if self.specials is not None else max(lengths)  # an encoder-decoder's decoder starts at bos
+        longest = self._span(cached, max_new_tokens or model.block_size)
         spans = sorted({min(longest, self._span(1, 1) << i) for i in range(longest.bit_length())})
         for rows in sorted({min(self.n_slots, 1 << i) for i in range(self.n_slots.bit_length() + 1)}):
             for span, need in itertools.product(spans, needs):
-                self.state, _ = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
-                                               steps=self.chunk, needs=need, **limits)
+                self.state, _ = self.decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
+                                                  steps=self.chunk, needs=need, **limits)
         if self.specials is None:
             zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
                            np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool))
@@ -313,8 +318,9 @@ class Engine:
         for b in self.active[:rows]:
             if b is not None:
                 b.dispatched += self.chunk
-        self.state, out = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span, steps=self.chunk,
-                                       needs=needs, banned=self.banned, vocab_limit=self.vocab_limit)
+        self.state, out = self.decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
+                                            steps=self.chunk, needs=needs, banned=self.banned,
+                                            vocab_limit=self.vocab_limit)
         self.unread.append((self._take_chunk, self.active[:rows], out))
 
     def _span(self, start: int, new_tokens: int) -> int:
@@ -334,6 +340,7 @@ class Engine:
             self._retire(busy, "length")
         else:  # as a chunk of one row and one step
             self._give(busy, Picked(*(None if x is None else x[:, None] for x in first)), 0, 0)
+            r.read()
 
     def _take_chunk(self, rows: list[_Busy | None], out: Picked) -> None:
         """A chunk's tokens, row by row, to the requests that were in those rows when it was dispatched."""
@@ -342,6 +349,8 @@ class Engine:
             while busy is not None and not busy.finished and k < out.tok.shape[1] and out.tok[b, k] != NO_TOKEN:
                 self._give(busy, out, b, k)
                 k += 1
+            if k:
+                busy.request.read()
 
     def _give(self, busy: _Busy, out: Picked, b: int, k: int) -> None:
         """Token k of row b to its request (unless cancelled), and its end when that token ends it."""

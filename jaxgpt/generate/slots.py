@@ -5,9 +5,10 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
 * `prefill_slot` / `encode_slot`: a request's prompt (a GPT's, right-padded to a power-of-two bucket) or source
   (an encoder-decoder's) goes into one slot, and the request's first token is picked there, so the server can
   send it as soon as the prefill is done instead of one decode chunk later.
-* `decode_chunk`: up to `steps` tokens for the first `rows` slots (a power of two: the busy slots are kept at
-  the front, so one client decodes one row, not all of them), in one on-device loop, with no return to Python
-  between tokens, attending over the first `span` positions of their caches (a power of two that holds what
+* `decode_chunk` (compiled per platform by `chunk_program`): up to `steps` tokens for the first `rows` slots (a
+  power of two: the busy slots are kept at the front, so one client decodes one row, not all of them), in one
+  on-device loop, with no return to Python between tokens, attending over the first `span` positions of their
+  caches (a power of two that holds what
   they fill: a decode step reads its row's cache, which for short requests on a long context costs more than
   the weights when many rows decode). A slot stops advancing at its end (a token of its end set: end-of-text
   unless ignored, a stop id; or its last token); the loop stops early once every row has ended.
@@ -26,6 +27,7 @@ clients asked for no log-probabilities skips the log-softmax and top-k; each com
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -105,16 +107,17 @@ def row_noise(key_B: Array, step_B: Array, V: int) -> Array:
     return jax.vmap(lambda key, step: gumbel_noise(key, step, (1, V))[0])(key_B, step_B)
 
 
-def pick_rows(logits_BV: Array, gumbel_BV: Array | None, temperature_B: Array, top_p_B: Array, needs: Needs,
+def pick_rows(logits_BV: Array, gumbel_BV: Array | None, temperature_B: Array, top_p_B: Array, nucleus: bool,
               banned: int | None, vocab_limit: int | None) -> Array:
-    """`generate`'s choice for each row: greedy at temperature 0 (or without noise), top-p only below 1."""
+    """`generate`'s choice for each row: greedy at temperature 0 (or without noise), top-p only below 1 (with
+    `nucleus`: False when no row has a top_p below 1, which spares the sort)."""
     limits = {"banned": banned, "vocab_limit": vocab_limit}
     greedy_B = pick_tokens(logits_BV, None, **limits)
     if gumbel_BV is None:
         return greedy_B
     temperature_B1 = jnp.maximum(temperature_B, 1e-6)[:, None]
     tok_B = pick_tokens(logits_BV, gumbel_BV, temperature_B1, **limits)
-    if needs.nucleus:
+    if nucleus:
         nucleus_B = pick_tokens(logits_BV, gumbel_BV, temperature_B1, None, top_p_B[:, None], **limits)
         tok_B = jnp.where(top_p_B < 1, nucleus_B, tok_B)
     return jnp.where(temperature_B == 0, greedy_B, tok_B)
@@ -131,7 +134,7 @@ def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Ar
     """Put a prefilled request into slot `s` and pick its first token (step 0) from the prompt's last logits."""
     logits_1V = logits_V[None]
     noise_1V = row_noise(setting.key[None], jnp.zeros(1, jnp.int32), logits_V.shape[-1])
-    tok_1 = pick_rows(logits_1V + setting.bias_V, noise_1V, setting.temperature[None], setting.top_p[None], Needs(),
+    tok_1 = pick_rows(logits_1V + setting.bias_V, noise_1V, setting.temperature[None], setting.top_p[None], True,
                       banned, vocab_limit)
     lp_1, (top_lp_1K, top_id_1K) = logprobs(logits_1V, tok_1)
     done = (setting.max_new_tokens <= 1) | setting.end_V[tok_1[0]]
@@ -178,8 +181,20 @@ def move_slot(state: Slots, src: Array, dst: Array) -> Slots:
     return state._replace(done_S=state.done_S.at[src].set(True))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rows", "span", "steps", "needs", "banned", "vocab_limit"),
-                   donate_argnames=("state",))
+# XLA:CPU's YNNPACK fusions (on by default in jax 0.10-0.12) take the several-row products of a decode step; without
+# them a many-row step of the 6x6x384 and GPT-2-sized models was faster on the 2-core machines this was measured on
+# (a one-row step, which XLA sends to its GEMV either way, the same), so the engine compiles chunks without them.
+CPU_CHUNK_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def chunk_program(platform: str) -> Callable[..., tuple[Slots, Picked]]:
+    """`decode_chunk` compiled for `platform` (`jaxgpt.ops.platform.current_platform`): with CPU_CHUNK_OPTIONS on
+    CPUs, XLA's defaults elsewhere."""
+    return jax.jit(decode_chunk, static_argnames=("cfg", "rows", "span", "steps", "needs", "banned", "vocab_limit"),
+                   donate_argnames=("state",), compiler_options=CPU_CHUNK_OPTIONS if platform == "cpu" else None)
+
+
 def decode_chunk(params: Any, state: Slots, *, cfg: ModelConfig | Seq2SeqConfig, rows: int, span: int, steps: int,
                  needs: Needs, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
     """Up to `steps` tokens for each of the first `rows` slots, attending over the first `span` positions of
@@ -230,7 +245,7 @@ def _advance(params: Any, st: Slots, noise_BV: Array | None, *, cfg: ModelConfig
 
     logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory)
     tok_B = pick_rows(logits_BV + st.bias_SV if needs.bias else logits_BV, noise_BV, st.temperature_S, st.top_p_S,
-                      needs, banned, vocab_limit)
+                      needs.nucleus, banned, vocab_limit)
     live_B = ~st.done_S
     ends_B = jnp.take_along_axis(st.end_SV, tok_B[:, None], axis=1)[:, 0] | (st.left_S <= 1)
     step_B = live_B.astype(jnp.int32)

@@ -187,10 +187,9 @@ def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, i
                                          v_BKSD.astype(dtype), splash.padding_segments(visible_BTS, B))
         return y_BHTD.transpose(0, 2, 1, 3), None, cache
     if impl != "einsum":  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, K, D)
-        # One mask row for a batch of several under `causal` is exactly the causal triangle: say so (cuDNN then
-        # skips the masked tiles and computes no mask gradient); padding and packed documents need the explicit
-        # mask, and so does a batch of one row, whose one mask row may hold them.
-        plain_causal = causal and visible_BTS.shape[0] < B
+        # The plain causal triangle (`splash.plain_causal`): say so (cuDNN then skips the masked tiles and
+        # computes no mask gradient); padding and packed documents need the explicit mask.
+        plain_causal = causal and splash.plain_causal(visible_BTS, B)
         y_BTHD = jax.nn.dot_product_attention(
             q_BTHD, k_BKSD.transpose(0, 2, 1, 3), v_BKSD.transpose(0, 2, 1, 3),
             mask=None if plain_causal else visible_BTS[:, None], is_causal=plain_causal,

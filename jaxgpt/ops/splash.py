@@ -61,17 +61,23 @@ def splash_fits(B: int, H: int, T: int) -> bool:
     return B % _ways(spec[0], shape) == 0 and H % _ways(spec[1], shape) == 0
 
 
+def plain_causal(visible_BTS: Array, B: int) -> bool:
+    """Whether a causal visibility mask is the plain causal triangle: one mask row for a batch of several is (the
+    model builds its (1, T, S) mask only when no row has padding or packed documents). One row of a batch of one
+    may hold either, so it is read as it is."""
+    return visible_BTS.shape[0] < B
+
+
 def padding_segments(visible_BTS: Array, B: int) -> Array | None:
     """Splash segment ids from a causal visibility mask of a batch of B rows: 0 for real keys, a unique id per
     padding key.
 
-    A mask with one row for a batch of several is the plain causal one (no padding): None. Otherwise (one row
-    of a batch of one may hold padding) the last query sees every earlier real key, so its row lists which keys
-    are real. Real queries then see exactly the real keys of the einsum path; a padding query sees only itself
-    (the einsum path lets it see the real keys too), so outputs at padding positions differ, and nothing reads
-    those.
+    The plain causal mask (`plain_causal`): None. Otherwise the last query sees every earlier real key, so its
+    row lists which keys are real. Real queries then see exactly the real keys of the einsum path; a padding
+    query sees only itself (the einsum path lets it see the real keys too), so outputs at padding positions
+    differ, and nothing reads those.
     """
-    if visible_BTS.shape[0] < B:
+    if plain_causal(visible_BTS, B):
         return None
     T = visible_BTS.shape[-1]
     return jnp.where(visible_BTS[:, -1, :], 0, 1 + jnp.arange(T)).astype(jnp.int32)

@@ -300,10 +300,11 @@ def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_
     for ids in encoded:
         for j in range(body.n):
             choice = Choice(len(choices), tokenizer, stops, metrics, arrived)
-            put = Feed(loop, choice.queue).put
+            feed = Feed(loop, choice.queue)
+            put = feed.put
             choice.request = Request(
                 ids, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j, logit_bias=bias,
-                ignore_eos=body.ignore_eos, stop_ids=stop_ids, logprobs=logprobs,
+                ignore_eos=body.ignore_eos, stop_ids=stop_ids, logprobs=logprobs, read=feed.wake,
                 emit=lambda *a, put=put: put("token", a), done=lambda reason, put=put: put("done", reason),
                 prompt_logprobs=(lambda scored, put=put: put("prompt", scored)) if score_prompt else None)
             if score_prompt:

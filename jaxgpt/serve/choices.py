@@ -138,23 +138,34 @@ class EngineFailedError(Exception):
 
 class Feed:
     """A choice's engine events, put from the engine's thread, into its asyncio queue with one wake-up of the
-    event loop per batch: the engine hands over a decode chunk's tokens one after another, and waking the loop
-    for each (a write to its self-pipe and a hand-over of the GIL) would cost more than decoding the token."""
+    event loop per read of the device (`Request.read`; an end at once): the engine hands over a decode chunk's
+    tokens one after another, and waking the loop for each (a write to its self-pipe, a hand-over of the GIL, a
+    server-sent event, a client's parse) would cost more than decoding the token. So a stream's chunk carries
+    the text of the tokens one read brought, as vLLM's `stream_interval` does."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
         self.loop, self.queue, self.lock = loop, queue, threading.Lock()
         self.gathered: list[tuple[str, Any]] = []
+        self.waking = False  # a hand-over to the loop is scheduled and has not run yet
 
     def put(self, kind: str, value: Any) -> None:
         with self.lock:
             self.gathered.append((kind, value))
-            first = len(self.gathered) == 1
-        if first and not self.loop.is_closed():  # closed: the server has shut down, no one reads these events
+        if kind != "token":  # the prompt's scores or the end: nothing more of this read to wait for
+            self.wake()
+
+    def wake(self) -> None:
+        """Hand what was put to the event loop (once, however often it is called before that runs)."""
+        with self.lock:
+            if not self.gathered or self.waking:
+                return
+            self.waking = True
+        if not self.loop.is_closed():  # closed: the server has shut down, no one reads these events
             self.loop.call_soon_threadsafe(self._move)
 
     def _move(self) -> None:
         with self.lock:
-            gathered, self.gathered = self.gathered, []
+            gathered, self.gathered, self.waking = self.gathered, [], False
         for event in gathered:
             self.queue.put_nowait(event)
 

@@ -26,6 +26,7 @@ trains on the one loop:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -116,10 +117,12 @@ def _conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[s
             f"{len(numbered)} conversations from {c.data}")
 
 
-def _layout(rows: dict[str, np.ndarray], n_conversations: int) -> str:
-    """Rows, conversations per row and the fraction of inputs that are padding, for the description."""
-    n = len(rows["x"])
-    return f"{n} rows, {n_conversations / n:.2f} conversations per row, {np.mean(rows['segments'] == 0):.1%} padding"
+def _layout(row_lengths: Sequence[int], width: int, n_conversations: int) -> str:
+    """Rows (of `width` inputs, the ids of each row but its last), conversations per row and the fraction of
+    inputs that are padding, for the description."""
+    n = len(row_lengths)
+    padding = 1 - sum(min(length, width) for length in row_lengths) / (n * width)
+    return f"{n} rows, {n_conversations / n:.2f} conversations per row, {padding:.1%} padding"
 
 
 Fitted = tuple[Encoded, str, Conversation]  # a conversation's ids as they fit the context, its kind, its messages
@@ -205,11 +208,12 @@ class Chat:
         self.width = max(len(e.ids) for e, _, _ in kept) - 1
         self.batch_ndims = {"x": 2, "y": 2, "loss_mask": 2, "answer_mask": 2, **({"segments": 2} if pack else {})}
         rows = {split: to_rows([e for e, _, _ in items], self.width) for split, items in parts.items()}
-        train = [e for e, _, _ in parts["train"]]
-        packed = to_rows(train, self.width, pack_rows([len(e.ids) for e in train], self.width + 1))
+        lengths = [len(e.ids) for e, _, _ in parts["train"]]
+        plan = pack_rows(lengths, self.width + 1)
         keep = lambda r: {k: r[k] for k in self.batch_ndims}
         self.data = {split: keep(r) for split, r in rows.items()}  # one conversation per row: what evaluation scores
-        self.train = keep(packed if pack else rows["train"])  # what training samples
+        # what training samples
+        self.train = keep(to_rows([e for e, _, _ in parts["train"]], self.width, plan) if pack else rows["train"])
         self.kinds = {split: np.array([k for _, k, _ in items]) for split, items in parts.items()}
         n_train, n_val = len(parts["train"]), len(parts["val"])
         self.eval_idx = {"val": spread_indices(n_val, cfg.eval_batches * cfg.batch_size),
@@ -221,7 +225,8 @@ class Chat:
         self._description = (
             f"{description}: {n_train} train / {n_val} held-out conversations, rows of {self.width} tokens; "
             f"{cut} cut at a turn boundary and {dropped} dropped (longer than model.block_size={block_size})\n"
-            f"train rows, one conversation each: {_layout(rows['train'], n_train)}; packed: {_layout(packed, n_train)}"
+            f"train rows, one conversation each: {_layout(lengths, self.width, n_train)}; packed: "
+            f"{_layout([sum(lengths[i] for i in row) for row in plan], self.width, n_train)}"
             f" (config.chat.pack={pack}: training samples the {'packed' if pack else 'one-conversation'} rows)\n"
             f"{self.tokenizer.name} tokenizer + {len(SPECIAL_TOKENS)} chat tokens {list(SPECIAL_TOKENS)}"
             + (f"; vocabulary grown from {base_cfg.vocab_size} to {self.model_cfg.vocab_size}" if grown else ""))
