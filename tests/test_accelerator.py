@@ -7,19 +7,13 @@ cuDNN attention on NVIDIA GPUs, splash on TPUs, bf16 products on their matrix un
 float32 einsum path. Products of float32 operands run at precision "highest" (the `highest_precision`
 fixture): by default a GPU multiplies float32 in TF32 and a TPU in bf16 passes, which exact comparisons would
 read as errors. Checks that other files already make carry the marker there (see docs/accelerators.md).
-The last two tests, not marked, check device_check itself on this CPU (its --smoke run, and what that cannot
-reach), so that the command an accelerator host gets minutes for cannot rot between such hosts.
+tests/test_device_check.py checks device_check itself on this CPU.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -227,71 +221,3 @@ def test_two_devices_train_like_one(mesh: tuple[int, int, int], tiny: tuple[Trai
     two = _sharded_losses(tiny, layout.make_mesh(mesh, jax.devices()[:2]))
     np.testing.assert_allclose(two, one_device, rtol=0, atol=1e-5)
     assert two[-1] < two[0]
-
-
-@pytest.fixture(scope="module")
-def device_check() -> Iterator[ModuleType]:
-    """benchmarks/device_check.py as a module (its module level imports the standard library only)."""
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["device_check"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["device_check"]
-
-
-def test_device_check_falls_back_past_out_of_memory_and_counts_unfinished_pytest_runs(device_check: ModuleType
-                                                                                      ) -> None:
-    """What --smoke cannot reach on a CPU: the next smaller batch after XLA's or PyTorch's out-of-memory error
-    (any other error is the part's failure), and pytest's counts from its test lines when a timeout cut off its
-    closing line."""
-    def run(batch: int) -> str:
-        if batch > 16:
-            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes.")
-        if batch == 16:
-            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return f"ran {batch}"
-
-    batch, result, misses = device_check.largest_fitting(run, (64, 32, 16, 8, 4), cleanup=lambda: None)
-    assert (batch, result, len(misses)) == (8, "ran 8", 3) and "RESOURCE_EXHAUSTED" in misses[0]
-    with pytest.raises(ValueError):
-        device_check.largest_fitting(lambda b: int("x"), (2, 1))
-    with pytest.raises(RuntimeError, match="even batch 1"):
-        device_check.largest_fitting(lambda b: run(64), (2, 1), cleanup=lambda: None)
-    cut = "tests/test_a.py::test_x[1] PASSED  [ 10%]\ntests/test_a.py::test_y SKIPPED (no gpu) [ 20%]\n" \
-          "tests/test_b.py::test_z FAILED  [ 30%]\ntests/test_b.py::test_w "
-    assert device_check.pytest_counts(cut) == {"passed": 1, "skipped": 1, "failed": 1}
-    workers = "[gw1] [ 10%] PASSED tests/test_a.py::test_x[1] \n[gw0] [ 20%] SKIPPED tests/test_a.py::test_y \n" \
-              "[gw1] [ 30%] FAILED tests/test_b.py::test_z \n[gw0] [ 40%] PASSED tests/test_b.py::test_w \n"
-    assert device_check.pytest_counts(workers) == {"passed": 2, "skipped": 1, "failed": 1}
-    closing = cut + "\n===== 1 failed, 7 passed, 2 skipped, 1 error, 40 deselected in 12.50s (0:00:12) =====\n"
-    assert device_check.pytest_counts(closing) == {"failed": 1, "passed": 7, "skipped": 2, "error": 1,
-                                                   "deselected": 40}
-
-
-def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: ModuleType) -> None:
-    """`benchmarks/device_check.py --smoke`: a row for every part in its JSON, each passed; PyTorch's parts are
-    skipped, with the reason, only where torch (or transformers) is not installed."""
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke", "--variants",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=570, cwd=ROOT)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    parts = result["parts"]
-    missing = {name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None}
-    may_skip = ({"torch_train"} if "torch" in missing else set()) | ({"hf_generate"} if missing else set())
-    assert list(parts) == list(device_check.PARTS)
-    for name, part in parts.items():
-        expected = {"ok", "skipped"} if name in may_skip else {"ok"}
-        assert part["status"] in expected, (name, part.get("error"), part["log_tail"][-15:])
-        assert part["status"] == "ok" or "not installed" in part["error"]
-        assert Path(part["log"]).is_file()
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert parts["tests"]["metrics"]["passed"] >= 4 and not parts["tests"]["metrics"].get("failed")  # 2 devices ran
-    assert parts["train"]["metrics"]["tokens_per_s"] > 0 and parts["serve"]["metrics"]["clients4_tokens_per_s"] > 0
-    profile = parts["train"]["details"]["profile"]
-    assert profile["top_ops"] and profile["device_busy_ms_per_step"] > 0
-    assert parts["train"]["metrics"]["optimizer_s"] > 0
-    # PyTorch's ratios where it runs; the flags' and the two other loss chunks' to the recipe, many clients' to one
-    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2) + 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -456,3 +457,18 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
     assert hf_command.main([*export, "--which", "best"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert asked == [(f"workdir:{tmp_path / 'run'}", "latest"), (f"workdir:{tmp_path / 'run'}", "best")]
+
+
+@needs_torch
+def test_device_check_runs_the_pytorch_parts_at_smoke_shapes(tmp_path):
+    """benchmarks/device_check.py's PyTorch parts (the torch.compile baseline of training, transformers'
+    generate), at --smoke's shapes: here, where torch is installed; tests/test_device_check.py smokes the rest."""
+    out = tmp_path / "check.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "device_check.py"), "--smoke",
+                           "--parts", "torch_train,hf_generate", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = json.loads(out.read_text())["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == {"torch_train": "ok", "hf_generate": "ok"}, parts
+    assert parts["torch_train"]["metrics"]["tokens_per_s"] > 0 and parts["hf_generate"]["summary"]

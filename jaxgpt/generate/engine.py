@@ -171,7 +171,7 @@ class Engine:
             self.params, self.cfg = decoding_weights(params, cfg, None, output_major=False)
             model, self.specials = self.cfg, None
             self._empty = lambda: empty_slots(cfg, slots)
-        self.given_cfg = cfg  # what `swap`'s weights are laid out for
+        self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
         self.banned, self.vocab_size = model.pad_id, model.vocab_size
         self.state = self._empty()
         self.active: list[_Busy | None] = [None] * slots  # the busy slots come first
@@ -192,10 +192,8 @@ class Engine:
         once, and the slot the prefills wrote is freed again."""
         t = time.perf_counter()
         limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
-        model = self.cfg.model if self.specials is not None else self.cfg
-        lengths = range(1, model.block_size + 1) if prompt_lengths is None else prompt_lengths
-        cached = 1 if self.specials is not None else max(lengths)  # an encoder-decoder's decoder starts at bos
-        longest = self._span(cached, max_new_tokens or model.block_size)
+        lengths = range(1, self.decoder.block_size + 1) if prompt_lengths is None else prompt_lengths
+        longest = self._span(max(map(self._cached, lengths)), max_new_tokens or self.decoder.block_size)
         spans = sorted({min(longest, self._span(1, 1) << i) for i in range(longest.bit_length())})
         for rows in sorted({min(self.n_slots, 1 << i) for i in range(self.n_slots.bit_length() + 1)}):
             for span, need in itertools.product(spans, needs):
@@ -303,7 +301,7 @@ class Engine:
             self.state, first, scored = prefill_slot(self.params, self.state, np.int32(s), prompt_1P, np.int32(T),
                                                      setting, cfg=self.cfg, score=r.prompt_logprobs is not None,
                                                      **limits)
-        self.active[s], r.version = _Busy(r, s, ends, 1 if self.specials is not None else T), self.version
+        self.active[s], r.version = _Busy(r, s, ends, self._cached(T)), self.version
         self.unread.append((self._take_first, self.active[s], (first, scored)))
 
     def _step(self) -> None:
@@ -327,7 +325,12 @@ class Engine:
         """The cache positions a chunk attends over for a request with `start` positions cached and up to
         `new_tokens` picked by the end of the chunk: `cache_slots`'s power of two, so that short requests read a
         short prefix of the cache (its reads grow with the span, not with block_size) with a few programs."""
-        return cache_slots(self.cfg.model if self.specials is not None else self.cfg, start, new_tokens)
+        return cache_slots(self.decoder, start, new_tokens)
+
+    def _cached(self, prompt_length: int) -> int:
+        """The cache positions a request's prefill fills: its prompt, or an encoder-decoder's bos (the source
+        lives in the encoder's memory, not in the decoder's cache)."""
+        return 1 if self.specials is not None else prompt_length
 
     def _take_first(self, busy: _Busy, out: tuple[Picked, Any]) -> None:
         """A prefill's results: the prompt's log-probabilities when asked for, and the first token."""

@@ -8,10 +8,10 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
 * `decode_chunk` (compiled per platform by `chunk_program`): up to `steps` tokens for the first `rows` slots (a
   power of two: the busy slots are kept at the front, so one client decodes one row, not all of them), in one
   on-device loop, with no return to Python between tokens, attending over the first `span` positions of their
-  caches (a power of two that holds what
-  they fill: a decode step reads its row's cache, which for short requests on a long context costs more than
-  the weights when many rows decode). A slot stops advancing at its end (a token of its end set: end-of-text
-  unless ignored, a stop id; or its last token); the loop stops early once every row has ended.
+  caches (a power of two that holds what they fill: a decode step reads its row's cache, which for short
+  requests on a long context costs more than the weights when many rows decode). A slot stops advancing at its
+  end (a token of its end set: end-of-text unless ignored, a stop id; or its last token); the loop stops early
+  once every row has ended.
 * `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front.
 
 A slot holds the token it picked last, not yet fed to the model: a decode step feeds it at the slot's length and

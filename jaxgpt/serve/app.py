@@ -301,12 +301,10 @@ def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_
         for j in range(body.n):
             choice = Choice(len(choices), tokenizer, stops, metrics, arrived)
             feed = Feed(loop, choice.queue)
-            put = feed.put
             choice.request = Request(
                 ids, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j, logit_bias=bias,
-                ignore_eos=body.ignore_eos, stop_ids=stop_ids, logprobs=logprobs, read=feed.wake,
-                emit=lambda *a, put=put: put("token", a), done=lambda reason, put=put: put("done", reason),
-                prompt_logprobs=(lambda scored, put=put: put("prompt", scored)) if score_prompt else None)
+                ignore_eos=body.ignore_eos, stop_ids=stop_ids, logprobs=logprobs, read=feed.wake, emit=feed.token,
+                done=feed.done, prompt_logprobs=feed.prompt if score_prompt else None)
             if score_prompt:
                 choice.prompt_ids = ids
             choices.append(choice)

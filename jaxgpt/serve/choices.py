@@ -148,11 +148,23 @@ class Feed:
         self.gathered: list[tuple[str, Any]] = []
         self.waking = False  # a hand-over to the loop is scheduled and has not run yet
 
-    def put(self, kind: str, value: Any) -> None:
+    def token(self, *picked: Any) -> None:
+        """`Request.emit`: gathered until the read that brought it is over."""
+        with self.lock:
+            self.gathered.append(("token", picked))
+
+    def prompt(self, scored: Any) -> None:
+        """`Request.prompt_logprobs`: handed over at once."""
+        self._put_and_wake("prompt", scored)
+
+    def done(self, reason: str) -> None:
+        """`Request.done`: handed over at once, nothing more of this choice will come."""
+        self._put_and_wake("done", reason)
+
+    def _put_and_wake(self, kind: str, value: Any) -> None:
         with self.lock:
             self.gathered.append((kind, value))
-        if kind != "token":  # the prompt's scores or the end: nothing more of this read to wait for
-            self.wake()
+        self.wake()
 
     def wake(self) -> None:
         """Hand what was put to the event loop (once, however often it is called before that runs)."""
