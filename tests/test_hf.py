@@ -461,8 +461,9 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
 
 @needs_torch
 def test_device_check_runs_the_pytorch_parts_at_smoke_shapes(tmp_path):
-    """benchmarks/device_check.py's PyTorch parts (the torch.compile baseline of training, transformers'
-    generate), at --smoke's shapes: here, where torch is installed; tests/test_device_check.py smokes the rest."""
+    """benchmarks/device_check.py's PyTorch parts (the PyTorch training baseline, eager under --smoke, and
+    transformers' generate), at --smoke's shapes: here, where torch is installed; tests/test_device_check.py
+    smokes the rest."""
     out = tmp_path / "check.json"
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "device_check.py"), "--smoke",
