@@ -9,15 +9,17 @@ padded `generate`.
 Part 1: the app (`jaxgpt.serve.app`, 16 slots) on 127.0.0.1 with random weights of the quick start's model
 (configs/stdlib_char.py: 4 layers x 4 heads x 128 wide, 256 characters of context) and of the 6 x 6 x 384 one,
 driven by N client threads of the official `openai` client in a process of their own, each streaming --requests
-completions (prompts of 8-64 characters, 64 new tokens, temperature 1, stream_options.include_usage) one after
-another. First, `generate` alone (`jaxgpt.generate.sampling.generate`, what `sample.py` runs) on the same prompts
-one after another: its tokens/s, prefill included, is what one client could get with no server at all. Then the
-engine alone (its loop in this process, no HTTP) on the same kind of requests, one at a time and 16 at once: the
-most the server can reach on this machine, so the clients' ratios below show what HTTP costs. Printed per N:
-aggregate completion tokens/s over the wall time, that over one client's and over `generate` alone's, and the
-p50 / p99 of time to first token (request sent to first text chunk) and of inter-token latency (between the
-chunks of one stream, divided by the tokens each brought). Targets (issue 36): one client >= 0.6x `generate`
-alone, 16 clients >= 8x one client.
+completions (prompts of 8-64 random characters, sent as token ids; 64 new tokens, temperature 1,
+stream_options.include_usage with vLLM's continuous_usage_stats, which says how many tokens each chunk holds)
+one after another. First, `generate` alone (`jaxgpt.generate.sampling.generate`, what `sample.py` runs) on such
+prompts one after another: its tokens/s, prefill included, is what one client could get with no server at all.
+Then the engine alone (its loop in this process, no HTTP) on the same kind of requests, one at a time and 16 at
+once: the most the server can reach on this machine, so the clients' ratios below show what HTTP costs. Printed
+per N: aggregate completion tokens/s over the wall time, that over one client's and over `generate` alone's,
+and the p50 / p99 of time to first token (request sent to the first chunk with tokens) and of inter-token
+latency (between the chunks of one stream, divided by the tokens each brought). Targets (issue 36): one client
+>= 0.6x `generate` alone, 16 clients >= 8x one client. benchmarks/device_check.py runs this part (`measure`)
+on an accelerator with GPT-2 124M's shapes and 1, 16 and 64 clients.
 Part 2: 32 ragged prompts, 48 greedy new tokens each, through `engine.generate_many` (what `sample.py
 --prompt_file` runs) with 16 slots, and through transformers' `generate` on the same weights exported with
 `save_hf`, left-padded in batches of 16 with an attention mask; tokens/s of each and how many rows agree.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import sys
@@ -44,9 +47,10 @@ import jax  # noqa: E402
 import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
-from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
+from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer  # noqa: E402
 from jaxgpt.generate.engine import Engine, Request, generate_many  # noqa: E402
 from jaxgpt.generate.sampling import generate  # noqa: E402
+from jaxgpt.generate.slots import Needs  # noqa: E402
 from jaxgpt.model.config import ModelConfig  # noqa: E402
 from jaxgpt.model.gpt import init_params  # noqa: E402
 from jaxgpt.ops.platform import keep_freed_memory  # noqa: E402
@@ -56,8 +60,24 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tests_helpers import free_port  # noqa: E402
 
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # a sorted character vocabulary of 96
-NEW_TOKENS = 64
-PROMPT_CHARS = (8, 64)  # the shortest and longest prompt
+SAMPLED = Needs(bias=False, noise=True, nucleus=False, scores=False)  # what every request here asks for
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The requests of one measurement: prompts of token ids (lengths in `lengths`, ids below `vocab`), each
+    sampled at temperature 1 for `new_tokens` tokens, `requests` one after another per client."""
+
+    lengths: tuple[int, int] = (8, 64)  # the shortest and longest prompt
+    vocab: int = len(CHARS)
+    new_tokens: int = 64
+    clients: tuple[int, ...] = (1, 4, 16)
+    requests: int = 4
+
+    def prompts(self, n: int, seed: int) -> list[list[int]]:
+        rng = np.random.default_rng(seed)
+        return [rng.integers(0, self.vocab, int(k)).tolist()
+                for k in rng.integers(self.lengths[0], self.lengths[1] + 1, n)]
 
 
 def models() -> dict[str, ModelConfig]:
@@ -70,36 +90,28 @@ def models() -> dict[str, ModelConfig]:
             "6x6x384": ModelConfig(vocab_size=len(CHARS), block_size=256, n_layer=6, n_head=6, n_embd=384)}
 
 
-def warmed_engine(cfg: ModelConfig, params: dict) -> Engine:
-    engine = Engine(params, cfg, slots=16, max_waiting=256)
-    # every row count's and span's chunk, and every prompt bucket, of the requests `load` sends
-    engine.warm_up(prompt_lengths=range(PROMPT_CHARS[0], PROMPT_CHARS[1] + 1), max_new_tokens=NEW_TOKENS)
-    return engine
-
-
-def serve(engine: Engine) -> tuple[uvicorn.Server, int]:
+def serve(engine: Engine, tokenizer: Tokenizer) -> tuple[uvicorn.Server, int]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, CharTokenizer(CHARS), "m"), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "m"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
     return server, port
 
 
-def engine_alone(engine: Engine, at_once: int, requests: int, seed: int) -> float:
-    """Tokens/s of the engine itself (no HTTP, its loop in this thread) on `at_once` * `requests` of the
-    clients' requests, `at_once` decoding together: what the server could give that many clients at most."""
-    prompts = [CharTokenizer(CHARS).encode(p) for p in prompts_for(at_once * requests, np.random.default_rng(seed))]
+def engine_alone(engine: Engine, prompts: list[list[int]], at_once: int, new_tokens: int) -> float:
+    """Tokens/s of the engine itself (no HTTP, its loop in this thread) on `prompts`, `at_once` decoding together:
+    what the server could give that many clients at most."""
     t = time.perf_counter()
     for start in range(0, len(prompts), at_once):
         for i, p in enumerate(prompts[start:start + at_once], start):
-            engine.submit(Request(p, NEW_TOKENS, emit=lambda *_: None, done=lambda _: None, temperature=1.0, seed=i,
-                                  logprobs=False, ignore_eos=True))
+            engine.submit(Request(p, new_tokens, emit=lambda *_: None, done=lambda _: None, temperature=1.0, seed=i,
+                                  logprobs=False))
         if at_once == 1:  # one client: the next request once this one has ended
             engine.drain()
     engine.drain()  # many: the queue refills each slot as it frees, as clients that send again at once would
-    return NEW_TOKENS * len(prompts) / (time.perf_counter() - t)
+    return new_tokens * len(prompts) / (time.perf_counter() - t)
 
 
 class Load:
@@ -111,37 +123,35 @@ class Load:
         self.gap_p50, self.gap_p99 = np.percentile(gaps, [50, 99]) if gaps else (float("nan"), float("nan"))
 
 
-def prompts_for(n: int, rng: np.random.Generator) -> list[str]:
-    return ["".join(rng.choice(list(CHARS[1:]), int(k))) for k in rng.integers(PROMPT_CHARS[0], PROMPT_CHARS[1] + 1, n)]
-
-
-def load(port: int, clients: int, requests: int, seed: int) -> Load:
-    """Stream `requests` completions from each of `clients` threads, one after another, timing every chunk. Run in
-    a process of its own (`part1`), as clients are: their parsing then holds no lock the server needs."""
+def load(port: int, clients: int, prompts: list[list[int]], new_tokens: int) -> Load:
+    """Stream a completion of each of `prompts` (seed: its index), `clients` threads sending theirs one after
+    another, timing every chunk. Run in a process of its own (`measure`), as clients are: their parsing then
+    holds no lock the server needs. vLLM's continuous_usage_stats says how many tokens each chunk brought."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-    prompts = prompts_for(clients * requests, np.random.default_rng(seed))
+    requests = len(prompts) // clients
 
     def one_request(i: int) -> tuple[int, float, list[float]]:
         """(completion tokens, time to first token, inter-token latencies) of request i."""
         sent = time.perf_counter()
         last, first, gaps, tokens = None, 0.0, [], 0
-        for chunk in client.completions.create(model="m", prompt=prompts[i], max_tokens=NEW_TOKENS, temperature=1.0,
-                                               seed=i, stream=True, stream_options={"include_usage": True}):
+        for chunk in client.completions.create(
+                model="m", prompt=prompts[i], max_tokens=new_tokens, temperature=1.0, seed=i, stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True}):
             now = time.perf_counter()
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-            if not chunk.choices or not chunk.choices[0].text:
+            brought, tokens = chunk.usage.completion_tokens - tokens, chunk.usage.completion_tokens
+            if not chunk.choices or not brought:  # the usage's own chunk; a finish without new tokens
                 continue
             if last is None:
                 first = now - sent
-            else:  # a chunk's text is one token here (characters), unless the server sent several at once
-                gaps += [(now - last) / len(chunk.choices[0].text)] * len(chunk.choices[0].text)
+            else:  # a chunk brings the tokens of one read of the device (8 per chunk decoded)
+                gaps += [(now - last) / brought] * brought
             last = now
         return tokens, first, gaps
 
     def one_client(c: int) -> list[tuple[int, float, list[float]]]:
         return [one_request(c * requests + i) for i in range(requests)]
 
+    client.completions.create(model="m", prompt=prompts[0], max_tokens=1)  # untimed: the client's lazy imports
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         results = [r for rows in pool.map(one_client, range(clients)) for r in rows]
@@ -149,43 +159,74 @@ def load(port: int, clients: int, requests: int, seed: int) -> Load:
     return Load(sum(t for t, _, _ in results), wall, [f for _, f, _ in results], [g for *_, gs in results for g in gs])
 
 
-def alone(cfg: ModelConfig, params: dict, requests: int, rng: np.random.Generator) -> float:
-    """Tokens/s of `generate` alone on prompts like the clients', one after another (compiled first)."""
-    prompts = [CharTokenizer(CHARS).encode(p) for p in prompts_for(requests, rng)]
-    run = lambda i, p: generate(params, cfg, p, max_new_tokens=NEW_TOKENS, key=i, temperature=1.0)
+def alone(cfg: ModelConfig, params: dict, prompts: list[list[int]], new_tokens: int) -> float:
+    """Tokens/s of `generate` alone on `prompts`, one after another (compiled first): what one client could get
+    with no server at all."""
+    run = lambda i, p: generate(params, cfg, p, max_new_tokens=new_tokens, key=i, temperature=1.0)
     for i, p in enumerate(prompts):  # one compile per prompt length
         run(i, p)
     t = time.perf_counter()
     for i, p in enumerate(prompts):
         run(i, p)
-    return NEW_TOKENS * len(prompts) / (time.perf_counter() - t)
+    return new_tokens * len(prompts) / (time.perf_counter() - t)
+
+
+def measure(name: str, cfg: ModelConfig, params: dict, tokenizer: Tokenizer, work: Workload, slots: int
+            ) -> dict[str, float]:
+    """Part 1 for one model, printed as it goes; every number, by name (benchmarks/device_check.py's serve part
+    records them)."""
+    engine = Engine(params, cfg, slots=slots, max_waiting=max(work.clients) * work.requests,
+                    vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None)
+    # every row count's and span's chunk, and every prompt bucket, of the requests `load` sends
+    got = {"warm_up_s": engine.warm_up([SAMPLED], range(work.lengths[0], work.lengths[1] + 1), work.new_tokens)}
+    base = got["generate_tokens_per_s"] = alone(cfg, params, work.prompts(16, seed=1), work.new_tokens)
+    print(f"{name}: generate alone {base:,.0f} tokens/s (batch 1, {work.new_tokens} new tokens, prefill included)",
+          flush=True)
+    many = max(work.clients)
+    solo = got["engine1_tokens_per_s"] = engine_alone(engine, work.prompts(work.requests, 2), 1, work.new_tokens)
+    most = got[f"engine{many}_tokens_per_s"] = engine_alone(engine, work.prompts(many * work.requests, 3), many,
+                                                            work.new_tokens)
+    print(f"{name}: the engine alone (no HTTP) {solo:,.0f} tokens/s one request at a time ({solo / base:.2f}x "
+          f"generate), {most:,.0f} with {many} at once ({most / solo:.2f}x): the most the server can reach here")
+    server, port = serve(engine, tokenizer)
+    print(f"{'clients':>8}{'tokens/s':>11}{'x 1 client':>12}{'x generate':>12}{'TTFT p50':>10}{'p99 s':>8}"
+          f"{'ITL p50':>10}{'p99 ms':>8}", flush=True)
+    try:
+        for clients in work.clients:
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as proc:
+                one = proc.submit(load, port, clients, work.prompts(clients * work.requests, clients),
+                                  work.new_tokens).result()
+            got.update({f"clients{clients}_tokens_per_s": one.rate, f"clients{clients}_ttft_p50_s": one.first_p50,
+                        f"clients{clients}_ttft_p99_s": one.first_p99, f"clients{clients}_itl_p50_s": one.gap_p50,
+                        f"clients{clients}_itl_p99_s": one.gap_p99})
+            ratio = one.rate / got[f"clients{min(work.clients)}_tokens_per_s"]
+            print(f"{clients:>8}{one.rate:>11,.0f}{ratio:>11.2f}x{one.rate / base:>11.2f}x{one.first_p50:>10.3f}"
+                  f"{one.first_p99:>8.3f}{one.gap_p50 * 1e3:>10.2f}{one.gap_p99 * 1e3:>8.2f}", flush=True)
+    finally:
+        server.should_exit = True
+    for line in targets(got):
+        print(f"{name}: {line}")
+    return got
+
+
+def targets(got: dict[str, float]) -> list[str]:
+    """Issue 36's targets (one client >= 0.6x `generate` alone, 16 clients >= 8x one), and issue 35's (64 clients
+    >= 10x one), for the loads measured."""
+    rate = lambda n: got.get(f"clients{n}_tokens_per_s")
+    lines = []
+    if rate(1):
+        lines.append(f"one client {rate(1) / got['generate_tokens_per_s']:.2f}x generate alone (target >= 0.6x)")
+    for n, target in ((16, 8), (64, 10)):
+        if rate(1) and rate(n):
+            lines.append(f"{n} clients {rate(n) / rate(1):.2f}x one client (target >= {target}x)")
+    return lines
 
 
 def part1(args: argparse.Namespace) -> None:
     keep_freed_memory()  # as `jaxgpt serve` does
-    names = list(models().items())[:1 if args.quick else None]
-    for name, cfg in names:
-        params = init_params(cfg, jax.random.key(0))
-        engine = warmed_engine(cfg, params)
-        base = alone(cfg, params, 16, np.random.default_rng(1))
-        print(f"{name}: generate alone {base:,.0f} tokens/s (batch 1, 64 new tokens, prefill included)")
-        solo, many = (engine_alone(engine, n, args.requests, seed=n) for n in (1, 16))
-        print(f"{name}: the engine alone (no HTTP) {solo:,.0f} tokens/s one request at a time ({solo / base:.2f}x "
-              f"generate), {many:,.0f} with 16 at once ({many / solo:.2f}x): the most the server can reach here")
-        server, port = serve(engine)
-        print(f"{'clients':>8}{'tokens/s':>11}{'x 1 client':>12}{'x generate':>12}{'TTFT p50':>10}{'p99 s':>8}"
-              f"{'ITL p50':>10}{'p99 ms':>8}")
-        one = None
-        for clients in (1, 4, 16):
-            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as proc:
-                got = proc.submit(load, port, clients, args.requests, clients).result()
-            one = one or got
-            print(f"{clients:>8}{got.rate:>11,.0f}{got.rate / one.rate:>11.2f}x{got.rate / base:>11.2f}x"
-                  f"{got.first_p50:>10.3f}{got.first_p99:>8.3f}{got.gap_p50 * 1e3:>10.2f}{got.gap_p99 * 1e3:>8.2f}")
-        print(f"{name}: one client {one.rate / base:.2f}x generate alone (target >= 0.6x: "
-              f"{'meets' if one.rate >= 0.6 * base else 'misses'}); 16 clients {got.rate / one.rate:.2f}x one "
-              f"client (target >= 8x: {'meets' if got.rate >= 8 * one.rate else 'misses'})")
-        server.should_exit = True
+    for name, cfg in list(models().items())[:1 if args.quick else None]:
+        measure(name, cfg, init_params(cfg, jax.random.key(0)), CharTokenizer(CHARS),
+                Workload(requests=args.requests), slots=16)
 
 
 def part2() -> None:

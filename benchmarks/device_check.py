@@ -11,17 +11,18 @@ Each part runs in a subprocess of its own under its own time limit, inside a bud
 one-line error and the tail of its log, and the next part runs. The parent process never imports JAX, so it
 holds no device memory and every part has the whole device to itself.
 
-Parts (docs/accelerators.md describes each): env (devices, versions, CUDA/cuDNN or TPU runtime, memory,
-missing imports); tests (`pytest -m accelerator tests/`); train (GPT-2 124M as configs/gpt2_124m.py trains
-it, through bench_train's real train step, at the largest per-device batch that fits: tokens/s, MFU; then
-where the step's time goes (benchmarks/profile_summary.py: top ops, attention/matmul/other, host gaps), the
-optimizer's update alone, and with --variants the step with other loss chunks); train_flags (the
-recipe again under TRAIN_XLA_FLAGS, a candidate default for GPUs); torch_train (the same model in PyTorch:
-torch.compile, flash SDPA, bf16 autocast); generate and hf_generate (cached greedy generation at batch 1 and
-64, jaxgpt's and transformers'); serve (the continuous-batching engine under 1 and 64 concurrent clients,
-driven in process rather than over HTTP, so that the host needs no FastAPI: benchmarks/bench_serve.py
-measures the app). The table ends with the ratios: jaxgpt's to PyTorch's, the variants' to the recipe's,
-many clients' to one's.
+Parts, in the order they run (docs/accelerators.md describes each): env (devices, versions, CUDA/cuDNN or TPU
+runtime, memory, missing imports); tests (`pytest -m accelerator tests/`); train (GPT-2 124M as
+configs/gpt2_124m.py trains it, through bench_train's real train step, at the largest per-device batch that
+fits: tokens/s, MFU; then where the step's time goes (benchmarks/profile_summary.py: top ops,
+attention/matmul/other, host gaps), the optimizer's update alone, and with --variants the step with other loss
+chunks); torch_train (the same model in PyTorch: torch.compile, flash SDPA, bf16 autocast); generate and
+hf_generate (cached greedy generation at batch 1 and 64, jaxgpt's and transformers'); serve (`jaxgpt serve`'s
+app under 1, 16 and 64 streaming clients of the openai client, against `generate` alone and the engine alone:
+benchmarks/bench_serve.py's part 1; the host needs the serving wheels, docs/accelerators.md); train_flags (the
+recipe again under TRAIN_XLA_FLAGS, a candidate default for GPUs: last, as the budget's first casualty). The
+table ends with the ratios: jaxgpt's to PyTorch's, the variants' to the recipe's, one client's to `generate`
+alone's, many clients' to one's.
 
 --smoke runs every part on the CPU at tiny shapes (a 2-layer model, 64 positions, a few steps and small
 batches); PyTorch's parts are skipped with the reason where torch is not installed, torch.compile is left out
@@ -47,23 +48,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # jaxgpt and configs/ from the checkout, installed or not
 
-PARTS = ("env", "tests", "train", "train_flags", "torch_train", "generate", "hf_generate", "serve")
+PARTS = ("env", "tests", "train", "torch_train", "generate", "hf_generate", "serve", "train_flags")
 # train_flags: the train part again, under XLA flags that may speed a GPU step (a variant to measure, not a
 # default): kernels launched one by one instead of as CUDA graphs (command buffers), which XLA updates whenever
 # a buffer they read moved. (cuBLAS for every product, --xla_gpu_enable_triton_gemm=false, measured 0.99x.)
 TRAIN_XLA_FLAGS = "--xla_gpu_enable_command_buffer="
 # jaxgpt's imports that accelerator images often lack (docs/accelerators.md lists what must travel as wheels)
-OFTEN_MISSING = ("ml_collections", "tensorboardX", "torch", "transformers", "fastapi", "uvicorn", "pydantic")
+OFTEN_MISSING = ("ml_collections", "tensorboardX", "torch", "transformers", "fastapi", "uvicorn", "pydantic",
+                 "openai")
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu", "flax", "optax", "orbax-checkpoint",
             "numpy", "tiktoken", "torch", "transformers", "ml_collections", "tensorboardX")
 
@@ -93,10 +93,10 @@ class Shapes:
 
 
 FULL = Shapes(model={}, loss_chunk=None, batches=(64, 32, 16, 8, 4), steps=10, prompt_len=16, new_tokens=256,
-              serve_tokens=64, gen_batches=(1, 64), clients=(1, 64), requests=4, compile_torch=True,
+              serve_tokens=64, gen_batches=(1, 64), clients=(1, 16, 64), requests=4, compile_torch=True,
               tests=("tests/",), test_workers=6, profile_steps=3, loss_chunks=(0, 512), cpu_devices=0, budget=540,
               limits=dict(env=60, tests=150, train=150, train_flags=75, torch_train=150, generate=90,
-                          hf_generate=90, serve=120))
+                          hf_generate=90, serve=210))
 SMOKE = Shapes(model=dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64), loss_chunk=16,
                batches=(8, 4), steps=2, prompt_len=8, new_tokens=8, serve_tokens=8, gen_batches=(1, 4),
                clients=(1, 4), requests=2, compile_torch=False,
@@ -485,86 +485,33 @@ def part_hf_generate(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]
             "details": {"transformers": sys.modules["transformers"].__version__, "device": device}}
 
 
-def drive(engine: Any, cfg: Any, clients: int, shapes: Shapes, new_tokens: int, seed: int
-          ) -> tuple[float, list[float]]:
-    """(aggregate tokens/s, request latencies) of `clients` threads, each submitting `shapes.requests` requests
-    one after another and waiting for each to finish, as a chat client does (temperature 1, a seed each)."""
-    import numpy as np
-
-    from jaxgpt.generate.engine import Request
-
-    prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, (clients * shapes.requests, shapes.prompt_len))
-
-    def one_request(i: int) -> int:
-        """Submit request i, wait for it to finish, check it gave every token; its token count."""
-        got: list[int] = []
-        reasons: list[str] = []
-        finished = threading.Event()
-
-        def done(reason: str) -> None:
-            reasons.append(reason)
-            finished.set()
-
-        request = Request(prompts[i].tolist(), new_tokens, emit=lambda token, *_: got.append(token), done=done,
-                          seed=seed + i, logprobs=False)  # a chat client asks for no log-probabilities
-        while not engine.submit(request):  # the queue is full: retry, as a client retries a 429
-            time.sleep(0.001)
-        finished.wait()
-        if reasons != ["length"] or len(got) != new_tokens:
-            raise RuntimeError(f"request {i} ended {reasons} after {len(got)} of {new_tokens} tokens")
-        return len(got)
-
-    def one_client(c: int) -> tuple[int, list[float]]:
-        tokens, latencies = 0, []
-        for i in range(c * shapes.requests, (c + 1) * shapes.requests):
-            t = time.perf_counter()
-            tokens += one_request(i)
-            latencies.append(time.perf_counter() - t)
-        return tokens, latencies
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(one_client, range(clients)))
-    return sum(t for t, _ in results) / (time.perf_counter() - t0), [x for _, lat in results for x in lat]
-
-
 def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
-    """The engine (one slot per client of the largest load) under 1 and under many concurrent clients."""
+    """`jaxgpt serve`'s app on 127.0.0.1 (one slot per client of the largest load) with GPT-2's tokenizer, under
+    1 to many streaming clients of the openai client, against `generate` alone and the engine alone:
+    benchmarks/bench_serve.py's part 1 (`measure`) at this run's shapes."""
     import jax
-    import numpy as np
 
-    from jaxgpt.generate.engine import Engine
-    from jaxgpt.generate.slots import Needs
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serve
+
+    from jaxgpt.data.tokenizer import load_bpe
     from jaxgpt.model.gpt import init_params
 
     cfg, _ = recipe(shapes, args.attention)
-    slots = max(shapes.clients)
-    engine = Engine(init_params(cfg, jax.random.key(0)), cfg, slots=slots, max_waiting=slots * shapes.requests)
-    # every row count's and span's chunk for what drive's requests need, and their prompts' bucket (`jaxgpt serve
-    # --warm_up`: every bucket and span; on an H100 the 21 programs of GPT-2 124M took over 75 s)
-    warm_up_s = engine.warm_up([Needs(bias=False, noise=True, nucleus=False, scores=False)], [shapes.prompt_len],
-                               shapes.serve_tokens)
-    metrics, rows = {"warm_up_s": warm_up_s}, []
-    thread = threading.Thread(target=engine.run, daemon=True)
-    thread.start()
-    try:
-        t = time.perf_counter()
-        drive(engine, cfg, slots, dataclasses.replace(shapes, requests=1), 2, seed=10**6)  # anything left to compile
-        metrics["compile_s"] = time.perf_counter() - t
-        for clients in shapes.clients:
-            rate, latencies = drive(engine, cfg, clients, shapes, shapes.serve_tokens, seed=clients)
-            p50, p99 = np.percentile(latencies, [50, 99])
-            metrics.update({f"clients{clients}_tokens_per_s": rate, f"clients{clients}_p50_s": p50,
-                            f"clients{clients}_p99_s": p99})
-            rows.append(f"{clients} client{'s' * (clients > 1)}: {rate:,.0f} tokens/s, p50 {p50:.2f} s, "
-                        f"p99 {p99:.2f} s")
-            print(rows[-1], flush=True)  # in the log even if a later load runs out of time
-    finally:
-        engine.stop()
-        thread.join()
-    return {"summary": "; ".join(rows), "metrics": metrics,
-            "details": {"slots": slots, "requests_per_client": shapes.requests, "new_tokens": shapes.serve_tokens,
-                        "prompt_len": shapes.prompt_len, "attention_impl": cfg.attention_impl}}
+    tokenizer = load_bpe("gpt2")
+    work = bench_serve.Workload(lengths=(shapes.prompt_len, shapes.prompt_len),
+                                vocab=min(cfg.vocab_size, tokenizer.vocab_size), new_tokens=shapes.serve_tokens,
+                                clients=shapes.clients, requests=shapes.requests)
+    got = bench_serve.measure("serve", cfg, init_params(cfg, jax.random.key(0)), tokenizer, work,
+                              slots=max(shapes.clients))
+    rows = [f"generate alone {got['generate_tokens_per_s']:,.0f} tokens/s"]
+    rows += [f"{n} client{'s' * (n > 1)} {got[f'clients{n}_tokens_per_s']:,.0f} (TTFT p50 "
+             f"{got[f'clients{n}_ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {got[f'clients{n}_itl_p50_s'] * 1e3:.2f} ms)"
+             for n in shapes.clients]
+    return {"summary": "; ".join(rows), "metrics": got,
+            "details": {"slots": max(shapes.clients), "requests_per_client": shapes.requests,
+                        "new_tokens": shapes.serve_tokens, "prompt_len": shapes.prompt_len,
+                        "attention_impl": cfg.attention_impl, "targets": bench_serve.targets(got)}}
 
 
 PART_FUNCTIONS: dict[str, Callable[[Shapes, argparse.Namespace], dict[str, Any]]] = {
@@ -654,10 +601,14 @@ def comparisons(records: dict[str, dict[str, Any]], shapes: Shapes) -> dict[str,
         if get("train", "tokens_per_s") and get("train", f"loss_chunk{other}_tokens_per_s"):
             out[f"training tokens/s, loss_chunk {other} / the recipe's"] = (
                 get("train", f"loss_chunk{other}_tokens_per_s") / get("train", "tokens_per_s"))
-    low, high = min(shapes.clients), max(shapes.clients)
-    if get("serve", f"clients{low}_tokens_per_s") and get("serve", f"clients{high}_tokens_per_s"):
-        out[f"serving tokens/s, {high} clients / {low}"] = (get("serve", f"clients{high}_tokens_per_s")
-                                                           / get("serve", f"clients{low}_tokens_per_s"))
+    low = min(shapes.clients)
+    if get("serve", f"clients{low}_tokens_per_s") and get("serve", "generate_tokens_per_s"):
+        out[f"serving tokens/s, {low} client / generate alone"] = (get("serve", f"clients{low}_tokens_per_s")
+                                                                   / get("serve", "generate_tokens_per_s"))
+    for high in shapes.clients[1:]:
+        if get("serve", f"clients{low}_tokens_per_s") and get("serve", f"clients{high}_tokens_per_s"):
+            out[f"serving tokens/s, {high} clients / {low}"] = (get("serve", f"clients{high}_tokens_per_s")
+                                                               / get("serve", f"clients{low}_tokens_per_s"))
     return out
 
 

@@ -7,14 +7,13 @@ is installed.
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from tests_helpers import device_check_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,12 +61,8 @@ def test_device_check_falls_back_past_out_of_memory_and_counts_unfinished_pytest
 def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: ModuleType) -> None:
     """`benchmarks/device_check.py --smoke`: a row for every part in its JSON, each passed; PyTorch's parts are
     skipped, with the reason, only where torch (or transformers) is not installed."""
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke", "--variants",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=570, cwd=ROOT)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    proc, result = device_check_smoke(tmp_path / "check.json", "--variants", timeout=570)
+    assert result, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = result["parts"]
     missing = {name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None}
     may_skip = ({"torch_train"} if "torch" in missing else set()) | ({"hf_generate"} if missing else set())
@@ -83,5 +78,7 @@ def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: Modu
     profile = parts["train"]["details"]["profile"]
     assert profile["top_ops"] and profile["device_busy_ms_per_step"] > 0
     assert parts["train"]["metrics"]["optimizer_s"] > 0
-    # PyTorch's ratios where it runs; the flags' and the two other loss chunks' to the recipe, many clients' to one
-    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2) + 4
+    assert parts["serve"]["metrics"]["clients1_ttft_p50_s"] > 0 and parts["serve"]["metrics"]["clients4_itl_p50_s"] > 0
+    # PyTorch's ratios where it runs; the flags' and the two other loss chunks' to the recipe; the server's one
+    # client to generate alone and many clients to one
+    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2) + 5

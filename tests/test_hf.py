@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from flax import linen as nn
 pytest.importorskip("safetensors")
 
 from safetensors.numpy import load_file, save_file
+from tests_helpers import device_check_smoke
 
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.errors import UserError
@@ -464,12 +464,8 @@ def test_device_check_runs_the_pytorch_parts_at_smoke_shapes(tmp_path):
     """benchmarks/device_check.py's PyTorch parts (the PyTorch training baseline, eager under --smoke, and
     transformers' generate), at --smoke's shapes: here, where torch is installed; tests/test_device_check.py
     smokes the rest."""
-    out = tmp_path / "check.json"
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "device_check.py"), "--smoke",
-                           "--parts", "torch_train,hf_generate", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=root)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    parts = json.loads(out.read_text())["parts"]
+    proc, result = device_check_smoke(tmp_path / "check.json", "--parts", "torch_train,hf_generate", timeout=300)
+    assert proc.returncode == 0 and result, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = result["parts"]
     assert {name: part["status"] for name, part in parts.items()} == {"torch_train": "ok", "hf_generate": "ok"}, parts
     assert parts["torch_train"]["metrics"]["tokens_per_s"] > 0 and parts["hf_generate"]["summary"]

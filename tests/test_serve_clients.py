@@ -58,6 +58,13 @@ def test_prompts_as_token_ids_user_and_usage_in_the_last_streamed_chunk(server):
                                                    stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == 4 and all(c.usage is None for c in chunks[:-1])
+    running = list(server.client.completions.create(  # vLLM's continuous_usage_stats: the usage so far, each chunk
+        model="tiny", prompt="ab", max_tokens=6, seed=4, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in running]
+    assert counts[-2:] == [6, 6] and all(c.usage.prompt_tokens == 2 for c in running)
+    brought = [b - a for a, b in zip([0, *counts[:-2]], counts[:-1], strict=True)]  # one character per token here
+    assert [len(c.choices[0].text) for c in running[:-1]] == brought
     with pytest.raises(openai.BadRequestError, match="token ids must be in"):
         server.client.completions.create(model="tiny", prompt=[[0, len(TOKENIZER.chars)]], max_tokens=2)
 

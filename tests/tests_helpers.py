@@ -1,5 +1,5 @@
-"""Shared helpers for tests: the tiny config, a small corpus, the logged losses, and servers on 127.0.0.1 (a free
-port, `jaxgpt serve` in a subprocess)."""
+"""Shared helpers for tests: the tiny config, a small corpus, the logged losses, device_check's smoke, and servers
+on 127.0.0.1 (a free port, `jaxgpt serve` in a subprocess)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,14 @@ def train_run(c: ConfigDict) -> dict:
     from jaxgpt.train.loop import train
 
     return train(from_config_dict(c))
+
+
+def device_check_smoke(out: Path, *options: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`benchmarks/device_check.py --smoke` with `options`, writing its JSON to `out`: the finished process (its
+    output captured) and the JSON, None where the run wrote none."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke", *options,
+                           "--out", str(out)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return proc, json.loads(out.read_text()) if out.exists() else None
 
 
 def free_port() -> int:

@@ -2,7 +2,8 @@
 
 Endpoints: `POST /v1/completions` (prompts as text or token ids, one or many; max_tokens, temperature, top_p,
 stop, n, seed, logit_bias, vLLM's ignore_eos; echo; logprobs up to 5, of the prompt's tokens too with echo;
-stream as server-sent events, with usage in a last chunk when stream_options.include_usage asks),
+stream as server-sent events, with usage in a last chunk when stream_options.include_usage asks, and in every
+chunk with vLLM's continuous_usage_stats too),
 `POST /v1/chat/completions` (messages rendered with the run's chat template, `jaxgpt.serve.chat`), vLLM's
 `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` (what lm-evaluation-harness's local-completions
 uses), `GET /v1/models`, `GET /metrics` (Prometheus), `GET /health`, and `GET /`, a chat page for a browser

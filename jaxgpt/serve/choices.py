@@ -229,7 +229,12 @@ def stream(choices: list[Choice], header: dict[str, Any],
                   chunk: Callable[[Choice, str, bool], dict[str, Any]], body: Sampling, encoded: list[list[int]]
                   ) -> StreamingResponse:
     """Server-sent events: a chunk per new piece of text of any choice (`chunk` shapes it), each choice's finish,
-    the usage when stream_options asks, then [DONE]. A disconnect cancels the generator, and the choices with it."""
+    the usage when stream_options asks, then [DONE]. With vLLM's continuous_usage_stats too, every chunk carries
+    the usage so far (a client then knows how many tokens each chunk's text holds). A disconnect cancels the
+    generator, and the choices with it."""
+    options = body.stream_options
+    with_usage = options is not None and options.include_usage
+    every_chunk = with_usage and options.continuous_usage_stats
 
     async def events() -> AsyncIterator[str]:
         pending = {asyncio.ensure_future(next_event(c)): c for c in choices}
@@ -249,10 +254,13 @@ def stream(choices: list[Choice], header: dict[str, Any],
                     if text or choice.finish_reason is not None:
                         first = choice.index not in started
                         started.add(choice.index)
-                        yield f"data: {json.dumps({**header, 'choices': [chunk(choice, text, first)]})}\n\n"
+                        data = {**header, "choices": [chunk(choice, text, first)]}
+                        if every_chunk:
+                            data["usage"] = usage(choices, encoded, body.n)
+                        yield f"data: {json.dumps(data)}\n\n"
                     if choice.finish_reason is None:
                         pending[asyncio.ensure_future(next_event(choice))] = choice
-            if body.stream_options is not None and body.stream_options.include_usage:
+            if with_usage:
                 last = {**header, "choices": [], "usage": usage(choices, encoded, body.n)}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"

@@ -20,7 +20,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False  # a last chunk, with no choices, carries the request's usage
-    continuous_usage_stats: bool = False  # vLLM's: accepted, usage comes in the last chunk only
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class Sampling(BaseModel):
