@@ -176,7 +176,7 @@ def measure(name: str, cfg: ModelConfig, params: dict, tokenizer: Tokenizer, wor
     """Part 1 for one model, printed as it goes; every number, by name (benchmarks/device_check.py's serve part
     records them)."""
     engine = Engine(params, cfg, slots=slots, max_waiting=max(work.clients) * work.requests,
-                    vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None)
+                    vocab_limit=tokenizer.vocab_size)
     # every row count's and span's chunk, and every prompt bucket, of the requests `load` sends
     got = {"warm_up_s": engine.warm_up([SAMPLED], range(work.lengths[0], work.lengths[1] + 1), work.new_tokens)}
     base = got["generate_tokens_per_s"] = alone(cfg, params, work.prompts(16, seed=1), work.new_tokens)

@@ -139,6 +139,17 @@ def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
         assert (tokens, reasons) == (alone(PROMPTS[i], 5 + i, float(i % 2), i), ["length"])
 
 
+def test_a_tokenizer_smaller_than_the_model_vocabulary_bounds_the_picks_as_generate_does():
+    """`vocab_limit` is the tokenizer's size: below the model's (padded) vocabulary it limits the picks exactly as
+    `generate`'s does; at the model's size it limits nothing and is dropped."""
+    limit = CFG.vocab_size // 2
+    request, tokens, _ = collecting(PROMPTS[0], 8, temperature=1.0, seed=5)
+    run([request], slots=1, vocab_limit=limit)
+    want = sampling.generate(PARAMS, CFG, PROMPTS[0], max_new_tokens=8, key=5, temperature=1.0, vocab_limit=limit)
+    assert tokens == want[0].tolist() and max(tokens) < limit
+    assert Engine(PARAMS, CFG, slots=1, vocab_limit=CFG.vocab_size).vocab_limit is None
+
+
 def test_a_cancel_stops_the_tokens_at_once_and_frees_the_slot():
     tokens: list[int] = []
     reasons: list[str] = []

@@ -362,7 +362,7 @@ def run_requests(flags_: flags.FlagValues, params: Any, cfg: ModelConfig, tokeni
                             max_new_tokens=[r["max_tokens"] for r in requests],
                             seeds=[r["seed"] for r in requests], temperature=[r["temperature"] for r in requests],
                             top_p=[r["top_p"] for r in requests], eot_token=tokenizer.eot_token,
-                            vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None,
+                            vocab_limit=tokenizer.vocab_size,
                             slots=flags_.num_samples, until=stopped if any(r["stop"] for r in requests) else None,
                             progress=True)
     for request, ids in zip(requests, outputs, strict=True):

@@ -78,10 +78,9 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     cfg, specials = loaded.model, loaded.meta.get("seq2seq")
     if isinstance(cfg, Seq2SeqConfig):  # an encoder-decoder run: the prompt is the source
         tokenizer = PairText(tokenizer, specials)
-    vocab = cfg.model.vocab_size if isinstance(cfg, Seq2SeqConfig) else cfg.vocab_size
     engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting, chunk=flags_.chunk,
                     eot_token=tokenizer.eot_token, specials=specials,
-                    vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < vocab else None,
+                    vocab_limit=tokenizer.vocab_size,
                     version=version(loaded.meta["step"]) if flags_.workdir is not None else None)
     if flags_.warm_up:
         print(f"warmed up: every row count, span and prompt bucket compiled in {engine.warm_up():.1f} s",

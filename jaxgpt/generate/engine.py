@@ -153,10 +153,11 @@ class Engine:
                  eot_token: int | None = None, vocab_limit: int | None = None,
                  specials: dict[str, int] | None = None, version: str | None = None, chunk: int = CHUNK) -> None:
         """`specials`: an encoder-decoder's pad_id, bos_id and eos_id (its run's meta["seq2seq"]); eos ends a row.
-        `version` names the weights (each request admitted records it)."""
+        `version` names the weights (each request admitted records it). `vocab_limit`: the tokenizer's vocabulary
+        size; only a model vocabulary padded beyond it limits the picks (else it is dropped)."""
         if chunk < 1:
             raise UserError(f"chunk={chunk}: a decode chunk needs at least one step")
-        self.n_slots, self.max_waiting, self.eot_token, self.vocab_limit = slots, max_waiting, eot_token, vocab_limit
+        self.n_slots, self.max_waiting, self.eot_token = slots, max_waiting, eot_token
         self.version, self.chunk = version, chunk
         self.pending: tuple[Any, str] | None = None  # weights `swap` gave, and their version
         if isinstance(cfg, Seq2SeqConfig):
@@ -173,6 +174,7 @@ class Engine:
             self._empty = lambda: empty_slots(cfg, slots)
         self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
         self.banned, self.vocab_size = model.pad_id, model.vocab_size
+        self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.vocab_size else None
         self.state = self._empty()
         self.active: list[_Busy | None] = [None] * slots  # the busy slots come first
         self.unread: deque[tuple[Callable[..., None], Any, Any]] = deque()  # dispatched, not yet read: oldest first
