@@ -58,7 +58,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -132,13 +132,34 @@ def memory_bandwidth_gb_s() -> float:
     return nbytes / best_seconds(read, 5) / 1e9
 
 
-def bytes_per_token(cfg: ModelConfig) -> int:
-    """What one float32 decode step of a NEW_TOKENS generation must read: every weight but the position
-    table (one row of it is read) and the KV cache the sampler allocates for it (`sampling.cache_slots`)."""
+def bytes_per_token(cfg: ModelConfig, new_tokens: int = NEW_TOKENS, rows: int = 1, prompt_len: int = 1,
+                    itemsize: int = 4) -> int:
+    """What one decode step of `rows` rows generating `new_tokens` after `prompt_len` must read, `itemsize`
+    bytes a value (float32 by default): every weight but the position table (one row of it is read) once, and
+    each row's KV cache as the sampler allocates it (`sampling.cache_slots`)."""
     params = abstract_variables(cfg)["params"]
-    weights = sum(x.size for x in jax.tree.leaves(params)) - math.prod(nn.unbox(params["wpe"]["embedding"]).shape)
-    cache = 2 * cfg.n_layer * sampling.cache_slots(cfg, 1, NEW_TOKENS) * cfg.n_embd
-    return 4 * (weights + cache)
+    weights = sum(x.size for x in jax.tree.leaves(params))
+    if "wpe" in params:
+        weights -= math.prod(nn.unbox(params["wpe"]["embedding"]).shape)
+    cache = 2 * cfg.n_layer * sampling.cache_slots(cfg, prompt_len, new_tokens) * cfg.n_kv_head * cfg.head_dim
+    return itemsize * (weights + rows * cache)
+
+
+def compiled_generation(params, cfg: ModelConfig, prompt: np.ndarray, new_tokens: int,
+                        compiler_options: dict[str, Any] | None) -> Callable[[], np.ndarray]:
+    """`generate(params, cfg, prompt, max_new_tokens=new_tokens, temperature=0, dtype="bfloat16")` with its decode
+    loop (`sampling._run`) compiled with XLA `compiler_options` (e.g. `ops.decode.WHILE_COMMAND_BUFFERS`), which
+    `generate` itself never passes: the same tokens, so a GPU run can time the options against the default."""
+    req = sampling.request(cfg, prompt, num_samples=None, max_new_tokens=new_tokens, temperature=0, top_k=None,
+                           top_p=None, key=0, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)
+    weights, dcfg, state = sampling._start(params, cfg, req, "bfloat16")
+    scalars = (jnp.int32(new_tokens), jnp.float32(0), jnp.float32(1))
+    loop = sampling._run.lower(weights, state, *scalars, cfg=dcfg, spec=req.spec, num_steps=new_tokens).compile(
+        compiler_options=compiler_options)
+
+    def run() -> np.ndarray:
+        return np.asarray(loop(weights, sampling._start(params, cfg, req, "bfloat16")[2], *scalars)[1])
+    return run
 
 
 def weights_matvec_seconds(params, cfg: ModelConfig, repeats: int) -> float:

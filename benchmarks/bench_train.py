@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import dataclasses
 import resource
-import statistics
 import time
 from collections.abc import Callable
 
@@ -86,10 +85,12 @@ def one_query_block():
         attention.query_blocks = blocks
 
 
-def prepare_step(cfg: ModelConfig, batch: int, n_devices: int = 1, loss_chunk: int = 0
-                 ) -> tuple[float, Callable[[], float]]:
-    """(compile seconds, a function running one more step and returning its seconds) of the real jitted,
-    donated train step, after one warm-up step.
+def prepare_step(cfg: ModelConfig, batch: int, n_devices: int = 1, loss_chunk: int = 0, grad_accum: int = 1,
+                 compiler_options: dict | None = None, warm_up: bool = True) -> tuple[float, Callable[..., float]]:
+    """(compile seconds, `run`) of the real jitted, donated train step of `batch` rows in `grad_accum`
+    micro-batches, compiled with XLA's `compiler_options`, after one warm-up step unless `warm_up` is False.
+    `run(steps=1)` runs `steps` more steps back to back, as the trainer does (each dispatched while the last
+    runs, nothing read back in between), waits for the last, and returns the seconds per step.
 
     One device: `make_train_step` under plain `jax.jit`. Several: the trainer's sharded program on a
     data-parallel mesh of the first `n_devices` devices.
@@ -97,13 +98,14 @@ def prepare_step(cfg: ModelConfig, batch: int, n_devices: int = 1, loss_chunk: i
     optim = OptimConfig(warmup_steps=1, decay_steps=1000)
     c = base_config()
     c.workdir, c.batch_size, c.model, c.loss_chunk = "unused", batch, model_fields(cfg), loss_chunk
+    c.grad_accum = grad_accum
     c.optim.update(dataclasses.asdict(optim))
     train_cfg = from_config_dict(c)
     task, tx = LanguageModelling(train_cfg, None), make_optimizer(optim)
     params = init_params(cfg, jax.random.key(0))
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (1, batch, cfg.block_size + 1), dtype=np.int32)
+    tokens = rng.integers(0, cfg.vocab_size, (grad_accum, batch // grad_accum, cfg.block_size + 1), dtype=np.int32)
     data = {"x": jnp.asarray(tokens[..., :-1]), "y": jnp.asarray(tokens[..., 1:])}
     key = jax.random.key(1)
     context = contextlib.nullcontext()
@@ -111,31 +113,33 @@ def prepare_step(cfg: ModelConfig, batch: int, n_devices: int = 1, loss_chunk: i
         step_fn = jax.jit(make_train_step(task.loss, tx), donate_argnums=(0,))
     else:
         mesh = layout.make_mesh((-1, 1, 1), devices=jax.devices()[:n_devices])
-        prog = layout.build_program(task, train_cfg.optim, mesh, batch)
+        prog = layout.build_program(task, train_cfg.optim, mesh, batch, grad_accum)
         step_fn, context = prog.train_step, prog.activate()  # the mesh the model's constraints and kernels read
         state = jax.device_put(state, prog.state_sh)
         data = jax.device_put(data, prog.batch_sh)
     t0 = time.perf_counter()
     with context:
-        step = step_fn.lower(state, data, key).compile()
+        step = step_fn.lower(state, data, key).compile(compiler_options=compiler_options)
     compile_s = time.perf_counter() - t0
     current = {"state": state}
 
-    def run() -> float:
+    def run(steps: int = 1) -> float:
         t = time.perf_counter()
-        current["state"], m = step(current["state"], data, key)  # the state is donated: keep the new one
+        for _ in range(steps):
+            current["state"], m = step(current["state"], data, key)  # the state is donated: keep the new one
         jax.block_until_ready(m)
-        return time.perf_counter() - t
+        return (time.perf_counter() - t) / steps
 
-    run()  # warm-up
+    if warm_up:
+        run()
     return compile_s, run
 
 
 def time_steps(cfg: ModelConfig, batch: int, steps: int, n_devices: int = 1, loss_chunk: int = 0
                ) -> tuple[float, float]:
-    """(compile seconds, median seconds per step) of the real train step (`prepare_step`)."""
+    """(compile seconds, seconds per step) of the real train step (`prepare_step`), `steps` steps back to back."""
     compile_s, run = prepare_step(cfg, batch, n_devices, loss_chunk)
-    return compile_s, statistics.median(run() for _ in range(steps))
+    return compile_s, run(steps)
 
 
 def interleaved(runners: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:

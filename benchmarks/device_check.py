@@ -12,17 +12,23 @@ one-line error and the tail of its log, and the next part runs. The parent proce
 holds no device memory and every part has the whole device to itself.
 
 Parts, in the order they run (docs/accelerators.md describes each): env (devices, versions, CUDA/cuDNN or TPU
-runtime, memory, missing imports); tests (`pytest -m accelerator tests/`); train (GPT-2 124M as
-configs/gpt2_124m.py trains it, through bench_train's real train step, at the largest per-device batch that
-fits: tokens/s, MFU; then where the step's time goes (benchmarks/profile_summary.py: top ops,
-attention/matmul/other, host gaps), the optimizer's update alone, and with --variants the step with other loss
-chunks); torch_train (the same model in PyTorch: torch.compile, flash SDPA, bf16 autocast); generate and
-hf_generate (cached greedy generation at batch 1 and 64, jaxgpt's and transformers'); serve (`jaxgpt serve`'s
-app under 1, 16 and 64 streaming clients of the openai client, against `generate` alone and the engine alone:
-benchmarks/bench_serve.py's part 1; the host needs the serving wheels, docs/accelerators.md); train_flags (the
-recipe again under TRAIN_XLA_FLAGS, a candidate default for GPUs: last, as the budget's first casualty). The
-table ends with the ratios: jaxgpt's to PyTorch's, the variants' to the recipe's, one client's to `generate`
-alone's, many clients' to one's.
+runtime, memory, missing imports, and on GPUs the target description XLA compiles for: `jaxgpt aot`'s input);
+tests (`pytest -m accelerator tests/`); train (GPT-2 124M as configs/gpt2_124m.py trains it, through
+bench_train's real train step, at the largest per-device batch that fits, steps back to back as the trainer
+runs them: tokens/s, MFU; then where the step's time goes (benchmarks/profile_summary.py: top ops,
+attention/matmul/other, host gaps; on GPUs with command buffers on while profiling), the optimizer's update
+alone); train_sweep (what a GPU's defaults must decide, each candidate compiled in the same process and timed
+in turns with the recipe, as a ratio over it: loss layouts, command-buffer types and minimum graph size, the
+latency-hiding scheduler, batch 64 vs 32 x 2 accumulation, remat; --variants picks some); train_medium (GPT-2
+medium, 350M, the same way: tokens/s, MFU); torch_train (the same model in PyTorch: torch.compile, flash
+SDPA, bf16 autocast); generate and hf_generate (cached greedy generation at batch 1 and 64, jaxgpt's and
+transformers'; jaxgpt's also against its targets and the HBM bound, with its decode loop under WHILE
+command buffers, and a profile of one generation); serve (`jaxgpt serve`'s app under 1, 16 and 64 streaming
+clients of the openai client, against `generate` alone and the engine alone: benchmarks/bench_serve.py's
+part 1; the host needs the serving wheels,
+docs/accelerators.md). The table ends with the ratios: jaxgpt's to PyTorch's, the sweep's candidates' to the
+recipe's, one client's to `generate` alone's, each load's to the engine alone's with as many, many clients' to
+one's.
 
 --smoke runs every part on the CPU at tiny shapes (a 2-layer model, 64 positions, a few steps and small
 batches); PyTorch's parts are skipped with the reason where torch is not installed, torch.compile is left out
@@ -56,11 +62,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # jaxgpt and configs/ from the checkout, installed or not
 
-PARTS = ("env", "tests", "train", "torch_train", "generate", "hf_generate", "serve", "train_flags")
-# train_flags: the train part again, under XLA flags that may speed a GPU step (a variant to measure, not a
-# default): kernels launched one by one instead of as CUDA graphs (command buffers), which XLA updates whenever
-# a buffer they read moved. (cuBLAS for every product, --xla_gpu_enable_triton_gemm=false, measured 0.99x.)
-TRAIN_XLA_FLAGS = "--xla_gpu_enable_command_buffer="
+PARTS = ("env", "tests", "train", "train_sweep", "train_medium", "torch_train", "generate", "hf_generate", "serve")
 # jaxgpt's imports that accelerator images often lack (docs/accelerators.md lists what must travel as wheels)
 OFTEN_MISSING = ("ml_collections", "tensorboardX", "torch", "transformers", "fastapi", "uvicorn", "pydantic",
                  "openai")
@@ -86,7 +88,10 @@ class Shapes:
     tests: tuple[str, ...]  # pytest's arguments after -m accelerator
     test_workers: int  # > 0: pytest-xdist processes sharing the device (compiling is most of a test's time)
     profile_steps: int  # training steps traced for the profile summary
-    loss_chunks: tuple[int, ...]  # --variants: the step timed again with each of these loss_chunk (0: dense)
+    wide_loss_chunk: int  # train_sweep: the loss in fewer, larger chunks (besides all logits at once)
+    sweep: tuple[str, ...]  # train_sweep's candidates besides the recipe (`candidates`; "all": every one)
+    sweep_rounds: int  # train_sweep: turns of every candidate, taken in turn (the fastest counts)
+    medium_batches: tuple[int, ...]  # train_medium: per-device batches, largest first
     cpu_devices: int  # > 0: the tests part's XLA CPU devices (XLA_FLAGS)
     budget: float  # seconds for the whole run
     limits: dict[str, float]  # seconds for each part
@@ -94,16 +99,18 @@ class Shapes:
 
 FULL = Shapes(model={}, loss_chunk=None, batches=(64, 32, 16, 8, 4), steps=10, prompt_len=16, new_tokens=256,
               serve_tokens=64, gen_batches=(1, 64), clients=(1, 16, 64), requests=4, compile_torch=True,
-              tests=("tests/",), test_workers=6, profile_steps=3, loss_chunks=(0, 512), cpu_devices=0, budget=540,
-              limits=dict(env=60, tests=150, train=150, train_flags=75, torch_train=150, generate=90,
-                          hf_generate=90, serve=210))
+              tests=("tests/",), test_workers=6, profile_steps=3, wide_loss_chunk=512, sweep=("all",),
+              sweep_rounds=3, medium_batches=(32, 16, 8), cpu_devices=0, budget=540,
+              limits=dict(env=60, tests=150, train=100, train_sweep=180, train_medium=100, torch_train=150,
+                          generate=120, hf_generate=90, serve=210))
 SMOKE = Shapes(model=dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64), loss_chunk=16,
                batches=(8, 4), steps=2, prompt_len=8, new_tokens=8, serve_tokens=8, gen_batches=(1, 4),
                clients=(1, 4), requests=2, compile_torch=False,
                tests=("tests/test_accelerator.py", "-k", "two_devices or float64_reference"), test_workers=0,
-               profile_steps=2, loss_chunks=(0, 32), cpu_devices=2, budget=480,
-               limits=dict(env=60, tests=150, train=90, train_flags=60, torch_train=90, generate=90,
-                           hf_generate=90, serve=90))
+               profile_steps=2, wide_loss_chunk=32, sweep=("loss_chunk0", "accumulate_2_loops_in_graphs"),
+               sweep_rounds=1, medium_batches=(4,), cpu_devices=2, budget=480,
+               limits=dict(env=60, tests=150, train=90, train_sweep=150, train_medium=60, torch_train=90,
+                           generate=90, hf_generate=90, serve=90))
 
 
 class UnavailableError(Exception):
@@ -119,13 +126,15 @@ def one_line(e: BaseException) -> str:
 # Helpers of the parts (each part runs in its own process: see `run_part`)
 
 
-def recipe(shapes: Shapes, attention: str | None) -> tuple[Any, int]:
-    """configs/gpt2_124m.py's model (sizes replaced by --smoke's, attention by --attention) and its loss chunk."""
-    from configs.gpt2_124m import get_config
+def recipe(shapes: Shapes, attention: str | None, config: str = "gpt2_124m", **changes: Any) -> tuple[Any, int]:
+    """configs/<config>.py's model (sizes replaced by --smoke's, attention by --attention, then `changes`) and its
+    loss chunk."""
+    import importlib
+
     from jaxgpt.train.config import from_config_dict
 
-    run = from_config_dict(get_config())
-    cfg = run.model.replace(**shapes.model, **({"attention_impl": attention} if attention else {}))
+    run = from_config_dict(importlib.import_module(f"configs.{config}").get_config())
+    cfg = run.model.replace(**shapes.model, **({"attention_impl": attention} if attention else {}), **changes)
     return cfg, shapes.loss_chunk or run.loss_chunk
 
 
@@ -200,7 +209,21 @@ def part_env(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
             "details": {"device_kind": devices[0].device_kind, "platform": devices[0].platform,
                         "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
                         "versions": versions, "libraries": accelerator_libraries(devices[0]), "memory": memory,
-                        "missing_imports": missing}}
+                        "missing_imports": missing,
+                        "target_config": gpu_target_config() if devices[0].platform == "gpu" else None}}
+
+
+def gpu_target_config() -> str | None:
+    """The GpuTargetConfig (text proto) XLA compiles for on this GPU, as it writes it beside a program it dumps:
+    what jaxgpt/tools/gpu_targets/ holds for `jaxgpt aot --topology h100:N` (from XLA's specs until a real one
+    replaces it)."""
+    import jax
+    import jax.numpy as jnp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.jit(lambda x: x + 1).lower(jnp.zeros(8)).compile(compiler_options={"xla_dump_to": tmp})
+        found = sorted(Path(tmp).glob("*gpu_target_config.pbtxt"))
+        return found[0].read_text() if found else None
 
 
 def pytest_counts(output: str) -> dict[str, int]:
@@ -249,62 +272,176 @@ def part_tests(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
-def part_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
-    """jaxgpt's GPT-2 124M recipe, data parallel over every device, at the largest batch that fits; then (part
-    train, not train_flags) the profile of a few of its steps, the optimizer's update alone, and the recipe with
-    the whole batch's logits at once instead of its chunked loss."""
-    import bench_train
-    import jax
-    import profile_summary
-
+def train_rate(cfg: Any, devices: list, batch: int, step_s: float) -> tuple[float, float | None]:
+    """(tokens/s, MFU or None without a published peak) of a step of `batch` rows per device on `devices`."""
     from jaxgpt.train.chips import peak_flops_for
     from jaxgpt.train.flops import flops_per_token
 
-    cfg, chunk = recipe(shapes, args.attention)
+    tok_s = batch * len(devices) * cfg.block_size / step_s
+    peak = peak_flops_for(devices)
+    return tok_s, tok_s * flops_per_token(cfg) / peak if peak else None
+
+
+def measure_recipe(cfg: Any, chunk: int, batches: tuple[int, ...], steps: int, options: dict | None = None
+                   ) -> dict[str, Any]:
+    """A model's train step, data parallel over every device, at the largest per-device batch of `batches` that
+    fits, `steps` steps back to back: {"summary", "metrics", "details", "run"} (run: bench_train's runner)."""
+    import bench_train
+    import jax
+
     devices = jax.devices()
     n = len(devices)
-    steps = args.steps or shapes.steps
-    peak = peak_flops_for(devices)
-
-    def rate(batch: int, step_s: float) -> tuple[float, float | None]:
-        """(tokens/s, MFU or None without a published peak) of a step of `batch` rows per device."""
-        tok_s = batch * n * cfg.block_size / step_s
-        return tok_s, tok_s * flops_per_token(cfg) / peak if peak else None
-
     batch, (compile_s, run), misses = largest_fitting(
-        lambda b: bench_train.prepare_step(cfg, b * n, n_devices=n, loss_chunk=chunk), batches_of(shapes, args))
-    step_s = statistics.median(run() for _ in range(steps))
-    tok_s, mfu = rate(batch, step_s)
+        lambda b: bench_train.prepare_step(cfg, b * n, n_devices=n, loss_chunk=chunk, compiler_options=options),
+        batches)
+    step_s = run(steps)
+    tok_s, mfu = train_rate(cfg, devices, batch, step_s)
     mfu_text = f"MFU {mfu:.1%}" if mfu is not None else f"no published peak for {devices[0].device_kind!r}"
     summary = (f"{tok_s:,.0f} tokens/s, {mfu_text} ({n} x {batch} x {cfg.block_size} tokens per step, "
                f"{step_s * 1e3:.1f} ms; compile {compile_s:.0f} s)")
-    print(f"{args.run_part}: {summary}", flush=True)  # in the log even if the extras below run out of time
     metrics = {"tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / n, "mfu": mfu, "step_s": step_s,
                "compile_s": compile_s, "batch_per_device": batch}
-    details: dict[str, Any] = {"model": cfg.to_dict(), "loss_chunk": chunk, "out_of_memory": misses,
-                               "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    if args.run_part == "train":  # each extra's failure is recorded in details["errors"], not the part's
-        errors = details["errors"] = {}
-        with recorded(errors, "profile"):
-            details["profile"] = profile = profile_summary.profile_steps(run, shapes.profile_steps)
-            print("\n".join(profile_summary.describe(profile, 12)), flush=True)
-        del run
+    details = {"model": cfg.to_dict(), "loss_chunk": chunk, "out_of_memory": misses, "compiler_options": options,
+               "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    return {"summary": summary, "metrics": metrics, "details": details, "run": run}
+
+
+# On GPUs the recipe is compiled so that its profile runs the CUDA graphs (command buffers) an unprofiled step
+# runs: without this XLA launches their kernels one by one while a profiler traces, and the trace shows gaps the
+# timed steps do not have. It changes nothing outside a profile.
+PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
+
+
+def part_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """jaxgpt's GPT-2 124M recipe, data parallel over every device, at the largest batch that fits; then the
+    profile of a few of its steps and the optimizer's update alone."""
+    import jax
+    import profile_summary
+
+    cfg, chunk = recipe(shapes, args.attention)
+    steps = args.steps or shapes.steps
+    options = PROFILE_OPTIONS if jax.devices()[0].platform == "gpu" else None
+    measured = measure_recipe(cfg, chunk, batches_of(shapes, args), steps, options)
+    run, details, metrics = measured.pop("run"), measured["details"], measured["metrics"]
+    print(f"{args.run_part}: {measured['summary']}", flush=True)  # in the log even if the extras run out of time
+    errors = details["errors"] = {}  # each extra's failure is recorded here, not as the part's
+    with recorded(errors, "profile"):
+        details["profile"] = profile = profile_summary.profile_steps(run, shapes.profile_steps)
+        print("\n".join(profile_summary.describe(profile, 12)), flush=True)
+    del run
+    gc.collect()
+    with recorded(errors, "optimizer"):
+        metrics["optimizer_s"] = optimizer_seconds(cfg, steps)
+        print(f"optimizer update alone: {metrics['optimizer_s'] * 1e3:.1f} ms "
+              f"({metrics['optimizer_s'] / metrics['step_s']:.1%} of the step)", flush=True)
+    return measured
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A setting a GPU's defaults must decide, as changes to the recipe's train step."""
+
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)  # changes to the model config
+    loss_chunk: int | None = None  # None: the recipe's
+    grad_accum: int = 1  # the same rows per step, in this many micro-batches (a loop in the step)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # XLA compile options (DebugOptions fields)
+
+
+# XLA:GPU's default command-buffer (CUDA graph) types (xla/debug_options_flags.cc); loops are not among them, so a
+# `while` runs its body's kernels as launches from the host, trip after trip.
+COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+
+
+def candidates(shapes: Shapes) -> dict[str, Candidate]:
+    """train_sweep's candidates by name: the recipe first, then each a GPU default could change."""
+    loops_in_graphs = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES + ",WHILE,CONDITIONAL"}
+    return {
+        "recipe": Candidate(),
+        "loss_chunk0": Candidate(loss_chunk=0),  # all logits at once: fewer, larger kernels, more memory
+        f"loss_chunk{shapes.wide_loss_chunk}": Candidate(loss_chunk=shapes.wide_loss_chunk),
+        "no_command_buffers": Candidate(options={"xla_gpu_enable_command_buffer": ""}),
+        "loops_in_graphs": Candidate(options=loops_in_graphs),
+        "graph_min_size_1": Candidate(options={"xla_gpu_graph_min_graph_size": 1}),
+        "latency_hiding_scheduler": Candidate(options={"xla_gpu_enable_latency_hiding_scheduler": True}),
+        "accumulate_2": Candidate(grad_accum=2),
+        "accumulate_2_loops_in_graphs": Candidate(grad_accum=2, options=loops_in_graphs),
+        "remat_save_dots": Candidate(model={"remat": "save_dots"}),
+    }
+
+
+def prepare_candidates(chosen: dict[str, Candidate], cfg: Any, chunk: int, rows: int, errors: dict[str, str]
+                       ) -> dict[str, tuple[float, Callable[..., float]]]:
+    """(compile seconds, runner) of each candidate's step: the first (the recipe) alone, so that XLA's autotuner
+    picks its kernels undisturbed and the others reuse its picks for the fusions they share (XLA keeps them for
+    the process), then the rest four at a time (XLA compiles outside the GIL); then each warmed up one after
+    another (one program's temporaries on the device at a time). A candidate that fails (out of memory, an
+    option this XLA lacks) goes to `errors`."""
+    import concurrent.futures
+
+    import bench_train
+
+    def prepare(c: Candidate) -> tuple[float, Callable[..., float]]:
+        return bench_train.prepare_step(cfg.replace(**c.model), rows, n_devices=1, warm_up=False,
+                                        loss_chunk=chunk if c.loss_chunk is None else c.loss_chunk,
+                                        grad_accum=c.grad_accum, compiler_options=c.options or None)
+
+    prepared, (first, *rest) = {}, chosen
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = {first: pool.submit(prepare, chosen[first])}
+        futures[first].exception()  # waits
+        futures.update({name: pool.submit(prepare, chosen[name]) for name in rest})
+        for name, future in futures.items():
+            with recorded(errors, name):
+                prepared[name] = future.result()
+    for name in list(prepared):
+        with recorded(errors, name):
+            prepared[name][1]()  # the warm-up step
+            continue
+        del prepared[name]
         gc.collect()
-        with recorded(errors, "optimizer"):
-            metrics["optimizer_s"] = optimizer_seconds(cfg, steps)
-            print(f"optimizer update alone: {metrics['optimizer_s'] * 1e3:.1f} ms "
-                  f"({metrics['optimizer_s'] / step_s:.1%} of the step)", flush=True)
-    for other in shapes.loss_chunks if args.run_part == "train" and args.variants else ():
-        with recorded(details["errors"], f"loss_chunk{other}"):
-            other_batch, (_, other_s), _ = largest_fitting(
-                lambda b, other=other: bench_train.time_steps(cfg, b * n, steps, n_devices=n, loss_chunk=other),
-                tuple(b for b in batches_of(shapes, args) if b <= batch))
-            other_tok_s, other_mfu = rate(other_batch, other_s)
-            metrics.update({f"loss_chunk{other}_tokens_per_s": other_tok_s, f"loss_chunk{other}_mfu": other_mfu,
-                            f"loss_chunk{other}_batch": other_batch})
-            summary += (f"; loss_chunk {other}: {other_tok_s:,.0f} tokens/s"
-                        + (f", MFU {other_mfu:.1%}" if other_mfu is not None else "") + f" (batch {other_batch})")
+    return prepared
+
+
+def part_train_sweep(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """Every candidate of `candidates` (or those --variants names) against the recipe, one device, at the train
+    part's batch: each step compiled in this process and timed in turns with the recipe's (`interleaved`: a few
+    steps back to back per turn, the fastest turn counts), reported as tokens/s over the recipe's."""
+    import bench_train
+    import jax
+
+    cfg, chunk = recipe(shapes, args.attention)
+    every = candidates(shapes)
+    chosen = tuple(args.variants.split(",")) if args.variants else shapes.sweep
+    names = list(every) if chosen == ("all",) else ["recipe", *chosen]
+    unknown = set(names) - set(every)
+    if unknown:
+        raise ValueError(f"--variants {','.join(sorted(unknown))}: the candidates are {', '.join(every)}")
+    batch = args.batch or batches_of(shapes, args)[0]
+    errors: dict[str, str] = {}
+    prepared = prepare_candidates({name: every[name] for name in names}, cfg, chunk, batch, errors)
+    if "recipe" not in prepared:
+        raise RuntimeError(f"the recipe's step did not run: {errors.get('recipe')}")
+    per_turn = max(2, (args.steps or shapes.steps) // 3)
+    best = bench_train.interleaved({name: lambda run=run: run(per_turn) for name, (_, run) in prepared.items()},
+                                   shapes.sweep_rounds)
+    metrics = {"batch": batch, "recipe_step_s": best["recipe"],
+               **{f"{name}_ratio": best["recipe"] / s for name, s in best.items() if name != "recipe"}}
+    ranked = sorted((name for name in best if name != "recipe"), key=lambda name: -metrics[f"{name}_ratio"])
+    summary = (f"recipe {batch * cfg.block_size / best['recipe']:,.0f} tokens/s on one {jax.devices()[0].device_kind}; "
+               + ", ".join(f"{name} {metrics[f'{name}_ratio']:.2f}x" for name in ranked)
+               + (f"; failed: {', '.join(errors)}" if errors else ""))
+    details = {"candidates": {name: dataclasses.asdict(every[name]) for name in names}, "errors": errors,
+               "compile_s": {name: compile_s for name, (compile_s, _) in prepared.items()}, "step_s": best}
     return {"summary": summary, "metrics": metrics, "details": details}
+
+
+def part_train_medium(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
+    """GPT-2 medium (350M) as configs/gpt2_medium.py sets it, laid out for one GPU node instead of a pod: layers
+    unrolled (a scan is a loop on GPUs) and kept for the backward pass (no remat); tokens/s and MFU as train's."""
+    cfg, chunk = recipe(shapes, args.attention, "gpt2_medium", scan_layers=False, remat="none")
+    measured = measure_recipe(cfg, chunk, shapes.medium_batches, args.steps or shapes.steps)
+    del measured["run"]
+    return measured
 
 
 @contextlib.contextmanager
@@ -431,9 +568,9 @@ def part_generate(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     cfg, _ = recipe(shapes, args.attention)
     params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
-    metrics = {}
+    metrics, prompts = {}, {}
     for batch in shapes.gen_batches:
-        prompt = rng.integers(0, cfg.vocab_size, (batch, shapes.prompt_len))
+        prompt = prompts[batch] = rng.integers(0, cfg.vocab_size, (batch, shapes.prompt_len))
         run = lambda prompt=prompt: generate(params, cfg, prompt, max_new_tokens=shapes.new_tokens, temperature=0,
                                              dtype="bfloat16")
         first = seconds(run)
@@ -441,8 +578,66 @@ def part_generate(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
         metrics[f"batch{batch}_tokens_per_s"] = batch * shapes.new_tokens / best
         metrics[f"batch{batch}_compile_s"] = first - best
         print(f"batch {batch}: {metrics[f'batch{batch}_tokens_per_s']:,.0f} tokens/s", flush=True)  # if it stops later
-    return {"summary": generation_summary(metrics, shapes), "metrics": metrics,
-            "details": {"attention_impl": cfg.attention_impl, "new_tokens": shapes.new_tokens}}
+    details = {"attention_impl": cfg.attention_impl, "new_tokens": shapes.new_tokens, "errors": {}}
+    with recorded(details["errors"], "generation_targets"):
+        details["targets"] = generation_targets(params, cfg, shapes, prompts, metrics, details)
+    return {"summary": generation_summary(metrics, shapes), "metrics": metrics, "details": details}
+
+
+GENERATE_TARGETS = {1: 4_000, 64: 150_000}  # tokens/s on one H100 or H200 (issue 49); other batches: none
+
+
+def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int, Any], metrics: dict[str, float],
+                       details: dict[str, Any]) -> list[str]:
+    """Per batch: tokens/s against the target and against the HBM bound (the weights and the rows' KV caches
+    read once per token, at the chip's bandwidth: `bench_sample.bytes_per_token`), and the decode loop compiled
+    with each of `DECODE_OPTIONS` (WHILE and CONDITIONAL command buffers, `ops.decode.WHILE_COMMAND_BUFFERS`: the
+    whole generation one CUDA graph; XLA's Triton fusion, `ops.decode.TRITON_FUSION`: fewer kernels a token)
+    against `generate`'s default, interleaved; then a device profile of one batch-1 generation of the first,
+    its command buffers on under the profiler. Lines for the log and the JSON."""
+    import jax
+    import profile_summary
+    from bench_sample import best_seconds, bytes_per_token, compiled_generation
+
+    from jaxgpt.generate.sampling import generate
+    from jaxgpt.ops.decode import TRITON_FUSION, WHILE_COMMAND_BUFFERS
+    from jaxgpt.train.chips import chip_for
+
+    chip = chip_for(jax.devices()[0])
+    on_gpu = jax.default_backend() == "gpu"
+    sweep = {"while_command_buffers": {**WHILE_COMMAND_BUFFERS, "xla_enable_command_buffers_during_profiling": True},
+             "triton_fusion": TRITON_FUSION} if on_gpu else {"loop_alone": None}
+    lines, variants = [], {}
+    for batch, prompt in prompts.items():
+        got = metrics[f"batch{batch}_tokens_per_s"]
+        line = f"batch {batch}: {got:,.0f} tokens/s"
+        if batch in GENERATE_TARGETS:
+            metrics[f"batch{batch}_target_ratio"] = got / GENERATE_TARGETS[batch]
+            line += f", {got / GENERATE_TARGETS[batch]:.2f}x the target {GENERATE_TARGETS[batch]:,}"
+        if chip is not None:
+            step_bytes = bytes_per_token(cfg, shapes.new_tokens, batch, shapes.prompt_len, itemsize=2)
+            bound = metrics[f"batch{batch}_hbm_bound_tokens_per_s"] = batch * chip.hbm_bandwidth / step_bytes
+            line += f", {got / bound:.1%} of the HBM bound {bound:,.0f} ({step_bytes / 1e6:,.0f} MB read per token)"
+        runs = {name: compiled_generation(params, cfg, prompt, shapes.new_tokens, options)
+                for name, options in sweep.items()}
+        variants[batch] = next(iter(runs.values()))
+        runs = {"default": lambda prompt=prompt: generate(params, cfg, prompt, max_new_tokens=shapes.new_tokens,
+                                                          temperature=0, dtype="bfloat16"), **runs}
+        times = {name: [] for name in runs}
+        for _ in range(2):  # interleaved
+            for name, run in runs.items():
+                times[name].append(best_seconds(run, 1))
+        for name in sweep:
+            ratio = metrics[f"batch{batch}_{name}_ratio"] = min(times["default"]) / min(times[name])
+            line += f"; {name.replace('_', ' ')} {ratio:.2f}x the default"
+        lines.append(line)
+        print(lines[-1], flush=True)
+    one = variants[min(variants)]
+    details["profile"] = profile = profile_summary.profile_steps(lambda n: [one() for _ in range(n)], 1)
+    lines += [f"profile of one batch-{min(variants)} generation of {shapes.new_tokens} tokens (a step below):",
+              *profile_summary.describe(profile, 8)]
+    print("\n".join(lines[-9:]), flush=True)
+    return lines
 
 
 def generation_summary(metrics: dict[str, float], shapes: Shapes) -> str:
@@ -486,9 +681,10 @@ def part_hf_generate(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]
 
 
 def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
-    """`jaxgpt serve`'s app on 127.0.0.1 (one slot per client of the largest load) with GPT-2's tokenizer, under
-    1 to many streaming clients of the openai client, against `generate` alone and the engine alone:
-    benchmarks/bench_serve.py's part 1 (`measure`) at this run's shapes."""
+    """`jaxgpt serve`'s processes on 127.0.0.1 (the engine's in this one, one slot per client of the largest load;
+    an HTTP front end in another) with GPT-2's tokenizer, under 1 to many streaming clients of the openai client,
+    against `generate` alone and the engine alone with as many requests at once (the ceiling each load is a ratio
+    of): benchmarks/bench_serve.py's part 1 (`measure`) at this run's shapes."""
     import jax
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -505,8 +701,9 @@ def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     got = bench_serve.measure("serve", cfg, init_params(cfg, jax.random.key(0)), tokenizer, work,
                               slots=max(shapes.clients))
     rows = [f"generate alone {got['generate_tokens_per_s']:,.0f} tokens/s"]
-    rows += [f"{n} client{'s' * (n > 1)} {got[f'clients{n}_tokens_per_s']:,.0f} (TTFT p50 "
-             f"{got[f'clients{n}_ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {got[f'clients{n}_itl_p50_s'] * 1e3:.2f} ms)"
+    rows += [f"{n} client{'s' * (n > 1)} {got[f'clients{n}_tokens_per_s']:,.0f} (engine alone "
+             f"{got[f'engine{n}_tokens_per_s']:,.0f}; TTFT p50/p99 {got[f'clients{n}_ttft_p50_s'] * 1e3:.0f}/"
+             f"{got[f'clients{n}_ttft_p99_s'] * 1e3:.0f} ms, ITL p50 {got[f'clients{n}_itl_p50_s'] * 1e3:.2f} ms)"
              for n in shapes.clients]
     return {"summary": "; ".join(rows), "metrics": got,
             "details": {"slots": max(shapes.clients), "requests_per_client": shapes.requests,
@@ -515,8 +712,9 @@ def part_serve(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
 
 
 PART_FUNCTIONS: dict[str, Callable[[Shapes, argparse.Namespace], dict[str, Any]]] = {
-    "env": part_env, "tests": part_tests, "train": part_train, "train_flags": part_train,
-    "torch_train": part_torch_train, "generate": part_generate, "hf_generate": part_hf_generate, "serve": part_serve}
+    "env": part_env, "tests": part_tests, "train": part_train, "train_sweep": part_train_sweep,
+    "train_medium": part_train_medium, "torch_train": part_torch_train, "generate": part_generate,
+    "hf_generate": part_hf_generate, "serve": part_serve}
 
 
 def child(args: argparse.Namespace) -> int:
@@ -544,8 +742,6 @@ def part_environment(name: str, smoke: bool) -> dict[str, str]:
         env["JAX_PLATFORMS"] = "cpu"
     if name.startswith("train"):  # the largest batch that fits: let JAX's allocator take most of the device, as
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # PyTorch may
-    if name == "train_flags":
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {TRAIN_XLA_FLAGS}".strip()
     return env
 
 
@@ -553,7 +749,7 @@ def run_part(name: str, limit: float, args: argparse.Namespace, extra: list[str]
     """One part in a new process group, killed whole at `limit` seconds; its record, status and log tail (the
     whole output goes to `log`)."""
     forwarded = [*(["--smoke"] if args.smoke else []), *(["--steps", str(args.steps)] if args.steps else []),
-                 *(["--variants"] if args.variants else []),
+                 *(["--variants", args.variants] if args.variants else []),
                  *(["--attention", args.attention] if args.attention else []),
                  *(["--batches", args.batches] if args.batches else [])]
     with tempfile.TemporaryDirectory() as tmp:
@@ -594,17 +790,17 @@ def comparisons(records: dict[str, dict[str, Any]], shapes: Shapes) -> dict[str,
         ours, theirs = get("generate", f"batch{b}_tokens_per_s"), get("hf_generate", f"batch{b}_tokens_per_s")
         if ours and theirs:
             out[f"cached generation at batch {b}: jaxgpt / transformers"] = ours / theirs
-    if get("train", "tokens_per_s") and get("train_flags", "tokens_per_s"):
-        out[f"training tokens/s under {TRAIN_XLA_FLAGS} / without"] = (get("train_flags", "tokens_per_s")
-                                                                       / get("train", "tokens_per_s"))
-    for other in shapes.loss_chunks:
-        if get("train", "tokens_per_s") and get("train", f"loss_chunk{other}_tokens_per_s"):
-            out[f"training tokens/s, loss_chunk {other} / the recipe's"] = (
-                get("train", f"loss_chunk{other}_tokens_per_s") / get("train", "tokens_per_s"))
+    for key, ratio in records.get("train_sweep", {}).get("metrics", {}).items():
+        if key.endswith("_ratio"):
+            out[f"training tokens/s, {key.removesuffix('_ratio')} / the recipe's"] = ratio
     low = min(shapes.clients)
     if get("serve", f"clients{low}_tokens_per_s") and get("serve", "generate_tokens_per_s"):
         out[f"serving tokens/s, {low} client / generate alone"] = (get("serve", f"clients{low}_tokens_per_s")
                                                                    / get("serve", "generate_tokens_per_s"))
+    for n in shapes.clients:
+        if get("serve", f"clients{n}_tokens_per_s") and get("serve", f"engine{n}_tokens_per_s"):
+            out[f"serving tokens/s, {n} client{'s' * (n > 1)} / the engine alone with {n}"] = (
+                get("serve", f"clients{n}_tokens_per_s") / get("serve", f"engine{n}_tokens_per_s"))
     for high in shapes.clients[1:]:
         if get("serve", f"clients{low}_tokens_per_s") and get("serve", f"clients{high}_tokens_per_s"):
             out[f"serving tokens/s, {high} clients / {low}"] = (get("serve", f"clients{high}_tokens_per_s")
@@ -613,10 +809,10 @@ def comparisons(records: dict[str, dict[str, Any]], shapes: Shapes) -> dict[str,
 
 
 def report(records: dict[str, dict[str, Any]], ratios: dict[str, float], header: str) -> None:
-    print(f"\n{header}\n{'part':<12}{'status':<9}{'seconds':>8}  result")
+    print(f"\n{header}\n{'part':<13}{'status':<9}{'seconds':>8}  result")
     for name, r in records.items():
         text = r["summary"] if r["status"] == "ok" else "; ".join(filter(None, [r["summary"], r.get("error")]))
-        print(f"{name:<12}{r['status']:<9}{r['seconds']:>8.1f}  {text}")
+        print(f"{name:<13}{r['status']:<9}{r['seconds']:>8.1f}  {text}")
     for what, ratio in ratios.items():
         print(f"{what}: {ratio:.2f}x")
 
@@ -664,7 +860,7 @@ def parent(args: argparse.Namespace) -> int:
                                  "error": f"the run's --budget of {budget:.0f} s was spent"}
                 continue
             train_batch = records.get("train", {}).get("metrics", {}).get("batch_per_device")
-            extra = ["--batch", str(train_batch)] if name == "torch_train" and train_batch else []
+            extra = ["--batch", str(train_batch)] if name in ("torch_train", "train_sweep") and train_batch else []
             print(f"{name}: running (limit {min(limits[name], left):.0f} s)", flush=True)
             records[name] = r = run_part(name, min(limits[name], left), args, extra, logs / f"{name}.log")
             print(f"{name}: {r['status']} in {r['seconds']:.0f} s: {r['summary'] or r.get('error')}", flush=True)
@@ -689,8 +885,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="timed training steps (default 10; --smoke 2)")
     parser.add_argument("--batches", help="per-device training batches to try, largest first (default "
                         f"{','.join(map(str, FULL.batches))})")
-    parser.add_argument("--variants", action="store_true", help="train: also time the step with other loss "
-                        "chunks (FULL: all logits at once, and 512 positions: fewer trips of the loss's loop)")
+    parser.add_argument("--variants", nargs="?", const="", help="train_sweep's candidates besides the recipe, "
+                        "comma-separated, or all (default: all; --smoke: two; see `candidates`)")
     parser.add_argument("--attention", help="the model's attention_impl instead of the recipe's auto (e.g. xla)")
     parser.add_argument("--run_part", choices=PARTS, help=argparse.SUPPRESS)  # a part's own process
     parser.add_argument("--result", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """Where a compiled step's time goes on the device, from a `jax.profiler` trace: top ops, kinds, host gaps.
 
-    summary = profile_steps(run_one_step, steps=3)   # run_one_step() runs one step and waits for it
+    summary = profile_steps(run_steps, steps=3)   # run_steps(3) runs 3 steps back to back and waits for them
 
 benchmarks/device_check.py calls this after timing the training step, so that a missed speed target comes
 with the profile that explains it, read on the host that missed it (no TensorBoard there, and minutes only).
@@ -117,13 +117,16 @@ def summarize(events: list[tuple[str, str, int, int]], steps: int, wall_s: float
     }
 
 
-def profile_steps(run_step: Callable[[], Any], steps: int = 3) -> dict[str, Any]:
-    """Trace `steps` calls of `run_step` (each runs one compiled step and waits for it) and summarize them."""
+def profile_steps(run_steps: Callable[[int], Any], steps: int = 3) -> dict[str, Any]:
+    """Trace `run_steps(steps)` (`steps` compiled steps back to back, as training runs them, then a wait for the
+    last) and summarize them. Where XLA:GPU would run command buffers (CUDA graphs), it runs them under the
+    profiler too only if the program was compiled with `xla_enable_command_buffers_during_profiling`; otherwise
+    it launches their kernels one by one while tracing, and the trace shows launch gaps an unprofiled step has
+    not."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             t = time.perf_counter()
-            for _ in range(steps):
-                run_step()
+            run_steps(steps)
             wall_s = time.perf_counter() - t
         paths = sorted(Path(tmp).rglob("*.xplane.pb"))
         if not paths:

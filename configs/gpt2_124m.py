@@ -6,7 +6,8 @@ shards train as they are: --config.data.name= --config.data.dir=PATH/TO/fineweb1
 
 About 0.5M tokens per step (480 sequences of 1024), 600k steps; bf16 compute with fp32 parameters
 and optimizer state; the platform's fused attention (`auto`: splash on TPU, cuDNN on GPU) and a loss
-computed 128 positions at a time (the float32 logits of the whole batch never exist at once).
+computed 128 positions at a time (the float32 logits of the whole batch never exist at once; on GPUs the chunks
+are unrolled, so the step has no loop: `jaxgpt aot --topology h100:1` shows it).
 On a pod, set the mesh, e.g. --config.mesh.data=-1 --config.mesh.fsdp=8.
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """

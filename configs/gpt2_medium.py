@@ -6,6 +6,10 @@ and fully rematerialized (activations recomputed in the backward pass). Paramete
 sharded over all chips (FSDP); 4 micro-batches per step. Check a slice before paying for it, e.g.
     jaxgpt aot --config configs/gpt2_medium.py --topology v5e:4x4
 (4.0 GiB per chip of 16, >= 0.90 s per step by the roofline bound, compiled with XLA attention and the dense loss).
+On GPUs a scanned layer stack is a loop whose body the host launches every trip: on one GPU use
+    --config.model.scan_layers=False --config.model.remat=none --config.mesh.fsdp=1 --config.batch_size=32
+    --config.grad_accum=1
+(42.3 GiB of an H100 by `jaxgpt aot --topology h100:1`; benchmarks/device_check.py's train_medium part trains it so).
 See docs/scaling.md for the plan (which slice, mesh, batch and remat) and launch recipes.
 The vocabulary is padded to 50304 (a multiple of 128) so it splits evenly over tensor-parallel devices.
 """

@@ -5,8 +5,8 @@ Prepare the text first, then point the config at it (data.dir has no default on 
     jaxgpt data --text my.txt --tokenizer char --out data/my
     python train.py --config configs/mytext_char.py --config.data.dir=data/my
 
-The vocabulary is the set of characters in the text. README.md, "Bring your own text", continues with
-sampling, evaluation and export.
+The vocabulary is the set of characters in the text. docs/data.md, "Your own text, character level, from
+scratch", continues with sampling, evaluation and export.
 """
 
 from jaxgpt.model.presets import get_preset

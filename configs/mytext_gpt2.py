@@ -6,7 +6,8 @@
 The model keys are left at the base config's, so the architecture comes from the weights in `init_from`
 (any GPT-2 size works: --config.init_from=hf:openai-community/gpt2-medium, or a local directory
 hf:/path/to/gpt2 offline); block_size only crops the context. `--config.init_from=` trains the same
-architecture from scratch instead (slow on a CPU). README.md, "Fine-tune GPT-2", has the walk-through.
+architecture from scratch instead (slow on a CPU). docs/huggingface.md, "Fine-tune GPT-2 on your text", has the
+walk-through.
 """
 
 from jaxgpt.train.config import base_config

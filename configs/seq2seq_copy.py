@@ -3,7 +3,7 @@
 The Annotated Transformer's first exercise, a little harder: sources are random strings of 1-20 symbols
 out of 20 (its were 10 of 10), the target is the same string; 5% of 20,000 generated strings are held out.
 2 encoder + 2 decoder layers, 4 heads, 128 wide, trained with teacher forcing; every evaluation decodes the
-held-out sources greedily and reports exact match. See README.md (Sequence to sequence) for the time and
+held-out sources greedily and reports exact match. See docs/benchmarks.md (Encoder-decoder) for the time and
 exact match measured on 2 CPU cores.
 
     python train.py --config configs/seq2seq_copy.py [--config.seq2seq.data=reverse]

@@ -1,7 +1,8 @@
 """Quick start: a small character-level GPT on the Python standard library's sources (no download).
 
 4 layers x 4 heads x 128 wide, 256 characters of context; 700 steps of 32 x 256 characters (5.7M), data
-parallel over two CPU devices. See README.md for the time and validation loss measured on a 2-core machine.
+parallel over two CPU devices. See README.md (Quick start) for the time and validation loss measured on a 2-core
+machine.
 """
 
 from jaxgpt.model.presets import get_preset

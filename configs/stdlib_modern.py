@@ -5,7 +5,8 @@ and batches) built as the "nanochat-d12" preset builds its model: rotary positio
 after the embedding), QK-norm, ReLU^2, no biases, an untied head, logits soft-capped at 15, zero-initialised
 residual projections. Muon trains the hidden matrices (rate 0.02) and AdamW the embedding and head (3e-3, no
 weight decay); the rate is held after the warmup and falls linearly to 0 over the last 40% of the run.
-`python benchmarks/bench_recipes.py` measures it against the quick start (README, "Optimizers and schedules").
+`python benchmarks/bench_recipes.py` measures it against the quick start (docs/benchmarks.md, "Two recipes on
+the quick start").
 
     python train.py --config configs/stdlib_modern.py
 """

@@ -7,7 +7,6 @@ about a minute per GPT-2-sized step here, so those compiles are marked slow; the
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from tests_helpers import aot_cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 
@@ -42,18 +42,14 @@ def config(path: str, **overrides: object):
 
 
 def test_cli_compiles_a_small_model_for_a_v5e_slice(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    proc = subprocess.run(
-        ["timeout", "600", sys.executable, "-m", "jaxgpt", "aot", f"--config={TINY}", "--topology=v5e:2x2",
-         "--config.model.vocab_size=128", "--config.model.n_head=4", "--config.model.dtype=bfloat16",
-         "--config.mesh.data=2", "--config.mesh.fsdp=2", f"--json={out}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=660)
+    proc, r = aot_cli(tmp_path / "report.json", "--topology=v5e:2x2", "--config.model.vocab_size=128",
+                      "--config.model.n_head=4", "--config.model.dtype=bfloat16", "--config.mesh.data=2",
+                      "--config.mesh.fsdp=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for text in ("memory per chip", "parameters", "optimizer state", "activations / temporaries", "fits",
                  "FLOPs (XLA + Pallas kernels)", "analytic FLOPs", "collectives per chip per step", "all-reduce",
                  "step time     >=", "roofline-bound MFU <="):
         assert text in proc.stdout, text
-    r = json.loads(out.read_text())
     assert r["n_chips"] == 4 and r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and r["fits"]
     # fp32 parameters, split in two over fsdp (the norms and biases that do not split are small).
     assert r["n_params"] * 4 / 2 <= r["param_bytes"] < r["n_params"] * 4 * 0.6

@@ -79,6 +79,12 @@ def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: Modu
     assert profile["top_ops"] and profile["device_busy_ms_per_step"] > 0
     assert parts["train"]["metrics"]["optimizer_s"] > 0
     assert parts["serve"]["metrics"]["clients1_ttft_p50_s"] > 0 and parts["serve"]["metrics"]["clients4_itl_p50_s"] > 0
-    # PyTorch's ratios where it runs; the flags' and the two other loss chunks' to the recipe; the server's one
-    # client to generate alone and many clients to one
-    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2) + 5
+    # the sweep's candidates (--smoke's two: a loss layout, accumulation with loops in command buffers) against the
+    # recipe, each in the same process; GPT-2 medium's row (a tiny model under --smoke)
+    sweep = parts["train_sweep"]["metrics"]
+    assert sweep["loss_chunk0_ratio"] > 0 and sweep["accumulate_2_loops_in_graphs_ratio"] > 0
+    assert not parts["train_sweep"]["details"]["errors"] and parts["train_medium"]["metrics"]["tokens_per_s"] > 0
+    # PyTorch's ratios where it runs; the sweep's two to the recipe; the server's one client to generate alone,
+    # many clients to one, and each load (1 and 4 clients) to the engine alone with as many at once
+    assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2) + 6
+    assert parts["serve"]["metrics"]["clients4_cpu_us_per_token_front_ends"] > 0

@@ -1,4 +1,5 @@
-"""Reading collectives, loop trip counts and kernel calls from HLO text in the forms XLA:TPU prints."""
+"""Reading collectives, loop trip counts, kernel calls and host transfers from HLO text in the forms XLA:TPU and
+XLA:GPU print."""
 
 from __future__ import annotations
 
@@ -61,3 +62,72 @@ def test_collectives_are_counted_once_per_channel_and_weighted_by_loop_trips() -
 def test_pallas_kernels_are_found_by_name_with_their_runs() -> None:
     (call,) = hlo.custom_calls(HLO)
     assert call["kernel"] == "splash_mha_fwd_residuals" and call["runs"] == 4
+
+
+# A step shaped like XLA:GPU's output: a GEMM fusion, a cuDNN attention call, an asynchronous all-reduce whose type
+# holds its operand and result, a loop of 4 known trips and one whose trips XLA does not know (its bound is a
+# parameter), and a copy into host memory (memory space S(5)).
+GPU_HLO = """HloModule jit_train_step, is_scheduled=true
+
+%fused_gemm (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_add (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %add = f32[8]{0} add(%p0, %p0)
+}
+
+%cond (p: (s32[], f32[8], s32[])) -> pred[] {
+  %p = (s32[], f32[8]{0}, s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] get-tuple-element(%p), index=2
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[8], s32[])) -> (s32[], f32[8], s32[]) {
+  %p = (s32[], f32[8]{0}, s32[]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add
+  ROOT %t = (s32[], f32[8]{0}, s32[]) tuple(%p)
+}
+
+ENTRY %main.9 (a: bf16[64,32], b: bf16[32,16], c: f32[8]) -> f32[8] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  %c = f32[8]{0} parameter(2)
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(3)
+  %g = bf16[1000]{0} parameter(4)
+  %s = (s32[], f32[8]{0}, s32[]) parameter(5)
+  %gemm = bf16[64,16]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_gemm, @GEMM@
+  %attn = (bf16[2,4,128,64]{3,1,2,0}, f32[2,4,128]{2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), @CUDNN@
+  %ars = ((bf16[1000]{0}), bf16[1000]{0}) all-reduce-start(%g), channel_id=5, replica_groups=[1,8]<=[8], to_apply=%add
+  %ard = bf16[1000]{0} all-reduce-done(%ars)
+  %known = (s32[], f32[8]{0}, s32[]) while(%s), condition=%cond, body=%body, @KNOWN@
+  %unknown = (s32[], f32[8]{0}, s32[]) while(%s), condition=%cond, body=%body
+  ROOT %host = f32[8]{0:S(5)} copy(%c)
+}
+""".replace("@GEMM@", 'backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}').replace(
+    "@CUDNN@", 'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
+    '{"mask_type": "CAUSAL"}}').replace("@KNOWN@", 'backend_config={"known_trip_count":{"n":"4"}}')
+
+
+def test_gpu_launches_loops_and_host_transfers() -> None:
+    # (the loops' conditions are kernels too: "other")
+    assert hlo.launches(GPU_HLO) == {"fusion": 5, "other": 2, "matmul": 1, "cuDNN": 1, "collective": 1, "copy": 1}
+    assert [(loop["trips"], loop["known"], loop["body_launches"]) for loop in hlo.loops(GPU_HLO)] == [
+        (4, True, 1), (None, False, 1)]
+    kinds = [(t["kind"], t["bytes"]) for t in hlo.host_transfers(GPU_HLO)]
+    assert kinds == [("loop condition read by the host", 4 + 32 + 4), ("to host memory", 32)]
+    reduce = hlo.collectives(GPU_HLO, n_devices=8)["all-reduce"]  # the result's 2000 bytes, not the pair's 4000
+    assert reduce["bytes"] == 2000 and reduce["traffic"] == pytest.approx(2 * 2000 * 7 / 8)
+
+
+def test_cudnn_attention_is_counted_from_its_shapes() -> None:
+    from jaxgpt.tools import gpus
+
+    flops, bytes_, calls = gpus.cudnn_attention_cost(GPU_HLO)
+    assert calls == 1 and flops == 2 * 2 * 2 * 4 * 128 * 128 * 64 / 2  # two causal products of (B, H, T, T, D)
+    assert bytes_ == 4 * 2 * 4 * 128 * 64 * 2 + 2 * 4 * 128 * 4  # q, k, v, out in bf16; float32 row statistics

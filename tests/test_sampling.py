@@ -277,6 +277,57 @@ def test_a_shorter_cache_gives_the_same_tokens(monkeypatch, batch: int) -> None:
     np.testing.assert_array_equal(sampled, want)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_accelerators_attention_over_the_written_cache_equals_the_cpus(kv_heads: int) -> None:
+    """`attend_written` (accelerators: the new key and value written into the cache first) gives `attend_one`'s
+    output (CPUs: the cache as it was plus the new key and value), with grouped queries too; rows at different
+    positions, as the engine's slots are."""
+    from jaxgpt.ops.attention import attend_one, attend_written, write_cache
+
+    B, H, S, D = 3, 4, 16, 8
+    q, k, v, old_k, old_v = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(
+        [(B, 1, H, D), (B, kv_heads, 1, D), (B, kv_heads, 1, D), (B, kv_heads, S, D), (B, kv_heads, S, D)]))
+    index = jnp.array([0, 5, S - 1])
+
+    def per_row(f):  # f on one row (a batch of 1) at its own index, over the B rows
+        return jax.vmap(lambda *a: jax.tree.map(lambda x: x[0], f(*jax.tree.map(lambda x: x[None], a[:-1]), a[-1])))
+    want, k_new, v_new = per_row(lambda *a: attend_one(*a, "float32"))(q, k, v, old_k, old_v, index)
+    cache = per_row(lambda c, kn, vn, i: write_cache(c, kn, vn, i))({"k": old_k, "v": old_v}, k_new, v_new, index)
+    got = per_row(lambda qb, kb, vb, i: attend_written(qb, kb, vb, i, "float32"))(q, cache["k"], cache["v"], index)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_trip_count_loops_give_the_while_loops_tokens(monkeypatch) -> None:
+    """The loops accelerators run (`ops.decode.fixed_trip_counts`: every step of a trip runs, those past the loop's
+    end masked) give the tokens of the while loops CPUs run: a sliding window (masked steps on a full cache), end
+    of text, sampling, streamed chunks and the engine's chunks (`generate_many`)."""
+    from jaxgpt.generate.engine import generate_many
+    from jaxgpt.ops import decode
+
+    cfg = SWEEP["seed001"]
+    params, prompt = random_params(cfg), prompts(cfg, 5, seed=3)
+    free = generate(params, cfg, prompt, max_new_tokens=3 * cfg.block_size, temperature=0, window_shift=3)
+    cases = [dict(max_new_tokens=3 * cfg.block_size, temperature=0, window_shift=3, eot_token=int(free[0, -3])),
+             dict(max_new_tokens=2 * cfg.block_size, key=4, top_k=9, window_shift=8)]
+    short = [list(p) for p in prompts(cfg, 3, batch=3, seed=5)]
+
+    def run() -> list:
+        out = [generate(params, cfg, prompt, **case) for case in cases]
+        out.append(np.concatenate(list(stream(params, cfg, prompt, chunk_size=7, **cases[1])), axis=1))
+        return [*out, generate_many(params, cfg, short, max_new_tokens=[9, 4, 12], seeds=[1, 2, 3],
+                                    temperature=[0.0, 1.0, 0.8], slots=2)]
+    want = run()
+    jax.clear_caches()  # the programs compiled for CPUs' loops
+    monkeypatch.setattr(decode, "current_platform", lambda: "gpu")
+    try:
+        got = run()
+    finally:
+        jax.clear_caches()
+    for g, w in zip(got[:-1], want[:-1], strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert got[-1] == want[-1]  # the engine's rows, one list of tokens each
+
+
 def test_end_of_text_finishes_rows_and_stops_the_loop() -> None:
     cfg = SWEEP["seed001"]
     params, prompt = random_params(cfg), prompts(cfg, 5, seed=3)

@@ -188,6 +188,28 @@ def test_the_key_the_body_limit_and_undeclared_paths(server):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_open_paths_answer_without_the_key_and_an_unknown_one_is_named():
+    """`jaxgpt serve --open_paths`: the named paths answer without the key, every other still needs it; a path the
+    server does not answer is a UserError naming it (the command's one-line error)."""
+    import multiprocessing
+
+    from jaxgpt.serve.app import Served, create_app
+    from jaxgpt.serve.client import EngineClient
+
+    tokenizer_paths = ("/tokenizer_info", "/tokenize", "/detokenize")
+    opened = Server(api_key=KEY, open_paths=tokenizer_paths)
+    try:
+        assert httpx.get(root(opened, "/tokenizer_info")).status_code == 200
+        assert httpx.post(root(opened, "/tokenize"), json={"prompt": "ab"}).json()["tokens"] == TOKENIZER.encode("ab")
+        assert httpx.get(root(opened, "/v1/models")).status_code == 401
+        assert httpx.post(root(opened, "/v1/completions"), json={"prompt": "a"}).status_code == 401
+    finally:
+        opened.close()
+    with pytest.raises(UserError, match="/tokenizer-info is not a path this server answers"):
+        create_app(EngineClient(multiprocessing.Pipe()[0], None),
+                   Served(TOKENIZER, "tiny", CFG, 1, api_key=KEY, open_paths=("/tokenizer-info",)))
+
+
 def test_openapi_declares_every_status_the_routes_answer(server):
     spec = httpx.get(root(server, "/openapi.json"), headers={"Authorization": f"Bearer {KEY}"}).json()
     for path in ("/v1/completions", "/v1/chat/completions"):

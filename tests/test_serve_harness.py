@@ -1,9 +1,14 @@
 """lm-evaluation-harness's `local-completions` (how the harness evaluates any served model) against `jaxgpt serve`
 on 127.0.0.1: it finds the server's tokenizer endpoints, sends token-id prompts with echo and logprobs, and gets
-the log-likelihoods `jaxgpt harness` computes in process, and the same generate_until text."""
+the log-likelihoods `jaxgpt harness` computes in process, and the same generate_until text; its command runs
+against a server with an API key whose tokenizer paths are left open."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +20,7 @@ pytest.importorskip("jinja2")
 
 from test_evals import CFG, TOL, exported, responses, task_dir  # noqa: F401  (fixtures)
 from test_serve import Server
+from test_serve_clients import KEY
 
 from jaxgpt.io import weights
 
@@ -71,3 +77,29 @@ def test_local_completions_generates_as_jaxgpt_harness(served: Server, exported:
     remote = LocalCompletionsAPI(**args)
     assert remote.generate_until(requests, disable_tqdm=True) == JaxGPTLM(init_from=f"hf:{exported}").generate_until(
         requests, disable_tqdm=True)
+
+
+@pytest.mark.slow  # about 35 s on a loaded 2-core CPU, most of it the harness's start
+def test_lm_eval_command_against_a_keyed_server_with_open_tokenizer_paths(exported: Path, task_dir: Path,  # noqa: F811
+                                                                          tmp_path: Path) -> None:
+    """The harness's remote tokenizer sends no key (unless model_args has auth_token): `--open_paths` leaves the
+    tokenizer's paths open while completions still need the key, which the harness sends from OPENAI_API_KEY."""
+    import httpx
+
+    loaded = weights.load(f"hf:{exported}")
+    keyed = Server(model=(loaded.params, CFG, loaded.tokenizer(None), None), api_key=KEY,
+                   open_paths=("/tokenizer_info", "/tokenize", "/detokenize"))
+    try:
+        assert httpx.get(f"http://127.0.0.1:{keyed.port}/tokenizer_info").status_code == 200
+        assert httpx.post(f"{keyed.url}/completions", json={"prompt": "a"}).status_code == 401
+        model_args = ",".join(f"{k}={v}" for k, v in local_completions(keyed).items())
+        command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
+                   model_args, "--tasks", "tiny_mc", "--include_path", str(task_dir), "--limit", "4",
+                   "--output_path", str(tmp_path)]
+        done = subprocess.run(command, env={**os.environ, "OPENAI_API_KEY": KEY, "HF_DATASETS_OFFLINE": "1"},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())["results"]["tiny_mc"]
+        assert 0 <= results["acc,none"] <= 1
+    finally:
+        keyed.close()

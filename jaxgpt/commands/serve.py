@@ -6,10 +6,15 @@
     jaxgpt serve --workdir gs://bucket/run --follow         # each new checkpoint of a run still training
 
 Any OpenAI client talks to it (base_url http://HOST:PORT/v1; with --api_key or JAXGPT_API_KEY set, that key,
-else any). /v1/chat/completions renders messages with the run's chat_template.jinja or --chat_template FILE;
-/metrics is Prometheus's text format. A request's prompt and max_tokens must fit in the model's context. An
-encoder-decoder run (task seq2seq) takes the source as the prompt. SIGTERM (or Ctrl-C) stops accepting
-requests, finishes those in flight, exits.
+else any; --open_paths=/tokenizer_info,/tokenize,/detokenize leaves those outside the key, for tools such as
+lm-evaluation-harness's remote tokenizer that send none). /v1/chat/completions renders messages with the run's
+chat_template.jinja or --chat_template FILE; /metrics is Prometheus's text format. A request's prompt and
+max_tokens must fit in the model's context. An encoder-decoder run (task seq2seq) takes the source as the
+prompt. SIGTERM (or Ctrl-C) stops accepting requests, finishes those in flight, exits.
+
+The engine runs in this process and the HTTP front ends (requests, tokenizing, detokenizing, streaming) in
+--api_servers processes of their own on the same port, as vLLM separates its engine core from its API servers:
+the engine's thread then never waits for the front ends' interpreter lock (jaxgpt.serve.core).
 
 --follow polls the run every --follow_interval seconds and serves its newest checkpoint (of --which) once the
 requests in flight have finished with the previous one; one that cannot be read, or whose model differs, is
@@ -19,6 +24,7 @@ one line on stderr and the previous weights stay. Answers' system_fingerprint an
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +56,13 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("chat_template", None, "a Jinja2 chat template (Hugging Face format) for "
                         "/v1/chat/completions, instead of the run's chat_template.jinja", flag_values=flags_)
     flags.DEFINE_string("api_key", None, "the key clients must send (Authorization: Bearer KEY) on every path but "
-                        "/health; default: the JAXGPT_API_KEY environment variable, else none", flag_values=flags_)
+                        "/health, the chat page and --open_paths; default: the JAXGPT_API_KEY environment variable, "
+                        "else none", flag_values=flags_)
+    flags.DEFINE_list("open_paths", [], "paths answered without the API key (default: none but /health and the chat "
+                      "page), e.g. /tokenizer_info,/tokenize,/detokenize for lm-evaluation-harness's "
+                      "tokenizer_backend=remote, which sends no key", flag_values=flags_)
+    flags.DEFINE_integer("api_servers", 1, "HTTP front-end processes sharing the port (more: more streams framed "
+                         "at once; the engine is one, in this process)", lower_bound=1, flag_values=flags_)
     flags.DEFINE_bool("follow", False, "--workdir: serve each new checkpoint the run commits while it trains",
                       flag_values=flags_)
     flags.DEFINE_float("follow_interval", 5.0, "--follow: seconds between looks at the run's checkpoints",
@@ -61,14 +73,16 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
     no_arguments(args)
-    uvicorn = optional_import("uvicorn", "jaxgpt serve", package="jaxgpt[serve]")
+    optional_import("uvicorn", "jaxgpt serve", package="jaxgpt[serve]")
     optional_import("fastapi", "jaxgpt serve", package="jaxgpt[serve]")
     optional_import("prometheus_client", "jaxgpt serve", package="jaxgpt[serve]")
     optional_import("jinja2", "jaxgpt serve", package="jaxgpt[serve]")
     from jaxgpt.generate.engine import Engine
-    from jaxgpt.serve.app import create_app
-    from jaxgpt.serve.chat import ChatTemplate, load_template
+    from jaxgpt.serve.app import Served
+    from jaxgpt.serve.chat import load_template
+    from jaxgpt.serve.core import Core
     from jaxgpt.serve.follow import Follower, version
+    from jaxgpt.serve.launch import listen, start_front_ends
 
     if flags_.follow and flags_.workdir is None:
         raise UserError("--follow follows a training run's checkpoints: give it with --workdir")
@@ -87,18 +101,36 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
               flush=True)
     follower = (Follower(engine, flags_.workdir, flags_.which, loaded, flags_.follow_interval) if flags_.follow
                 else None)
-    source = load_template(flags_.workdir, flags_.chat_template)
-    eos = tokenizer.decode([tokenizer.eot_token]) if tokenizer.eot_token is not None else ""
-    template = ChatTemplate(source, bos_token=eos, eos_token=eos) if source is not None else None
     api_key = flags_.api_key or os.environ.get("JAXGPT_API_KEY") or None
     limit = {"max_body_bytes": flags_.max_body_bytes} if flags_.max_body_bytes is not None else {}
-    chat_stop_ids = [loaded.meta["chat"]["end_id"]] if "chat" in loaded.meta else []  # a chat run's end of turn
-    app = create_app(engine, tokenizer, name, chat_template=template, api_key=api_key, follower=follower,
-                     chat_stop_ids=chat_stop_ids, **limit)
+    chat_stop_ids = (loaded.meta["chat"]["end_id"],) if "chat" in loaded.meta else ()  # a chat run's end of turn
+    template = load_template(flags_.workdir, flags_.chat_template)
+    served = Served(tokenizer, name, cfg, flags_.slots, chat_template=template, chat_stop_ids=chat_stop_ids,
+                    api_key=api_key, open_paths=tuple(flags_.open_paths), **limit)
+    with listen(flags_.host, flags_.port) as sock:
+        procs, conns = start_front_ends(served, engine.version, sock, flags_.api_servers)
     print(f"serving {name!r} {engine.version or ''} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots; "
-          f"chat: {'yes' if template else 'no template'}; API key: {'required' if api_key else 'none'}"
+          f"{flags_.api_servers} HTTP process{'es' if flags_.api_servers > 1 else ''}; chat: "
+          f"{'yes' if template else 'no template'}; API key: {'required' if api_key else 'none'}"
           f"{f'; following every {flags_.follow_interval:g} s' if follower else ''})", flush=True)
-    uvicorn.run(app, host=flags_.host, port=flags_.port, log_level="warning", timeout_graceful_shutdown=60)
+
+    def finish(*_: object) -> None:  # each front end finishes its requests in flight, then closes its end
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, finish)
+    signal.signal(signal.SIGINT, finish)
+    if follower is not None:
+        follower.start()
+    try:
+        Core(engine, conns).run()  # until every front end has closed
+    finally:
+        finish()
+        if follower is not None:
+            follower.stop()  # (a checkpoint being loaded is loaded first)
+        for proc in procs:
+            proc.join()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 The config's `task` says what is trained on the one loop: "lm" (language modelling, then a sample of
 what the model writes) or "classify" (seed 001's fine-tuning, e.g. configs/classify_stdlib.py). Keys and
-types are defined in jaxgpt/train/config.py; README.md lists the shipped configs.
+types are defined in jaxgpt/train/config.py; docs/training.md lists the shipped configs.
 """
 
 from __future__ import annotations

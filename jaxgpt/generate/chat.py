@@ -77,8 +77,8 @@ class ChatModel:
         chat = meta.get("chat")
         if chat is None:
             raise UserError("this model has no chat template: chat needs a run fine-tuned on conversations, e.g. "
-                            "python train.py --config configs/chat_sft.py --config.init_from=workdir:RUN (README: "
-                            "Fine-tune a chat model)")
+                            "python train.py --config configs/chat_sft.py --config.init_from=workdir:RUN "
+                            "(docs/chat.md: Supervised fine-tuning)")
         optional_import("jinja2", "chatting", package="jinja2")
         return cls(params, cfg, tokenizer, ChatTemplate(template or chat["template"]), chat["end_id"])
 

@@ -89,8 +89,7 @@ class Request:
     the prefill with (logprob, top) of prompt tokens 1.. (the first has no context); `logit_bias` maps token ids
     to what is added to their logits before each pick; `stop_ids` end the request like end-of-text (emitted,
     then done("stop")), whatever `ignore_eos` says. With `logprobs` False, emit's logprob is 0.0 and top empty,
-    which spares the decode their cost. `read` is called after the emits of each read of the device (a prefill's
-    first token, a chunk's tokens): a consumer on another thread can wake once per read, not once per token."""
+    which spares the decode their cost."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -105,7 +104,6 @@ class Request:
     stop_ids: Sequence[int] = ()
     logprobs: bool = True
     prompt_logprobs: Callable[[list[tuple[float, list[tuple[int, float]]]]], None] | None = None
-    read: Callable[[], None] = lambda: None
     version: str | None = None  # set when admitted: the engine's `version`, the weights that answer it
 
 
@@ -237,8 +235,10 @@ class Engine:
             self.stopping = True
             self.wake.notify()
 
-    def run(self) -> None:
-        """Admit, decode and retire requests until `stop`; the requests in flight finish first."""
+    def run(self, after_tick: Callable[[], None] = lambda: None) -> None:
+        """Admit, decode and retire requests until `stop`; the requests in flight finish first. `after_tick` is
+        called on this thread after each tick: the server's engine process (`jaxgpt.serve.core`) sends what the
+        tick's callbacks gathered to its front ends there, one message per tick rather than one per token."""
         while True:
             with self.wake:
                 while (not self.stopping and not self.waiting and not any(self.active) and self.pending is None
@@ -251,6 +251,7 @@ class Engine:
             except Exception:  # a failed chunk must not leave its requests waiting forever
                 traceback.print_exc()
                 self._fail_all()
+            after_tick()
 
     def drain(self) -> None:
         """Run in this thread until every submitted request has finished."""
@@ -345,7 +346,6 @@ class Engine:
             self._retire(busy, "length")
         else:  # as a chunk of one row and one step
             self._give(busy, Picked(*(None if x is None else x[:, None] for x in first)), 0, 0)
-            r.read()
 
     def _take_chunk(self, rows: list[_Busy | None], out: Picked) -> None:
         """A chunk's tokens, row by row, to the requests that were in those rows when it was dispatched."""
@@ -354,8 +354,6 @@ class Engine:
             while busy is not None and not busy.finished and k < out.tok.shape[1] and out.tok[b, k] != NO_TOKEN:
                 self._give(busy, out, b, k)
                 k += 1
-            if k:
-                busy.request.read()
 
     def _give(self, busy: _Busy, out: Picked, b: int, k: int) -> None:
         """Token k of row b to its request (unless cancelled), and its end when that token ends it."""

@@ -59,7 +59,7 @@ from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
-from jaxgpt.ops.decode import decoding_weights, kernel_storage, output_major_for
+from jaxgpt.ops.decode import decoding_weights, kernel_storage, output_major_for, token_loop, trip_tokens
 
 Array = jax.Array
 PromptLike = Sequence[int] | Sequence[Sequence[int]] | np.ndarray | Array
@@ -251,11 +251,20 @@ def _prefill(params: Any, prompt_BT: Array, key: Array, *, cfg: ModelConfig, out
     return DecodeState(cache, window_BS, jnp.int32(T), logits_BTV[:, -1], jnp.zeros((B,), bool), jnp.int32(0), key)
 
 
-def _append(cfg: ModelConfig, spec: SamplerSpec, params: Any, st: DecodeState, tok_B: Array) -> DecodeState:
-    """Decode the token just sampled into the next free cache slot (the cheap, common step)."""
-    logits_B1V, cache = _decode(cfg, params, tok_B[:, None], st.cache, st.length, spec.output_major)
-    window_BS = jax.lax.dynamic_update_slice_in_dim(st.window_BS, tok_B[:, None], st.length, axis=1)
-    return st._replace(cache=cache, window_BS=window_BS, length=st.length + 1, logits_BV=logits_B1V[:, 0])
+def _append(cfg: ModelConfig, spec: SamplerSpec, params: Any, st: DecodeState, tok_B: Array,
+            commit: Array | bool = True) -> DecodeState:
+    """Decode the token just sampled into the next free cache slot (the cheap, common step).
+
+    Where `commit` is False (a step `token_loop` runs past the loop's end) the state keeps its length, logits and
+    window; the cache takes a write at or past its length, which nothing reads (a full cache is re-prefilled from
+    the window before its next read, so the write goes to its last slot, a position the model has)."""
+    S = jax.tree.leaves(st.cache)[0].shape[-2]
+    index = st.length if commit is True else jnp.minimum(st.length, S - 1)
+    logits_B1V, cache = _decode(cfg, params, tok_B[:, None], st.cache, index, spec.output_major)
+    written_B = tok_B if commit is True else jnp.where(commit, tok_B, st.window_BS[:, index])
+    window_BS = jax.lax.dynamic_update_slice_in_dim(st.window_BS, written_B[:, None], index, axis=1)
+    logits_BV = logits_B1V[:, 0] if commit is True else jnp.where(commit, logits_B1V[:, 0], st.logits_BV)
+    return st._replace(cache=cache, window_BS=window_BS, length=st.length + jnp.int32(commit), logits_BV=logits_BV)
 
 
 def _slide(cfg: ModelConfig, spec: SamplerSpec, params: Any, st: DecodeState, tok_B: Array) -> DecodeState:
@@ -283,12 +292,12 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
          spec: SamplerSpec, num_steps: int) -> tuple[DecodeState, Array, Array | None, Array]:
     """Up to `num_steps` tokens (fewer once `total` are done or every row has finished).
 
-    Two nested while_loops keep the per-token path free of branches: XLA copies every buffer a
-    `lax.cond` carries, and a branch around the cache in the per-token loop cost more than the
-    model's own decode step. The inner loop appends tokens while the cache has room (with noise
-    drawn ahead for a block of steps, since per-step random-bit generation is a loop of its own on
-    CPU); the outer loop handles what happens once per segment: the token that fills the window and
-    the re-prefill it triggers, or the very last token, after which no forward pass is needed.
+    Two nested loops keep the per-token path free of branches: XLA copies every buffer a `lax.cond` carries, and
+    a branch around the cache in the per-token loop cost more than the model's own decode step. The inner loop
+    (`token_loop`) appends up to `trip_tokens` tokens while the cache has room (with noise drawn ahead for them:
+    per-step random bits are a loop of their own on CPU); on accelerators it runs all its steps, those past its
+    end masked, so that XLA knows its trip count. The outer loop does what happens once per trip: the token that
+    fills the window and the re-prefill it triggers, or the very last token, which needs no forward pass.
 
     Returns the state to continue from, the tokens (B, num_steps) (unfilled slots are eot, or 0 without
     one), if `spec.return_logits` the raw model logits each token was drawn from (B, num_steps, V), and
@@ -299,8 +308,9 @@ def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_
     fill = 0 if spec.eot_token is None else spec.eot_token
     tokens_BN = jnp.full((B, num_steps), fill, jnp.int32)
     logits_BNV = jnp.zeros((B, num_steps, V), jnp.float32) if spec.return_logits else None
-    block = 0 if spec.greedy else max(1, min(num_steps, cfg.block_size, NOISE_BLOCK_ELEMENTS // (B * V)))
-    loop = _Loop(cfg, spec, params, total, temperature, top_p, state.step, num_steps, block)
+    # Steps per trip: at most the call's, the context's (no segment appends more), a noise block's when sampling
+    most = min(num_steps, cfg.block_size, *(() if spec.greedy else (max(1, NOISE_BLOCK_ELEMENTS // (B * V)),)))
+    loop = _Loop(cfg, spec, params, total, temperature, top_p, state.step, num_steps, trip_tokens(num_steps, most))
     state, tokens_BN, logits_BNV = jax.lax.while_loop(lambda c: loop.may_sample(c[0]), loop.segment,
                                                       (state, tokens_BN, logits_BNV))
     progress = jnp.stack([state.step, jnp.all(state.done_B).astype(jnp.int32)])
@@ -322,7 +332,7 @@ class _Loop:
     top_p: Array
     first: Array  # the step the call started at
     num_steps: int
-    block: int  # steps of noise drawn at once (0 when greedy)
+    block: int  # steps of the inner loop per trip of the outer one (`trip_tokens`), and of noise drawn at once
 
     def may_sample(self, st: DecodeState) -> Array:
         return (st.step - self.first < self.num_steps) & (st.step < self.total) & ~jnp.all(st.done_B)
@@ -356,15 +366,14 @@ class _Loop:
 
         def room(carry: tuple) -> Array:  # another token fits, and a next one will be needed
             st = carry[0]
-            more = self.may_sample(st) & (st.step + 1 < self.total) & (st.length < S)
-            return more if spec.greedy else more & (st.step - step0 < self.block)
+            return self.may_sample(st) & (st.step + 1 < self.total) & (st.length < S)
 
-        def append_one(carry: tuple) -> tuple:
-            carry, tok_B = self.take(carry, None if spec.greedy else noise_nBV[carry[0].step - step0])
+        def append_one(_: Array, carry: tuple, commit: Array | bool) -> tuple:
+            carry, tok_B = self.take(carry, None if spec.greedy else noise_nBV[carry[0].step - step0], commit)
             st, *rest = carry
-            return (_append(cfg, spec, self.params, st, tok_B), *rest)
+            return (_append(cfg, spec, self.params, st, tok_B, commit), *rest)
 
-        carry = jax.lax.while_loop(room, append_one, carry)
+        carry = token_loop(self.block, room, append_one, carry)
         # The token that fills the window, or the last one; nothing if the block of noise ran out.
         st = carry[0]
         commit = self.may_sample(st) & ((st.length == S) | (st.step + 1 >= self.total))

@@ -10,8 +10,8 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
   on-device loop, with no return to Python between tokens, attending over the first `span` positions of their
   caches (a power of two that holds what they fill: a decode step reads its row's cache, which for short
   requests on a long context costs more than the weights when many rows decode). A slot stops advancing at its
-  end (a token of its end set: end-of-text unless ignored, a stop id; or its last token); the loop stops early
-  once every row has ended.
+  end (a token of its end set: end-of-text unless ignored, a stop id; or its last token); on CPUs the loop stops
+  early once every row has ended, elsewhere it runs its `steps` (a known trip count: `ops.decode.token_loop`).
 * `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front.
 
 A slot holds the token it picked last, not yet fed to the model: a decode step feeds it at the slot's length and
@@ -38,6 +38,7 @@ from jaxgpt.generate.sampling import _decode
 from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.ops.decode import token_loop
 
 Array = jax.Array
 TOP_LOGPROBS = 5  # the most alternatives a request may ask for (OpenAI's completions allow 5)
@@ -215,16 +216,15 @@ def decode_chunk(params: Any, state: Slots, *, cfg: ModelConfig | Seq2SeqConfig,
     noise_RNV = (jax.vmap(lambda i: row_noise(part.key_S, part.step_S + i, V), out_axes=1)(jnp.arange(steps))
                  if needs.noise else None)
 
-    def one(carry: tuple[Array, Slots, Picked]) -> tuple[Array, Slots, Picked]:
-        i, st, out = carry
+    def one(i: Array, carry: tuple[Slots, Picked], _: Array | bool) -> tuple[Slots, Picked]:
+        st, out = carry  # a step after every row ended (`token_loop`'s uncommitted one) changes none: `_advance`
         st, picked = advance(st, None if noise_RNV is None else noise_RNV[:, i])
         put = lambda whole, new: None if whole is None else jax.lax.dynamic_update_index_in_dim(whole, new, i, 1)
-        return i + 1, st, Picked(*map(put, out, picked))
+        return st, Picked(*map(put, out, picked))
 
-    more = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1].done_S)
     window = min(steps, span)  # a row writes at most this many positions, from its length on (clipped to the span)
     start_R = jnp.minimum(part.length_S, span - window)
-    _, part, out = jax.lax.while_loop(more, one, (jnp.int32(0), part, out))
+    part, out = token_loop(steps, lambda carry: ~jnp.all(carry[0].done_S), one, (part, out))
     # Back into the slots: each row's window of positions, not the whole span (a copy of every busy row's cache,
     # which on CPUs cost more than a tenth of a 16-row chunk).
     row_RW, pos_RW = jnp.arange(rows)[:, None], start_R[:, None] + jnp.arange(window)

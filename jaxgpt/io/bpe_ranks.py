@@ -7,7 +7,7 @@ extracts the one file, checks its hash and renames it into place (`tokenizer.DEF
 `tokenizer.load_bpe` looks when nothing else is configured). The command line is `jaxgpt bpe fetch`;
 `.ci/provision_bpe.sh` does the same in shell.
 
-The file is not shipped inside jaxgpt, although its licences would allow it (see README.md, "GPT-2 BPE").
+The file is not shipped inside jaxgpt, although its licences would allow it (see docs/data.md, "GPT-2 BPE offline").
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ _CAUSES = (
     ("the bucket does not exist", r"NoSuchBucket|bucket does not exist|Bucket not found"),
     ("access denied", r"AccessDenied|Forbidden|\b403\b|PermissionError|Permission denied|PERMISSION_DENIED"),
 )
-_FIXES = {"no credentials": "set up credentials (README: Runs in a bucket)",
+_FIXES = {"no credentials": "set up credentials (docs/data.md: Runs in a bucket)",
           "the bucket does not exist": "create the bucket or fix the URL",
           "access denied": "grant this account write access to the bucket or choose another",
           "the storage server cannot be reached": "check the network or the endpoint setting, then run the same "

@@ -1,4 +1,5 @@
-"""The weights as the sampler's decode loop reads them: cast to the decoding dtype, and laid out for one row.
+"""The weights as the sampler's decode loop reads them (cast to the decoding dtype, laid out for one row), and the
+loop of decode steps as each backend runs it fastest (`token_loop`).
 
 Batch-1 decoding reads every weight once per token, so their layout decides its speed on a CPU
 (`output_major_for`, `jaxgpt.ops.projection`). The sampler asks here for the weights and for the kernel
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -25,12 +27,17 @@ from jaxgpt.ops.projection import DECLARED, OUTPUT_MAJOR
 
 
 def output_major_for(batch: int) -> bool:
-    """Whether the decode loop reads output-major kernels (`output_major_kernels`): batch 1 on CPUs.
+    """Whether the decode loop reads output-major kernels (`output_major_kernels`): batch 1 on CPUs and GPUs.
 
     XLA:CPU's one-row product streams them faster; from a few rows on, its matrix products prefer the
-    declared order (benchmarks/bench_sample.py prints both). Accelerators choose their own layouts.
+    declared order (benchmarks/bench_sample.py prints both). XLA:GPU rewrites a one-row product into a
+    multiply and a reduction (its dot strength reduction, below ten million weights): over the declared
+    (inputs, outputs) kernel that is a column reduction, which it did not fuse with the multiply for the MLP's
+    output projection, so each token wrote and read back a product as large as the kernel; over an
+    output-major kernel it is a row reduction, one kernel reading the weights once (tests/test_decode_program.py).
+    TPUs choose their own layouts.
     """
-    return batch == 1 and current_platform() == "cpu"
+    return batch == 1 and current_platform() in ("cpu", "gpu", "cuda")
 
 
 def kernel_storage(output_major: bool) -> str:
@@ -75,7 +82,10 @@ def _prepare(params: Any, *, cfg: ModelConfig, dtype: str | None, output_major: 
     params = nn.unbox(params)  # output_major_kernels finds kernels by their paths: without the logical-axes boxes
     if dtype is not None:
         params = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
-    return output_major_kernels(params, cfg, jnp.float32) if output_major else params  # see `jaxgpt.ops.projection`
+    if not output_major:
+        return params
+    # float32 on CPUs (see `jaxgpt.ops.projection`); GPUs read the decoding dtype's, half the bytes
+    return output_major_kernels(params, cfg, jnp.float32 if current_platform() == "cpu" else None)
 
 
 # The last weights prepared, while the caller still holds them: generating again from the same params (a
@@ -94,8 +104,9 @@ def decoding_weights(params: Any, cfg: ModelConfig, dtype: str | None, *,
     one-row product and converts the weights to float32 (once per call, hoisted out of the loop), and
     the cache and attention stay float32 there (`attention.work_dtype`), so bf16 decodes at float32's
     speed (benchmarks/bench_sample.py prints both paths). `output_major` (`SamplerSpec.output_major`,
-    set for batch 1 on CPUs: `output_major_for`) stores every kernel as one (outputs, inputs) float32
-    matrix, the bf16-rounded values of a bf16 model included (the conversion XLA:CPU would make).
+    set for batch 1 on CPUs and GPUs: `output_major_for`) stores every kernel as one (outputs, inputs) matrix:
+    float32 on CPUs, the bf16-rounded values of a bf16 model included (the conversion XLA:CPU would make),
+    in `dtype` on GPUs.
     """
     key = (cfg, dtype, output_major)
     leaves = jax.tree.leaves(params)
@@ -121,3 +132,61 @@ def decoding_weights(params: Any, cfg: ModelConfig, dtype: str | None, *,
         return prepared
     _prepared[:] = [entry]
     return prepared
+
+
+# Decode steps per trip of a compiled loop on accelerators (`token_loop`): one trip is one launch of its body.
+UNROLL = 2
+# XLA's default command-buffer types (jax 0.12) plus WHILE and CONDITIONAL: compiled with these options a decode
+# program's loops and branches run inside its CUDA graph (conditional nodes, CUDA 12.3 and later; XLA leaves them
+# out on older drivers), so a whole generation is one launch. benchmarks/device_check.py measures them against
+# the defaults; they are not the default until a GPU run shows them faster.
+WHILE_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer":
+                         "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
+
+# XLA:GPU's experimental Triton fusion of whole chains of elementwise ops, reductions and their broadcasts (jax
+# 0.12): compiled with it a batch-1 GPT-2 decode step launches about 10 kernels a layer instead of 16 (each layer
+# norm, the softmax and the value product, each projection with what feeds it: tests/test_decode_program.py), but
+# the Triton code it emits for one-row products has not been timed against XLA's own reductions, and at batch 64
+# it launches more. benchmarks/device_check.py measures it against the defaults; not the default until then.
+TRITON_FUSION = {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}
+
+
+def fixed_trip_counts() -> bool:
+    """Whether decode loops run a fixed number of steps (`token_loop`): on every backend but XLA:CPU.
+
+    XLA:GPU reads the condition of a while loop whose trip count it does not know on the host, after every
+    trip (openxla/xla's WhileThunk copies it to the host and waits for the device), so each token cost a host
+    round trip and the launch of its body's kernels one by one; a loop of known trip count it runs without
+    reading anything back, and can capture whole as a CUDA graph. XLA:CPU evaluates the condition where it runs,
+    for free, and stops at the first false one, where a fixed count would run the masked steps too.
+    """
+    return current_platform() != "cpu"
+
+
+# The most tokens one trip of an outer decode loop runs with fixed trip counts (`fixed_trip_counts`): that loop,
+# whose trip count depends on the tokens (every row may end), costs a host round trip per trip there.
+TRIP_TOKENS = 32
+
+
+def trip_tokens(num_steps: int, most: int) -> int:
+    """Steps per trip of a decode loop's inner `token_loop` for `num_steps` steps in all: at most `most`, and with
+    fixed trip counts at most TRIP_TOKENS, the steps spread evenly over the trips so that few run masked."""
+    if not fixed_trip_counts():
+        return most
+    trips = -(-num_steps // min(most, TRIP_TOKENS))
+    return -(-num_steps // trips)
+
+
+def token_loop(steps: int, live: Callable[[Any], Any], step: Callable[[Any, Any, Any], Any], carry: Any) -> Any:
+    """`step(i, carry, commit)` for i = 0 .. steps - 1 while `live(carry)`, as one compiled loop.
+
+    `live` must stay false once false (the decode loops' "a row may still sample"). On XLA:CPU a while loop stops
+    at the first false `live` and every step commits (`commit` is True); elsewhere (`fixed_trip_counts`) the
+    loop always runs `steps` trips, UNROLL steps per trip, and a step after `live` turned false gets `commit`
+    False: it must then leave the carry as it found it wherever that matters to the caller.
+    """
+    if not fixed_trip_counts():
+        def one(c: tuple) -> tuple:
+            return c[0] + 1, step(c[0], c[1], True)
+        return jax.lax.while_loop(lambda c: (c[0] < steps) & live(c[1]), one, (jnp.int32(0), carry))[1]
+    return jax.lax.fori_loop(0, steps, lambda i, c: step(i, c, live(c)), carry, unroll=min(UNROLL, steps))

@@ -1,9 +1,19 @@
 """A cross-entropy that never holds the whole (B, T, V) float32 logits tensor.
 
-The loss is computed `chunk` positions at a time in a `lax.scan` whose body is rematerialized: the float32
-logits of one chunk exist at a time, forward and backward, instead of the whole tensor (which for GPT-2
-grows with tokens per chip times a 50k vocabulary). Shapes: B batch, T sequence, C n_embd, V vocabulary.
+The loss is computed `chunk` positions at a time, each chunk's body rematerialized: the float32 logits of one
+chunk exist at a time, forward and backward, instead of the whole tensor (which for GPT-2 grows with tokens per
+chip times a 50k vocabulary). Shapes: B batch, T sequence, C n_embd, V vocabulary.
 The z-loss (`z_loss`) is added chunk by chunk too: it needs each position's log-partition, from the same logits.
+
+Two layouts of the same sum. A `lax.scan` (TPUs, CPUs): one loop, compiled once, whatever the number of chunks.
+Unrolled (GPUs): XLA:GPU launches every kernel of a `while` body from the host on every trip, outside the
+step's CUDA graphs, so the scan's two loops (forward, and backward) put host launches on the step's critical
+path; unrolled, the chunks are plain kernels of the step. Each chunk's input and the head's weights pass
+through an `optimization_barrier` together with the running total, so chunk i+1 cannot start before chunk i's sum
+exists, and in the backward pass chunk i's gradients wait for chunk i+1's (the barrier's transpose joins them):
+the compiler can neither hold several chunks' logits at once nor every chunk's head-weight gradient before
+summing them, and the memory bound stays the scan's (tests/test_gpu_program.py reads it from programs compiled
+for an H100).
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxgpt.ops.platform import current_platform
 
 Array = jax.Array
 
@@ -25,30 +37,38 @@ def z_loss(logits_BTV: Array) -> Array:
 
 
 def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, targets_BT: Array,
-                          chunk: int, z_loss_weight: float = 0.0) -> Array:
+                          chunk: int, z_loss_weight: float = 0.0, unroll: bool | None = None) -> Array:
     """Mean next-token cross-entropy of hidden states, `chunk` positions at a time (chunk divides T), plus
     `z_loss_weight` times the mean `z_loss` when it is non-zero.
 
     `logits_fn` is the model's head (hidden (B, t, C) -> float32 logits (B, t, V)), so tied and untied
     heads and their dtypes are exactly the dense path's. Chunks run along the sequence, keeping each
-    chunk's rows split over the batch axes like the rest of the step; the scan body is rematerialized,
-    so its backward pass recomputes one chunk's logits instead of storing all of them.
+    chunk's rows split over the batch axes like the rest of the step; each chunk is rematerialized,
+    so the backward pass recomputes one chunk's logits instead of storing all of them. `unroll` picks the
+    layout (see the module docstring); None: unrolled on GPUs, a scan elsewhere.
     """
     B, T, C = h_BTC.shape
     n = T // chunk
     h_NBtC = h_BTC.reshape(B, n, chunk, C).swapaxes(0, 1)
     y_NBt = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
 
+    # The head's closed-over weights as explicit inputs, so the unrolled chunks can pass them along in order.
+    head, weights = jax.closure_convert(logits_fn, h_NBtC[0])
+
     @jax.checkpoint
-    def chunk_sum(h_BtC: Array, y_Bt: Array) -> Array:
-        logits_BtV = logits_fn(h_BtC)
+    def chunk_sum(h_BtC: Array, y_Bt: Array, weights: list[Array]) -> Array:
+        logits_BtV = head(h_BtC, *weights)
         loss_Bt = optax.softmax_cross_entropy_with_integer_labels(logits_BtV, y_Bt)
         if z_loss_weight:
             loss_Bt = loss_Bt + z_loss_weight * z_loss(logits_BtV)
         return loss_Bt.sum()
 
-    def body(total: Array, xs: tuple[Array, Array]) -> tuple[Array, None]:
-        return total + chunk_sum(*xs), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NBtC, y_NBt))
+    total = jnp.zeros((), jnp.float32)
+    if unroll if unroll is not None else current_platform() == "gpu":
+        for h_BtC, y_Bt in zip(h_NBtC, y_NBt, strict=True):
+            # chunk i+1 waits for chunk i's sum, and in the backward pass chunk i for chunk i+1's gradients
+            h_BtC, weights, total = jax.lax.optimization_barrier((h_BtC, weights, total))
+            total = total + chunk_sum(h_BtC, y_Bt, weights)
+    else:
+        total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_sum(*xs, weights), None), total, (h_NBtC, y_NBt))
     return total / (B * T)

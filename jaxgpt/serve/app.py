@@ -9,11 +9,14 @@ chunk with vLLM's continuous_usage_stats too),
 uses), `GET /v1/models`, `GET /metrics` (Prometheus), `GET /health`, and `GET /`, a chat page for a browser
 (`chat.html` beside this module) that streams from /v1/chat/completions.
 
-Each choice of a request is one engine request whose tokens reach the handler through an asyncio queue. A bad
-request is a 400 with OpenAI's error body, a body over the limit a 413, a missing or wrong API key a 401 (on
-every path but /health and the page) and a full queue a 429; none touches the engine. A client that
-disconnects cancels its choices, which free their slots before the next decode step. Choice j of a request
-with `seed` s samples with seed s + j, so choice 0 is `generate(..., key=s)`'s sample.
+The app is a front end: the engine runs in a process of its own (`jaxgpt.serve.core`), which it reaches through
+an `EngineClient`; tokenizing, detokenizing, stop strings and server-sent events happen here, and `jaxgpt serve
+--api_servers N` runs N front ends on one port. Each choice of a request is one engine request whose events reach
+the handler through an asyncio queue. A bad request is a 400 with OpenAI's error body, a body over the limit a
+413, a missing or wrong API key a 401 (on every path but /health, the page and `Served.open_paths`) and a full
+queue a 429; none touches the engine. A client that disconnects cancels its choices, which free their slots
+before the next decode step. Choice j of a request with `seed` s samples with seed s + j, so choice 0 is
+`generate(..., key=s)`'s sample.
 
 Which weights answered: every answer (each streamed chunk too) has OpenAI's `system_fingerprint`, the engine's
 `version` of the weights its choices ran on (`step-N` for a run's checkpoint N; null for weights without
@@ -25,12 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import importlib.resources
 import secrets
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -41,12 +44,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from jaxgpt.errors import UserError
-from jaxgpt.generate.engine import Engine, Request
-from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.generate.engine import check_request
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.serve.chat import ChatTemplate
-from jaxgpt.serve.choices import Choice, Codec, Feed, collect, stream, usage
-from jaxgpt.serve.follow import Follower
-from jaxgpt.serve.guard import Guard
+from jaxgpt.serve.choices import Choice, Codec, collect, stream, usage
+from jaxgpt.serve.client import EngineClient
+from jaxgpt.serve.guard import OPEN_PATHS, Guard
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import (
     ChatRequest,
@@ -69,6 +72,24 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
     return JSONResponse(error_body(message, kind, param), status)
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What a front end serves besides its engine (picklable: `jaxgpt serve` hands it to each front end's process).
+    `chat_template`: a Jinja2 template's text (None: no chat); `chat_stop_ids`: tokens that end a chat reply like
+    end-of-text (a chat run's end-of-turn token), left out of its text; `open_paths`: paths answered without the
+    API key besides /health and the page (`jaxgpt serve --open_paths`)."""
+
+    tokenizer: Codec
+    model_name: str
+    cfg: ModelConfig | Seq2SeqConfig
+    slots: int
+    chat_template: str | None = None
+    chat_stop_ids: tuple[int, ...] = ()
+    api_key: str | None = None
+    open_paths: tuple[str, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
 class Header(Mapping[str, Any]):
     """An answer's top-level fields. Its `system_fingerprint` is read as each chunk is made: which weights answer
     is known only once the engine has admitted the choices (a swap waiting admits none)."""
@@ -79,7 +100,7 @@ class Header(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         if key != "system_fingerprint":
             return self.fields[key]
-        versions = dict.fromkeys(c.request.version for c in self.choices if c.request.version is not None)
+        versions = dict.fromkeys(c.version for c in self.choices if c.version is not None)
         return "+".join(versions) or None  # (choices split by a swap, n beyond the free slots: both versions)
 
     def __iter__(self) -> Iterator[str]:
@@ -90,30 +111,63 @@ class Header(Mapping[str, Any]):
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(engine: Engine, follower: Follower | None, app: FastAPI) -> AsyncIterator[None]:
-    """The engine's thread (and the follower's) while the server runs."""
-    thread = threading.Thread(target=engine.run, name="jaxgpt-engine", daemon=True)
-    thread.start()
-    if follower is not None:
-        follower.start()
+async def _lifespan(engine: EngineClient, app: FastAPI) -> AsyncIterator[None]:
+    """The engine's messages are read while the server runs; its end closes once uvicorn has finished the
+    requests in flight."""
+    engine.start()
     yield
-    if follower is not None:
-        await asyncio.to_thread(follower.stop)  # (a checkpoint being loaded is loaded first)
-    engine.stop()  # the requests in flight finish first (uvicorn has stopped accepting new ones)
-    await asyncio.to_thread(thread.join)
+    engine.close()
 
 
-def create_app(engine: Engine, tokenizer: Codec, model_name: str, *, chat_template: ChatTemplate | None = None,
-               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               follower: Follower | None = None, chat_stop_ids: Sequence[int] = ()) -> FastAPI:
-    """`follower` (`jaxgpt serve --follow`) runs while the server does. `chat_stop_ids`: tokens that end a chat
-    reply like end-of-text (a chat run's end-of-turn token, its meta["chat"]["end_id"]), left out of its text."""
-    app = FastAPI(title="jaxgpt", lifespan=functools.partial(_lifespan, engine, follower))
-    metrics = Metrics(engine)
+def create_app(engine: EngineClient, served: Served) -> FastAPI:
+    """The app of one front end, whose requests `engine` runs. A UserError names an open path it does not serve."""
+    app = FastAPI(title="jaxgpt", lifespan=functools.partial(_lifespan, engine))
+    tokenizer, api_key = served.tokenizer, served.api_key
+    metrics = Metrics(engine, served.slots)
     guarded = (401, 413) if api_key is not None else (413,)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics,
-                       paths=lambda: {route.path for route in app.routes})
-    context = engine.cfg.model.block_size if isinstance(engine.cfg, Seq2SeqConfig) else engine.cfg.block_size
+    paths = lambda: {route.path for route in app.routes}
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=served.max_body_bytes, metrics=metrics, paths=paths,
+                       open_paths=OPEN_PATHS + served.open_paths)
+    cfg = served.cfg
+    context = cfg.model.block_size if isinstance(cfg, Seq2SeqConfig) else cfg.block_size
+    eos = tokenizer.decode([tokenizer.eot_token]) if tokenizer.eot_token is not None else ""
+    chat_template = (ChatTemplate(served.chat_template, bos_token=eos, eos_token=eos)
+                     if served.chat_template is not None else None)
+
+    _error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    page = importlib.resources.files("jaxgpt.serve").joinpath("chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def chat_page() -> HTMLResponse:
+        """The chat page (jaxgpt/serve/chat.html): static, so served without the API key, which it sends."""
+        return HTMLResponse(page)
+
+    @app.get("/metrics", response_class=Response, responses=responses(*guarded))
+    async def scrape() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", responses=responses(*guarded))
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": 0,
+                                            "owned_by": "jaxgpt", "max_model_len": context,
+                                            "system_fingerprint": engine.version}]}
+
+    _tokenizer_routes(app, tokenizer, context, chat_template, guarded)
+    _generation_routes(app, engine, served, chat_template, metrics, context, guarded)
+    if unknown := sorted(set(served.open_paths) - paths()):
+        raise UserError(f"--open_paths: {', '.join(unknown)} is not a path this server answers: choose among "
+                        f"{', '.join(sorted(paths() - set(OPEN_PATHS)))}")
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error is OpenAI's error body: a request that does not validate and a UserError a 400, an
+    HTTPException its status, anything else a 500."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
@@ -137,30 +191,6 @@ def create_app(engine: Engine, tokenizer: Codec, model_name: str, *, chat_templa
     @app.exception_handler(UserError)
     async def user_error(_: HTTPRequest, exc: UserError) -> JSONResponse:
         return error(400, str(exc))
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    page = importlib.resources.files("jaxgpt.serve").joinpath("chat.html").read_text(encoding="utf-8")
-
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def chat_page() -> HTMLResponse:
-        """The chat page (jaxgpt/serve/chat.html): static, so served without the API key, which it sends."""
-        return HTMLResponse(page)
-
-    @app.get("/metrics", response_class=Response, responses=responses(*guarded))
-    async def scrape() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", responses=responses(*guarded))
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxgpt",
-                                            "max_model_len": context, "system_fingerprint": engine.version}]}
-
-    _tokenizer_routes(app, tokenizer, context, chat_template, guarded)
-    _generation_routes(app, engine, tokenizer, model_name, chat_template, metrics, context, guarded, chat_stop_ids)
-    return app
 
 
 def _tokenizer_routes(app: FastAPI, tokenizer: Codec, context: int, chat_template: ChatTemplate | None,
@@ -186,13 +216,13 @@ def _tokenizer_routes(app: FastAPI, tokenizer: Codec, context: int, chat_templat
         return {"prompt": tokenizer.decode(body.tokens)}
 
 
-def _generation_routes(app: FastAPI, engine: Engine, tokenizer: Codec, model_name: str,
-                       chat_template: ChatTemplate | None, metrics: Metrics, context: int,
-                       guarded: tuple[int, ...], chat_stop_ids: Sequence[int]) -> None:
+def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_template: ChatTemplate | None,
+                       metrics: Metrics, context: int, guarded: tuple[int, ...]) -> None:
     """/v1/completions and /v1/chat/completions: both check the request, start its choices and answer whole or
     as server-sent events; they differ in the prompt (given, or rendered from messages) and the answer's shape."""
+    tokenizer, model_name = served.tokenizer, served.model_name
 
-    @app.post("/v1/completions", response_model=None, responses=responses(400, 429, 500, *guarded))
+    @app.post("/v1/completions", response_model=None, responses=responses(400, 429, 500, *guarded, streams=True))
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         arrived = time.perf_counter()
         texts, encoded = _prompts(body, tokenizer)
@@ -200,8 +230,8 @@ def _generation_routes(app: FastAPI, engine: Engine, tokenizer: Codec, model_nam
             raise UserError("max_tokens: 0 generates nothing; it is only meaningful with echo=true")
         if body.echo and isinstance(tokenizer, PairText):
             raise UserError("echo: an encoder-decoder's prompt is its source, which it does not score")
-        choices = _start(body, encoded, body.max_tokens, engine, tokenizer, metrics, arrived,
-                         score_prompt=body.echo and body.logprobs is not None)
+        choices = await _start(body, encoded, body.max_tokens, engine, served, metrics, arrived,
+                               score_prompt=body.echo and body.logprobs is not None)
         if body.echo:
             for c in choices:
                 c.prefix = texts[c.index // body.n]
@@ -220,7 +250,7 @@ def _generation_routes(app: FastAPI, engine: Engine, tokenizer: Codec, model_nam
                    for c in choices]
         return {**header, "choices": answers, "usage": usage(choices, encoded, body.n)}
 
-    @app.post("/v1/chat/completions", response_model=None, responses=responses(400, 429, 500, *guarded))
+    @app.post("/v1/chat/completions", response_model=None, responses=responses(400, 429, 500, *guarded, streams=True))
     async def chat(body: ChatRequest, http: HTTPRequest) -> Any:
         arrived = time.perf_counter()
         if chat_template is None:
@@ -230,7 +260,7 @@ def _generation_routes(app: FastAPI, engine: Engine, tokenizer: Codec, model_nam
         if (body.top_logprobs or 0) > 0 and not body.logprobs:
             raise UserError("top_logprobs: needs logprobs=true")
         limit = body.max_completion_tokens or body.max_tokens or max(context - len(encoded[0]), 1)
-        choices = _start(body, encoded, limit, engine, tokenizer, metrics, arrived, stop_ids=chat_stop_ids)
+        choices = await _start(body, encoded, limit, engine, served, metrics, arrived, chat=True)
         header = Header({"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
                          "created": int(time.time()), "model": model_name}, choices)
 
@@ -281,11 +311,13 @@ def _logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_tokens: int, engine: Engine,
-           tokenizer: Codec, metrics: Metrics, arrived: float, *, score_prompt: bool = False,
-           stop_ids: Sequence[int] = ()) -> list[Choice]:
-    """Check the request, then submit `n` choices per prompt, each an engine request feeding it from the engine's
-    thread. A UserError is a 400 and a full queue a 429 (the choices already queued are cancelled)."""
+async def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_tokens: int,
+                 engine: EngineClient, served: Served, metrics: Metrics, arrived: float, *,
+                 score_prompt: bool = False, chat: bool = False) -> list[Choice]:
+    """Check the request, then submit `n` choices per prompt, each an engine request whose events feed it. A
+    UserError is a 400 and a full queue a 429 (the choices already queued are cancelled). A chat's replies also
+    end at `served.chat_stop_ids`."""
+    tokenizer = served.tokenizer
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if not all(stops):
         raise UserError("stop: every stop string must be non-empty")
@@ -294,27 +326,20 @@ def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_
         raise UserError("logprobs: not available with stream=true here; ask without streaming")
     bias = _logit_bias(body, tokenizer.vocab_size)
     for ids in encoded:
-        engine.check(ids, max_tokens, body.temperature, body.top_p)
-    loop = asyncio.get_running_loop()
+        check_request(served.cfg, ids, max_tokens, body.temperature, body.top_p)
     seed = body.seed if body.seed is not None else secrets.randbits(31)
-    choices: list[Choice] = []
-    for ids in encoded:
-        for j in range(body.n):
-            choice = Choice(len(choices), tokenizer, stops, metrics, arrived)
-            feed = Feed(loop, choice.queue)
-            choice.request = Request(
-                ids, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed + j, logit_bias=bias,
-                ignore_eos=body.ignore_eos, stop_ids=stop_ids, logprobs=logprobs, read=feed.wake, emit=feed.token,
-                done=feed.done, prompt_logprobs=feed.prompt if score_prompt else None)
-            if score_prompt:
-                choice.prompt_ids = ids
-            choices.append(choice)
-    for k, choice in enumerate(choices):
-        if not engine.submit(choice.request):
-            for earlier in choices[:k]:
-                earlier.request.cancelled = True
-            raise HTTPException(429, "the server's queue is full: retry later")
+    choices = [Choice(i, tokenizer, stops, metrics, arrived, engine, prompt_ids=ids if score_prompt else [])
+               for i, ids in enumerate(ids for ids in encoded for _ in range(body.n))]
+    fields = [{"prompt": ids, "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+               "seed": seed + j, "logit_bias": bias, "ignore_eos": body.ignore_eos, "logprobs": logprobs,
+               "stop_ids": served.chat_stop_ids if chat else ()} for ids in encoded for j in range(body.n)]
+    rids = await asyncio.gather(*(engine.submit(f, score_prompt, c.queue) for f, c in zip(fields, choices,
+                                                                                          strict=True)))
+    for choice, rid in zip(choices, rids, strict=True):
+        choice.rid = rid
+    if None in rids:
+        for choice in choices:
+            choice.cancel()
+        raise HTTPException(429, "the server's queue is full: retry later")
     metrics.prompt_tokens.inc(sum(len(ids) for ids in encoded) * body.n)
     return choices
-
-

@@ -1,6 +1,7 @@
 """A request's choices as the handlers see them: each one engine request whose tokens, prompt log-probabilities
-and end reach the event loop through an asyncio queue, its text so far (cut where a stop string appears), and the
-bodies OpenAI's clients parse (completions and chat logprobs, usage, server-sent events)."""
+and end reach the event loop through an asyncio queue (`jaxgpt.serve.client` puts them there), its text so far
+(cut where a stop string appears), and the bodies OpenAI's clients parse (completions and chat logprobs, usage,
+server-sent events)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.generate.chat import StreamDecoder
-from jaxgpt.generate.engine import Request
+from jaxgpt.serve.client import EngineClient
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import Sampling, error_body
 from jaxgpt.tasks.pairs import PairText
@@ -29,13 +29,18 @@ Codec = Tokenizer | PairText  # a GPT's tokenizer, or an encoder-decoder's sourc
 
 @dataclasses.dataclass
 class Choice:
-    """One choice's tokens as they arrive, its text so far, and where stop strings cut it."""
+    """One choice's tokens as they arrive, its text so far, and where stop strings cut it. `engine` runs it as
+    request `rid`, on the weights `version` names."""
 
     index: int
     tokenizer: Codec
     stops: list[str]
     metrics: Metrics
     arrived: float  # time.perf_counter() when its HTTP request arrived
+    engine: EngineClient | None = None
+    rid: int | None = None  # None until the engine's queue took it
+    version: str | None = None
+    cancelled: bool = False
     prefix: str = ""  # the prompt's text, when echoed
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     ids: list[int] = dataclasses.field(default_factory=list)
@@ -47,11 +52,16 @@ class Choice:
     text: str = ""  # the text of `ids` but a partial character at its end, cut at a stop string
     sent: int = 0  # characters already streamed
     finish_reason: str | None = None
-    request: Request | None = None
     decoder: StreamDecoder = dataclasses.field(init=False)  # decodes each token once, not the whole text again
 
     def __post_init__(self) -> None:
         self.decoder = StreamDecoder(self.tokenizer)
+
+    def cancel(self) -> None:
+        """End the choice at the engine (its slot frees at the next tick), once."""
+        if not self.cancelled and self.rid is not None and self.engine is not None:
+            self.engine.cancel(self.rid)
+        self.cancelled = True
 
     def add(self, token: int, logprob: float, top: list[tuple[int, float]], end: bool) -> None:
         """A token from the engine: timed and counted, and unless it is an end token (`end`, which the engine
@@ -85,8 +95,7 @@ class Choice:
         for stop in self.stops:
             if (cut := self.text.find(stop, max(before - len(stop) + 1, 0))) >= 0:
                 self.text, self.finish_reason = self.text[:cut], "stop"
-                assert self.request is not None
-                self.request.cancelled = True  # the slot frees before the next step
+                self.cancel()
 
     def ready(self) -> str:
         """Text that can be streamed now: none that a stop string could still claim (the decoder already holds
@@ -136,63 +145,24 @@ class EngineFailedError(Exception):
     """The engine failed while decoding a request (its thread printed the traceback)."""
 
 
-class Feed:
-    """A choice's engine events, put from the engine's thread, into its asyncio queue with one wake-up of the
-    event loop per read of the device (`Request.read`; an end at once): the engine hands over a decode chunk's
-    tokens one after another, and waking the loop for each (a write to its self-pipe, a hand-over of the GIL, a
-    server-sent event, a client's parse) would cost more than decoding the token. So a stream's chunk carries
-    the text of the tokens one read brought, as vLLM's `stream_interval` does."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        self.loop, self.queue, self.lock = loop, queue, threading.Lock()
-        self.gathered: list[tuple[str, Any]] = []
-        self.waking = False  # a hand-over to the loop is scheduled and has not run yet
-
-    def token(self, *picked: Any) -> None:
-        """`Request.emit`: gathered until the read that brought it is over."""
-        with self.lock:
-            self.gathered.append(("token", picked))
-
-    def prompt(self, scored: Any) -> None:
-        """`Request.prompt_logprobs`: handed over at once."""
-        self._put_and_wake("prompt", scored)
-
-    def done(self, reason: str) -> None:
-        """`Request.done`: handed over at once, nothing more of this choice will come."""
-        self._put_and_wake("done", reason)
-
-    def _put_and_wake(self, kind: str, value: Any) -> None:
-        with self.lock:
-            self.gathered.append((kind, value))
-        self.wake()
-
-    def wake(self) -> None:
-        """Hand what was put to the event loop (once, however often it is called before that runs)."""
-        with self.lock:
-            if not self.gathered or self.waking:
-                return
-            self.waking = True
-        if not self.loop.is_closed():  # closed: the server has shut down, no one reads these events
-            self.loop.call_soon_threadsafe(self._move)
-
-    def _move(self) -> None:
-        with self.lock:
-            gathered, self.gathered, self.waking = self.gathered, [], False
-        for event in gathered:
-            self.queue.put_nowait(event)
-
-
 async def next_event(choice: Choice) -> None:
-    """Take the choice's next engine event, and those already queued behind it (streamed as one chunk)."""
-    _take(choice, *await choice.queue.get())
+    """Take the choice's next engine events (those of one tick of the engine), and those already queued behind
+    them: streamed as one chunk, as vLLM's `stream_interval` does (a chunk per token would cost more than
+    decoding it)."""
+    for event in await choice.queue.get():
+        _take(choice, *event)
     while choice.finish_reason is None and not choice.queue.empty():
-        _take(choice, *choice.queue.get_nowait())
+        for event in choice.queue.get_nowait():
+            _take(choice, *event)
 
 
 def _take(choice: Choice, kind: str, value: Any) -> None:
-    """One engine event into the choice: a token, the prompt's log-probabilities, or its end."""
+    """One engine event into the choice: a token, the weights it runs on, the prompt's log-probabilities, or its
+    end."""
     if kind == "token":
         choice.add(*value)
+    elif kind == "version":
+        choice.version = value
     elif kind == "prompt":
         choice.prompt_logprobs = value
     elif value == "error":
@@ -208,9 +178,9 @@ async def finish(choice: Choice, http: HTTPRequest) -> None:
             await asyncio.wait_for(next_event(choice), timeout=0.5)
         except TimeoutError:
             if await http.is_disconnected():
-                choice.request.cancelled = True
+                choice.cancel()
                 return
-        if choice.finish_reason is not None and choice.request.cancelled:
+        if choice.finish_reason is not None and choice.cancelled:
             return
 
 
@@ -222,7 +192,8 @@ async def collect(choices: list[Choice], http: HTTPRequest) -> None:
         raise HTTPException(500, str(e)) from None
     finally:
         for c in choices:
-            c.request.cancelled = c.request.cancelled or c.finish_reason is None
+            if c.finish_reason is None:
+                c.cancel()
 
 
 def stream(choices: list[Choice], header: dict[str, Any],
@@ -267,6 +238,6 @@ def stream(choices: list[Choice], header: dict[str, Any],
         finally:
             for task, choice in pending.items():
                 task.cancel()
-                choice.request.cancelled = True
+                choice.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream")

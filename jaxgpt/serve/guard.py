@@ -11,18 +11,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import error_body
 
-# Served without the API key: the health check, and the chat page, a static file that asks for the key itself.
+# Always served without the API key: the health check, and the chat page, a static file that asks for the key
+# itself. `jaxgpt serve --open_paths` adds others (vLLM leaves its tokenizer routes outside the key).
 OPEN_PATHS = ("/health", "/")
 
 
 class Guard:
-    """ASGI middleware in front of every route: the API key (all paths but OPEN_PATHS), the body limit (read whole
-    here, so an oversized body is a 413 before any handler runs) and the count of answers by path and status."""
+    """ASGI middleware in front of every route: the API key (all paths but `open_paths`), the body limit (read
+    whole here, so an oversized body is a 413 before any handler runs) and the count of answers by path and
+    status."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: Metrics,
-                 paths: Callable[[], set[str]]) -> None:
+                 paths: Callable[[], set[str]], open_paths: tuple[str, ...]) -> None:
         self.app, self.api_key, self.max_body_bytes, self.metrics, self.paths = app, api_key, max_body_bytes, \
             metrics, paths
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,7 +39,7 @@ class Guard:
             await send(message)
 
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if self.api_key is not None and scope["path"] not in self.open_paths:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 body = error_body("no valid API key: send the header 'Authorization: Bearer KEY' with the key the "

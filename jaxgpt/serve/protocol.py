@@ -2,7 +2,8 @@
 
 The fields are those OpenAI's clients and the ecosystem's tools send (the openai SDK, lm-evaluation-harness's
 local-completions, GuideLLM, vLLM's own extensions such as `ignore_eos` and the tokenizer endpoints); any other
-field is a 400, so a misspelt option never passes silently.
+field is a 400, so a misspelt option never passes silently. Values are not coerced (strict models): `true` is
+not the token id 1 nor `"5"` the number 5, as the OpenAPI document's types say.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ MAX_CHOICES = 16  # n at most (OpenAI's clients send small n; each choice takes 
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False  # a last chunk, with no choices, carries the request's usage
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
@@ -26,7 +27,7 @@ class StreamOptions(BaseModel):
 class Sampling(BaseModel):
     """What completions and chat completions share: how many choices, how they are sampled and where they stop."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -50,14 +51,14 @@ class CompletionRequest(Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # a template may read fields of its own (name, tool_calls, ...)
+    model_config = ConfigDict(extra="allow", strict=True)  # a template may read fields of its own (name, tool_calls)
 
     role: str
     content: str | list[ContentPart] | None = None
@@ -80,7 +81,7 @@ class ChatRequest(Sampling):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt's ids (special tokens are whatever the text spells; nothing is added)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str
@@ -88,7 +89,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]
@@ -120,6 +121,15 @@ _WHY = {400: "the request is invalid (its message says which field and why)",
         500: "the engine failed while decoding the request"}
 
 
-def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI's `responses=` for these error statuses, so the OpenAPI document declares each one."""
-    return {status: {"model": ErrorBody, "description": _WHY[status]} for status in statuses}
+def responses(*statuses: int, streams: bool = False) -> dict[int | str, dict[str, Any]]:
+    """FastAPI's `responses=` for these error statuses, so the OpenAPI document declares each one; `streams`: a 200
+    may also be server-sent events (stream=true), each a JSON chunk, which the document then declares too."""
+    declared: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody, "description": _WHY[status]}
+                                                 for status in statuses}
+    if streams:
+        event = {"type": "object", "required": ["data"], "properties": {
+            "data": {"type": "string", "description": "a chunk of the answer as JSON; the last event's is [DONE]"}}}
+        events = {"schema": event}
+        declared[200] = {"description": "the answer; with stream=true, server-sent events",
+                         "content": {"application/json": {}, "text/event-stream": events}}
+    return declared

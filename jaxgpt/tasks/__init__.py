@@ -3,9 +3,12 @@
 A task is the model, its data and its objective; the loop owns everything else (state, sharding,
 resume, evaluation cadence, checkpoints, logs). Language modelling (`lm`), seed 001's classification
 fine-tuning (`classify`), the encoder-decoder on text pairs (`seq2seq`) and supervised fine-tuning on
-conversations (`chat`) are tasks; a new one implements `Task` and is added to `build`. A task may also have
-`run_files` ({name: text}), files the loop writes into the work directory when the run starts (the chat
-task's template).
+conversations (`chat`) and reinforcement learning on checkable rewards (`rl`) are tasks; a new one implements
+`Task` and is added to `build`. A task may also have `run_files` ({name: text}), files the loop writes into the work
+directory when the run starts (the chat task's template), and `use_weights(params)`, which the loop calls with the
+weights before it reads a step's rows and before it evaluates: a task whose rows or metrics are sampled from the
+model being trained (`rl`'s rollouts) takes them there, and its rows of step i are then a pure function of (seed, i)
+and those weights.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ def build(cfg: TrainConfig) -> Task:
         from jaxgpt.tasks.chat import Chat
 
         return Chat(cfg)
+    if cfg.task == "rl":
+        from jaxgpt.tasks.rl import RL
+
+        return RL(cfg)
     from jaxgpt.tasks.lm import LanguageModelling, open_dataset
 
     return LanguageModelling(cfg, open_dataset(cfg.data))

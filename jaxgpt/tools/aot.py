@@ -1,12 +1,14 @@
-"""Will it fit, and how fast could it be? Compile the real sharded train step for a TPU slice, on a CPU.
+"""Will it fit, and how fast could it be? Compile the real sharded train step for a TPU slice or GPUs, on a CPU.
 
     jaxgpt aot --config configs/gpt2_xl.py --topology v5p:4x4x4 \\
         [--config.mesh.fsdp=-1 --config.mesh.data=1 --config.batch_size=256 --config.model.remat=full ...]
+    jaxgpt aot --config configs/gpt2_124m.py --topology h100:1 --config.batch_size=64 --config.grad_accum=1
 
-XLA's TPU compiler (libtpu: `pip install "jax[tpu]"`) runs on this host against a TPU topology's
-compile-only devices. The program is the trainer's own (`jaxgpt.train.sharding.build_program`: same mesh,
-same shardings, same jitted step with donation), and its inputs are abstract (ShapeDtypeStructs with
-shardings), so nothing is allocated. Printed per chip:
+XLA's TPU compiler (libtpu: `pip install "jax[tpu]"`) or GPU compiler (jax's CUDA plugin: `pip install
+"jax[cuda13]"`) runs on this host against a topology's compile-only devices (GPUs: `jaxgpt.tools.gpus`).
+The program is the trainer's own (`jaxgpt.train.sharding.build_program`: same mesh, same shardings, same
+jitted step with donation), and its inputs are abstract (ShapeDtypeStructs with shardings), so nothing is
+allocated. Printed per chip:
 
 * memory: parameters, optimizer state, activations/temporaries and the total, against the chip's HBM;
 * FLOPs: XLA's count against the analytic 6N + attention count (`jaxgpt.train.flops`). XLA counts a loop body
@@ -15,9 +17,12 @@ shardings), so nothing is allocated. Printed per chip:
   compiles without "windowed einsum" (matmuls that XLA splits into loops over FSDP shards);
 * Pallas kernels (splash attention) are custom calls that XLA's cost analysis counts as nearly nothing:
   their FLOPs and bytes are added analytically (`jaxgpt.ops.splash.splash_cost`), once per call the HLO makes;
+  so are cuDNN's fused attention calls on GPUs (`jaxgpt.tools.gpus.cudnn_attention_cost`);
 * collectives: all-gather, reduce-scatter and all-reduce bytes read from the compiled HLO (`jaxgpt.tools.hlo`,
-  loop bodies times their trip counts) and the time they take over the chip's ICI bandwidth (ring
+  loop bodies times their trip counts) and the time they take over the chip's ICI or NVLink bandwidth (ring
   algorithms, one mesh axis at a time);
+* GPUs: what the step asks of the host: while loops and their trip counts, kernels and library calls
+  launched per step, host transfers (`jaxgpt.tools.gpus.program_facts`);
 * a roofline bound on the step time, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth, collective bytes /
   ICI bandwidth), and the model FLOPs utilization (MFU) it implies. A bound, not a prediction: it assumes
   every collective overlaps with compute and every kernel runs at peak, so real steps are slower.
@@ -40,7 +45,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import storage
 from jaxgpt.ops import splash
 from jaxgpt.tasks.lm import LanguageModelling
-from jaxgpt.tools import hlo
+from jaxgpt.tools import gpus, hlo
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.chips import TPUS, Chip
 from jaxgpt.train.config import TrainConfig
@@ -50,10 +55,13 @@ GiB = 2**30
 
 
 CHIPS: dict[str, Chip] = TPUS  # the table the trainer's runtime MFU uses too (jaxgpt.train.chips)
-TOPOLOGY_HELP = "GEN:AxB[xC], e.g. v5e:2x2, v5e:16x16, v4:4x4x4, v5p:4x4x8, v6e:8x8"
+TOPOLOGY_HELP = f"GEN:AxB[xC], e.g. v5e:2x2, v5e:16x16, v4:4x4x4, v5p:4x4x8, v6e:8x8; GPUs: {gpus.TOPOLOGY_HELP}"
 
 
 def parse_topology(topology: str) -> tuple[Chip, tuple[int, ...]]:
+    gpu = gpus.parse_topology(topology)
+    if gpu:
+        return gpu
     match = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", topology.strip())
     if not match:
         raise UserError(f"--topology {topology!r} is not understood: use {TOPOLOGY_HELP}")
@@ -61,8 +69,10 @@ def parse_topology(topology: str) -> tuple[Chip, tuple[int, ...]]:
 
 
 def topology_devices(topology: str) -> list[Any]:
-    """The compile-only devices of a TPU slice: one per chip (v4 and v5p in "megacore" mode)."""
+    """The compile-only devices of a TPU slice (one per chip; v4 and v5p in "megacore" mode) or of GPUs."""
     chip, dims = parse_topology(topology)
+    if gpus.is_gpu(chip.name):
+        return gpus.topology_devices(topology)
     # Compile-only use needs no exclusive hold on TPU chips: without this, libtpu's /tmp/libtpu_lockfile
     # makes a second process on the machine (another compile, a test) fail to load it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -104,6 +114,8 @@ def _cost(compiled: Any) -> tuple[float, float]:
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):
         cost = cost[0]
+    if cost is None:  # compile-only GPUs do not answer: the same analysis over their compiled module
+        cost = gpus.xla_cost(compiled)
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
@@ -200,6 +212,8 @@ def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> d
     report.update(_memory(prog, compiled, chip))
     flops, bytes_accessed, notes = _step_cost(cfg, compiled, devices, report, extrapolate_scan)
     report.update(_roofline(cfg, chip, compiled.as_text(), flops, bytes_accessed, report["n_chips"]), notes=notes)
+    if gpus.is_gpu(chip.name):
+        report["gpu"] = gpus.program_facts(compiled.as_text())
     return report
 
 
@@ -207,6 +221,7 @@ def _setup(cfg: TrainConfig, topology: str, chip: Any, n_chips: int) -> dict[str
     """The report's description of the run: topology, chip, mesh, batch and model."""
     return {
         "topology": topology, "chip": chip.name, "n_chips": n_chips, "hbm_bytes": chip.hbm_bytes,
+        "accelerator": f"NVIDIA {chip.name}" if gpus.is_gpu(chip.name) else f"TPU {chip.name}",
         "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
         "mesh": dict(zip(layout.MESH_AXES, layout.resolve_mesh_shape(cfg.mesh.shape, n_chips), strict=True)),
         "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.model.block_size,
@@ -243,7 +258,7 @@ def _step_cost(cfg: TrainConfig, compiled: Any, devices: list, report: dict[str,
         else:
             notes.append(f"scanned layers: XLA counts the loop body once, so FLOPs and bytes cover 1 of "
                          f"{cfg.model.n_layer} layers")
-    elif cfg.loss_chunk or _loops(compiled) > int(cfg.grad_accum > 1):  # loops XLA counts once: count without
+    elif _loops(compiled) > int(cfg.grad_accum > 1):  # loops XLA counts once (a GPU's loss has none): count without
         flops, bytes_accessed = _counted(_variant(cfg), devices)
         notes.append(f"loops counted once by XLA ({report['xla_flops_raw']:.3g} FLOPs as compiled: "
                      + ("the chunked loss, " if cfg.loss_chunk else "") + "matmuls split over FSDP shards); "
@@ -254,7 +269,8 @@ def _step_cost(cfg: TrainConfig, compiled: Any, devices: list, report: dict[str,
                      "(which overcounts the small optimizer update)")
     kernel_flops, kernel_bytes, n_kernels = _kernel_cost(cfg, report, compiled.as_text())
     if n_kernels:
-        notes.append(f"{n_kernels} Pallas kernel calls per step (splash attention): {kernel_flops:.3g} FLOPs and "
+        what = "cuDNN attention calls" if gpus.is_gpu(report["chip"]) else "Pallas kernel calls (splash attention)"
+        notes.append(f"{n_kernels} {what} per step: {kernel_flops:.3g} FLOPs and "
                      f"{kernel_bytes:.3g} bytes added analytically (XLA counts custom calls as ~0)")
     report.update(kernel_flops=kernel_flops, kernel_bytes=kernel_bytes)
     return flops + kernel_flops, bytes_accessed + kernel_bytes, notes
@@ -281,12 +297,15 @@ def _roofline(cfg: TrainConfig, chip: Any, text: str, flops: float, bytes_access
 
 
 def _kernel_cost(cfg: TrainConfig, report: dict[str, Any], text: str) -> tuple[float, float, int]:
-    """Analytic (FLOPs, bytes) per chip per step of the program's splash kernels, and how many calls it makes.
+    """Analytic (FLOPs, bytes) per chip per step of the program's attention kernels, and how many calls it makes.
 
-    Zero when the compiled program has no Pallas calls (another attention path, or shapes splash does not
-    tile). Per micro-batch and layer: the forward kernel (twice with remat, which reruns the forward pass)
-    and the fused backward kernel, on this chip's rows and heads.
+    On GPUs, cuDNN's calls, each from its own shapes (`gpus.cudnn_attention_cost`). On TPUs, splash's: zero when
+    the compiled program has no Pallas calls (another attention path, or shapes splash does not tile); per
+    micro-batch and layer the forward kernel (twice with remat, which reruns the forward pass) and the fused
+    backward kernel, on this chip's rows and heads.
     """
+    if gpus.is_gpu(report["chip"]):
+        return gpus.cudnn_attention_cost(text)
     calls = hlo.custom_calls(text)
     n_calls = sum(c["runs"] for c in calls)
     if not n_calls:
@@ -302,7 +321,7 @@ def _kernel_cost(cfg: TrainConfig, report: dict[str, Any], text: str) -> tuple[f
 def format_report(r: dict[str, Any]) -> str:
     m = r["model"]
     lines = [
-        f"topology {r['topology']}: {r['n_chips']} x TPU {r['chip']} ({r['hbm_bytes'] / GiB:.0f} GiB HBM, "
+        f"topology {r['topology']}: {r['n_chips']} x {r['accelerator']} ({r['hbm_bytes'] / GiB:.0f} GiB HBM, "
         f"{r['peak_flops'] / 1e12:.0f} TFLOP/s bf16, {r['hbm_bandwidth'] / 1e9:.0f} GB/s per chip); "
         f"mesh data={r['mesh']['data']} fsdp={r['mesh']['fsdp']} tensor={r['mesh']['tensor']}",
         f"model {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, vocab {m['vocab_size']}"
@@ -320,6 +339,7 @@ def format_report(r: dict[str, Any]) -> str:
     fits = "fits" if r["fits"] else "DOES NOT FIT"
     unit, scale = ("GiB", GiB) if r["total_bytes"] >= GiB else ("MiB", 2**20)
     size = lambda key: f"{r[key] / scale:9.2f} {unit}"
+    kernels = "cuDNN calls" if "gpu" in r else "Pallas kernels"
     lines += [
         "",
         "memory per chip",
@@ -333,19 +353,27 @@ def format_report(r: dict[str, Any]) -> str:
         f"{fits} ({r['total_bytes'] / r['hbm_bytes']:.0%})",
         "",
         "per chip per step",
-        f"  FLOPs (XLA + Pallas kernels)    {r['xla_flops']:12.4g}",
+        f"  {f'FLOPs (XLA + {kernels})':<32}{r['xla_flops']:12.4g}",
         f"  analytic FLOPs (6N + attention) {r['analytic_flops']:12.4g}   XLA / analytic = {r['flops_ratio']:.3f}"
         + {"none": "", "full": "  (remat recomputes the forward pass: about 4/3 expected)",
            "save_dots": "  (save_dots recomputes only element-wise work)"}[m["remat"]],
-        f"  HBM bytes (XLA + Pallas kernels){r['xla_bytes']:12.4g}",
+        f"  {f'HBM bytes (XLA + {kernels})':<32}{r['xla_bytes']:12.4g}",
         *[f"  note: {n}" for n in r["notes"]],
         "",
         f"collectives per chip per step (from the compiled HLO; ring traffic over {r['ici_bandwidth'] / 1e9:.0f} GB/s "
-        "of ICI per chip)",
+        f"of {'NVLink' if 'gpu' in r else 'ICI'} per chip)",
         *[f"  {kind:<20}{c['count']:6.0f} x {c['bytes'] / 2**20:10.1f} MiB moved, {c['traffic'] / 2**20:10.1f} MiB sent"
           for kind, c in r["collectives"].items()],
         f"  total sent          {r['collective_traffic'] / 2**20:10.1f} MiB",
         "",
+        *([*gpus.format_lines(r), ""] if "gpu" in r else []),
+        *_roofline_lines(r),
+    ]
+    return "\n".join(lines)
+
+
+def _roofline_lines(r: dict[str, Any]) -> list[str]:
+    lines = [
         "roofline bound (not a prediction: assumes peak FLOP/s, peak HBM bandwidth and collectives that fully "
         "overlap with compute)",
         f"  compute          {r['t_compute'] * 1e3:10.1f} ms",
@@ -357,4 +385,4 @@ def format_report(r: dict[str, Any]) -> str:
     if r["bound"] == "memory":
         lines += ["  where the HBM bytes go (shares of the compiled step's top-level ops, by name scope):",
                   *[f"    {source:<40}{share:6.1%}" for source, share in list(r["bytes_by_source"].items())[:6]]]
-    return "\n".join(lines)
+    return lines

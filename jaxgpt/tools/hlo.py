@@ -1,4 +1,5 @@
-"""What a compiled program's HLO text says that XLA's cost analysis does not: collectives and custom calls.
+"""What a compiled program's HLO text says that XLA's cost analysis does not: collectives, custom calls, and
+(for GPUs) loops, kernel launches and host transfers.
 
 `compiled.cost_analysis()` counts neither the bytes that cross chips nor the work inside custom calls
 (Pallas kernels such as splash attention), and counts a loop body once. This module reads the compiled
@@ -12,6 +13,10 @@ Per-chip traffic of a collective over a group of N chips, for the ring algorithm
 torus: all-gather sends (N - 1) / N of its output, reduce-scatter (N - 1) times its output shard,
 all-reduce twice (N - 1) / N of its operand (a reduce-scatter then an all-gather), all-to-all (N - 1) / N,
 a collective permute its whole operand.
+
+On a GPU every top-level op of the executed computations that does work is one launch (a fusion is one kernel,
+a custom call one library call: cuBLAS, cuDNN), and a `while` launches its body's kernels from the host on every
+trip: `launches`, `loops` and `host_transfers` say what a step asks of the host.
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ def collectives(hlo: str, n_devices: int) -> dict[str, dict[str, float]]:
             kind, started = op.removesuffix("-start"), op.endswith("-start")
             if started and kind == "all-gather":  # (operands, outputs): outputs are N times the operands
                 size = size * n / (n + 1)
+            elif started and type_text.startswith("(("):  # XLA:GPU's ((operands), outputs)
+                size = size / 2 if kind == "all-reduce" else size / (n + 1) if kind == "reduce-scatter" else size
             elif started and kind == "collective-permute":  # (operand, output, contexts)
                 size = size / 2
             data, traffic = {
@@ -142,16 +149,20 @@ def collectives(hlo: str, n_devices: int) -> dict[str, dict[str, float]]:
 
 
 def custom_calls(hlo: str, target: str = "tpu_custom_call") -> list[dict[str, Any]]:
-    """The custom calls to `target` (Pallas kernels on TPU), each with its name and runs per execution."""
+    """The custom calls to targets starting with `target` (Pallas kernels on TPU, "__cudnn$fmha" on GPUs), each
+    with its name, target, runs per execution, result type and bytes, and backend config (JSON text)."""
     runs = run_counts(hlo)
     found = []
     for name, lines in _computations(hlo):
         for line in lines:
             instr = _INSTR.match(line)
-            if instr and instr.group(2) == "custom-call" and f'custom_call_target="{target}"' in line:
+            called = re.search(r'custom_call_target="([^"]*)"', line)
+            if instr and instr.group(2) == "custom-call" and called and called.group(1).startswith(target):
                 kernel = re.match(r"\s+(?:ROOT )?%?([\w\-]+?)(?:\.\d+)? = ", line)  # Pallas names the op after it
-                found.append({"kernel": kernel.group(1) if kernel else "", "runs": runs.get(name, 0),
-                              "result_bytes": array_bytes(instr.group(1))})
+                config = re.search(r"backend_config=(.*)$", line)
+                found.append({"kernel": kernel.group(1) if kernel else "", "target": called.group(1),
+                              "runs": runs.get(name, 0), "result_type": instr.group(1),
+                              "result_bytes": array_bytes(instr.group(1)), "config": config.group(1) if config else ""})
     return found
 
 
@@ -192,12 +203,7 @@ def bytes_by_source(hlo: str) -> dict[str, float]:
             instr = _ANY.match(line)
             if instr:
                 sizes[instr.group(1)] = array_bytes(instr.group(2))
-    runs, executed = run_counts(hlo), {comps[-1][0]} if comps else set()
-    for _, lines in reversed(comps):
-        for line in lines:
-            loop = _WHILE.search(line)
-            if loop:
-                executed.update(loop.groups())
+    runs, executed = run_counts(hlo), _top_level(comps)
     totals: dict[str, float] = defaultdict(float)
     for name, lines in comps:
         if name not in executed:
@@ -215,3 +221,109 @@ def bytes_by_source(hlo: str) -> dict[str, float]:
             op_name = re.search(r'op_name="([^"]*)"', line)
             totals[_source(op_name.group(1) if op_name else "")] += moved * runs.get(name, 0)
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _top_level(comps: list[tuple[str, list[str]]]) -> set[str]:
+    """The computations whose ops run one by one: the entry and the loops' conditions and bodies (not fusions'
+    or reducers' bodies, which run inside one kernel)."""
+    executed = {comps[-1][0]} if comps else set()
+    for _, lines in reversed(comps):
+        for line in lines:
+            loop = _WHILE.search(line)
+            if loop:
+                executed.update(loop.groups())
+    return executed
+
+
+def _trip_count(line: str, bodies: dict[str, list[str]]) -> tuple[int | None, bool]:
+    """(trips, whether XLA knows them) of a while instruction: its known_trip_count, else its condition's bound."""
+    trip = _TRIP.search(line)
+    if trip:
+        return int(trip.group(1)), True
+    loop = _WHILE.search(line)
+    return (_condition_bound(bodies.get(loop.group(1), [])) if loop else None), False
+
+
+_LIBRARIES = (("cuDNN", "__cudnn$"), ("cuBLAS", "__cublas$"), ("host callback", "callback"))
+
+
+def launch_kind(op: str, line: str) -> str | None:
+    """What an executed top-level op launches on a GPU: "matmul" (a GEMM fusion: Triton or, once the GPU's
+    autotuner picks it, cuBLAS), a library ("cuDNN", "cuBLAS", "host callback", "custom call"), "collective",
+    "copy", "fusion" (any other fused kernel) or "other" (an unfused op); None for ops that launch nothing."""
+    if op in _NO_TRAFFIC or op.endswith("-done"):
+        return None
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]*)"', line)
+        return next((name for name, key in _LIBRARIES if target and key in target.group(1)), "custom call")
+    if op.removesuffix("-start") in COLLECTIVES:
+        return "collective"
+    if op in ("copy", "copy-start"):
+        return "copy"
+    if op in ("fusion", "fusion-start"):
+        if '"kind":"__triton_collective"' in line:  # XLA:GPU's one-kernel all-reduce of small operands
+            return "collective"
+        return "matmul" if re.search(r'"kind":"__(?:triton_gemm|triton_nested_gemm|cublas)', line) else "fusion"
+    return "other"
+
+
+def launches(hlo: str) -> dict[str, int]:
+    """Kernels and library calls one execution launches, by `launch_kind` (loop bodies times their trips)."""
+    comps, runs, counts = _computations(hlo), run_counts(hlo), defaultdict(int)
+    executed = _top_level(comps)
+    for name, lines in comps:
+        if name not in executed:
+            continue
+        for line in lines:
+            instr = _ANY.match(line)
+            kind = launch_kind(instr.group(3), line) if instr else None
+            if kind:
+                counts[kind] += runs.get(name, 0)
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def loops(hlo: str) -> list[dict[str, Any]]:
+    """Every while loop one execution runs: its op name (jax's name scope), trips (None: unknown to XLA and not
+    read from its condition), whether XLA knows them, and the launches of one trip of its body."""
+    comps = _computations(hlo)
+    bodies, executed, found = dict(comps), _top_level(comps), []
+    for name, lines in comps:
+        for line in lines if name in executed else ():
+            instr, loop = _ANY.match(line), _WHILE.search(line)
+            if not (instr and loop and instr.group(3) == "while"):
+                continue
+            trips, known = _trip_count(line, bodies)
+            body = bodies.get(loop.group(2), [])
+            per_trip = sum(1 for b in body if (m := _ANY.match(b)) and launch_kind(m.group(3), b))
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            found.append({"op": op_name.group(1) if op_name else instr.group(1), "trips": trips, "known": known,
+                          "body_launches": per_trip})
+    return found
+
+
+def host_transfers(hlo: str) -> list[dict[str, Any]]:
+    """What one execution moves between host and device: host sends and receives, infeed and outfeed, values in
+    host memory (memory space S(5)), host callbacks, and the condition of a loop whose trip count XLA does not
+    know (read back on every trip). Each with its op, kind, bytes and runs per execution."""
+    comps, runs, found = _computations(hlo), run_counts(hlo), []
+    bodies, executed = dict(comps), _top_level(comps)
+    for name, lines in comps:
+        for line in lines if name in executed else ():
+            instr = _ANY.match(line)
+            if not instr:
+                continue
+            op, kind = instr.group(3), None
+            if op in ("send", "recv") and "is_host_transfer=true" in line:
+                kind = f"host {op}"
+            elif op in ("infeed", "outfeed"):
+                kind = op
+            elif ":S(5)" in instr.group(2) and op not in _NO_TRAFFIC:
+                kind = "to host memory"
+            elif launch_kind(op, line) == "host callback":
+                kind = "host callback"
+            elif op == "while" and not _trip_count(line, bodies)[1]:
+                kind = "loop condition read by the host"
+            if kind:
+                found.append({"op": instr.group(1), "kind": kind, "bytes": array_bytes(instr.group(2)),
+                              "runs": runs.get(name, 0)})
+    return found

@@ -1,10 +1,12 @@
 """Published per-chip numbers of the accelerators jaxgpt plans for and measures against: one table.
 
-`jaxgpt.tools.aot` reads the TPU rows to bound a step ahead of time; the training loop divides its model
-FLOP/s by the same peak (`peak_flops_for`) so that a run's MFU and the plan's roofline bound are measured
-against the same number. Peaks are dense bf16 (no sparsity); ICI is the bandwidth one ring collective
-along one mesh axis can use per chip: half the published bidirectional figure (a ring uses two of a
-chip's ports, each in both directions, while the published figure counts all of them).
+`jaxgpt.tools.aot` reads the TPU rows and the H100 and H200 rows to bound a step ahead of time; the training
+loop divides its model FLOP/s by the same peak (`peak_flops_for`) so that a run's MFU and the plan's roofline
+bound are measured against the same number. Peaks are dense bf16 (no sparsity); `ici_bandwidth` is the
+bandwidth one ring collective along one mesh axis can use per chip: half the published bidirectional figure
+(a ring uses two of a TPU chip's ports, each in both directions, while the published figure counts all of
+them); for NVIDIA GPUs the NVLink figure, halved the same way (NVSwitch connects every GPU of a node at full
+bandwidth, and a ring sends in one direction).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class Chip:
     hbm_bytes: float
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bandwidth: float  # bytes/s
-    ici_bandwidth: float  # bytes/s one ring collective can use per chip (0: not known)
+    ici_bandwidth: float  # bytes/s one ring collective can use per chip: ICI or NVLink (0: not known)
 
 
 # Google Cloud's TPU pages: bf16 peak, HBM, and ICI as half the bidirectional per-chip figure (one ring).
@@ -35,13 +37,14 @@ TPUS: dict[str, Chip] = {
     "v5p": Chip("v5p", "TPU v5", 95 * GiB, 459e12, 2765e9, 600e9),
     "v6e": Chip("v6e", "TPU v6 lite", 32 * GiB, 918e12, 1640e9, 400e9),
 }
-# NVIDIA's data sheets (SXM parts unless named; dense bf16 tensor-core peak); most specific name first.
+# NVIDIA's data sheets (SXM parts unless named; dense bf16 tensor-core peak; NVLink 3, 4 and 5 per GPU, halved as
+# for ICI); most specific name first.
 GPUS: tuple[Chip, ...] = (
     Chip("H100 PCIe", "H100 PCIe", 80 * GiB, 756e12, 2000e9, 0.0),
-    Chip("H100", "H100", 80 * GiB, 989e12, 3350e9, 0.0),
-    Chip("H200", "H200", 141 * GiB, 989e12, 4800e9, 0.0),
-    Chip("B200", "B200", 180 * GiB, 2250e12, 8000e9, 0.0),
-    Chip("A100", "A100", 80 * GiB, 312e12, 2039e9, 0.0),
+    Chip("H100", "H100", 80 * GiB, 989e12, 3350e9, 450e9),
+    Chip("H200", "H200", 141 * GiB, 989e12, 4800e9, 450e9),
+    Chip("B200", "B200", 180 * GiB, 2250e12, 8000e9, 900e9),
+    Chip("A100", "A100", 80 * GiB, 312e12, 2039e9, 300e9),
     Chip("L4", "L4", 24 * GiB, 121e12, 300e9, 0.0),
 )
 

@@ -26,7 +26,7 @@ from jaxgpt.model.config import ModelConfig, model_config_from_dict
 from jaxgpt.model.presets import get_preset
 from jaxgpt.train.optim import OptimConfig
 
-TASKS = ("lm", "classify", "seq2seq", "chat")
+TASKS = ("lm", "classify", "seq2seq", "chat", "rl")
 # Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
 _UNSET_TYPES = {"head_dim": int, "d_ff": int, "n_kv_head": int, "pad_id": int, "vocab_size": int, "rope_theta": float,
                 "logit_softcap": float}
@@ -127,6 +127,38 @@ class ChatConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Task "rl": GRPO on rewards a program checks (jaxgpt/tasks/rl.py), from init_from; prompts are config.chat's
+    conversations less their last assistant turn (the answer); batch_size counts completions (prompts x groups)."""
+
+    # "exact" (the reply equals the answer), "module:function" or "path/file.py:function" taking (prompt messages,
+    # completion text) -> float, or several comma-separated, each optionally weighted: "exact=1,my_rewards:brevity=0.1"
+    reward: str = "exact"
+    num_generations: int = 8  # completions sampled per prompt: one group, whose rewards are normalized together
+    max_new_tokens: int = 48  # a completion's longest (less where the prompt leaves less of the context)
+    temperature: float = 1.0  # of the rollouts, and of the log-probabilities the loss takes
+    top_p: float = 1.0
+    loss_type: str = "dapo"  # "grpo" (sequence mean), "dr_grpo" (no std division, constant length), "dapo" (token mean)
+    epsilon: float = 0.2  # the importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher: 0.28)
+    beta: float = 0.0  # weight of the KL penalty to the frozen starting model (0: none, as current practice)
+    num_iterations: int = 1  # optimizer steps per batch of rollouts (> 1: importance ratios to the sampling policy)
+    slots: int = 64  # the engine's slots while sampling rollouts and evaluations
+    eval_prompts: int = 256  # held-out prompts scored at each evaluation (greedy pass@1 and sampled pass@k)
+    pass_k: int = 8  # k of pass@k: completions sampled per held-out prompt
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in ("grpo", "dr_grpo", "dapo"):
+            raise UserError(f"config.rl.loss_type={self.loss_type!r} is unknown: choose grpo, dr_grpo or dapo")
+        _at_least("rl.", {"num_generations": self.num_generations}, 2)  # a group of one has no baseline
+        _at_least("rl.", {k: getattr(self, k) for k in ("max_new_tokens", "num_iterations", "slots", "eval_prompts",
+                                                          "pass_k")}, 1)
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or min(self.epsilon, self.epsilon_high or 0, self.beta) < 0:
+            raise UserError(f"config.rl: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
+                            f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high} and beta={self.beta} >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """The device mesh's axis sizes; one -1 takes the remaining devices."""
 
@@ -197,6 +229,7 @@ class TrainConfig:
     # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify);
     # "seq2seq": the encoder-decoder on source/target pairs (c.seq2seq; model.n_layer is the decoder's layers)
     # "chat": supervised fine-tuning on conversations (c.chat; model and tokenizer from init_from)
+    # "rl": reinforcement learning on checkable rewards (c.rl; prompts from c.chat's data; from init_from)
     task: str = "lm"
     workdir: str = ""  # where checkpoints, logs and the resolved config go (required): a path, gs:// or s3:// URL
     seed: int = 0  # data order, init and dropout all derive from it
@@ -207,6 +240,7 @@ class TrainConfig:
     classify: ClassifyConfig = dataclasses.field(default_factory=ClassifyConfig)
     seq2seq: Seq2SeqTaskConfig = dataclasses.field(default_factory=Seq2SeqTaskConfig)
     chat: ChatConfig = dataclasses.field(default_factory=ChatConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     label_smoothing: float = 0.0  # lm and seq2seq: targets smoothed toward uniform (optax.smooth_labels; paper: 0.1)
     loss_chunk: int = 0  # language modelling: positions per chunk of the cross-entropy (0: all logits at once)
     z_loss: float = 0.0  # lm: weight of mean(logsumexp(logits)^2) added to the training loss (PaLM: 1e-4; 0: off)
@@ -271,6 +305,9 @@ class TrainConfig:
             raise UserError(f"config.eval.hellaswag scores a language model: leave it False for task {self.task!r}")
         if self.z_loss < 0 or (self.z_loss and self.task != "lm"):
             raise UserError(f"config.z_loss={self.z_loss} must be >= 0 and applies to task lm only (0 turns it off)")
+        if self.task == "rl" and self.batch_size % self.rl.num_generations:
+            raise UserError(f"config.batch_size={self.batch_size} counts completions: make it a multiple of "
+                            f"config.rl.num_generations={self.rl.num_generations}")
         if self.label_smoothing and self.loss_chunk:
             raise UserError("config.label_smoothing needs the dense loss: set config.loss_chunk=0")
 

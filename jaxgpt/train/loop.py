@@ -94,7 +94,8 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, lock: 
                 print(optim.describe_groups(prog.param_axes, state["params"], cfg.optim), flush=True)
         t0 = time.perf_counter()
         options = {"xla_gpu_deterministic_ops": True} if cfg.deterministic else None
-        compiled = prog.train_step.lower(state, feed.batch(start), dropout_key).compile(compiler_options=options)
+        compiled = prog.train_step.lower(state, feed.batch(start, state["params"]), dropout_key).compile(
+            compiler_options=options)
         compile_s = time.perf_counter() - t0
         meter = Meter(cfg, task, workdir, start, is_main)
         with GracefulStop() as stop:
@@ -118,18 +119,30 @@ def _steps(cfg: TrainConfig, task: tasks.Task, compiled: Any, state: dict, start
            feed: Feed, meter: Meter, ckpt: Checkpointer, meta: dict[str, Any], stop: GracefulStop,
            lock: rundir.Hold | None) -> tuple[dict, dict[str, Any]]:
     """Steps start..max_steps: train, log, evaluate, save (every ckpt_interval steps, after evaluations, and
-    every ckpt_minutes); on a stop signal save and raise. Returns the final state and the last evaluation."""
+    every ckpt_minutes); on a stop signal save and raise. Returns the final state and the last evaluation.
+
+    The device never waits for the host between steps: the next step's batch is made and sent while a step runs
+    (dispatch is asynchronous), and a log interval's metrics are fetched one step late, once the next step is
+    queued. Steps that evaluate or save fetch theirs at once: a non-finite loss stops the run before any save."""
     last_eval: dict[str, Any] = {}
     last_save = time.monotonic()
+    batch, due = feed.batch(start, state["params"]), None
     for step in range(start, cfg.max_steps):
         if lock is not None:
             lock.check()  # a run whose lease was taken over must not write another checkpoint
-        state, metrics = compiled(state, feed.batch(step), dropout_key)
+        state, metrics = compiled(state, batch, dropout_key)
         done = step + 1
+        if done < cfg.max_steps:  # the next batch goes to the devices while this step runs
+            batch = feed.batch(done, state["params"])
+        if due is not None:  # the last log interval's metrics, now that this step is queued behind them
+            meter.flush(due, ckpt)
+            due = None
         meter.queue(done, metrics)
         is_eval = done % cfg.eval_interval == 0 or done == cfg.max_steps
-        if done % cfg.log_interval == 0 or is_eval or done % cfg.ckpt_interval == 0:
+        if is_eval or done % cfg.ckpt_interval == 0:
             meter.flush(done, ckpt)
+        elif done % cfg.log_interval == 0:
+            due = done
         if is_eval:
             with meter.paused():  # evaluation stays out of tokens/s
                 last_eval = feed.evaluate(state["params"])
@@ -180,14 +193,21 @@ class Feed:
         return {k: layout.global_array(shardings[k], v, (*leading, n_rows, *v.shape[1 + len(leading):]))
                 for k, v in rows.items()}
 
-    def batch(self, step: int) -> dict[str, jax.Array]:
-        """The batch of `step`, split into grad_accum micro-batches."""
+    def batch(self, step: int, params: Any) -> dict[str, jax.Array]:
+        """The batch of `step`, split into grad_accum micro-batches; `params`, the weights the step starts from, go
+        first to a task whose rows are sampled from them (`use_weights`: rl)."""
+        self._use_weights(params)
         A, B = self.cfg.grad_accum, self.cfg.batch_size
         rows = layout.read_rows(lambda i, n: self.task.train_rows(step, i, n), self.train_spans, B, unit=A)
         return self._global(self.prog.batch_sh, {k: micro_batches(v, A) for k, v in rows.items()}, B // A,
                             leading=(A,))
 
+    def _use_weights(self, params: Any) -> None:
+        if hasattr(self.task, "use_weights"):
+            self.task.use_weights(params)
+
     def evaluate(self, params: Any) -> dict[str, Any]:
+        self._use_weights(params)
         metrics = self.task.summarize({split: jax.device_get([self.prog.eval_step(params, b) for b in batches])
                                        for split, batches in self.evals.items()})
         return metrics | (self.hellaswag(params) if self.hellaswag is not None else {})

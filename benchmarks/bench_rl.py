@@ -1,0 +1,164 @@
+"""RL after SFT, measured: held-out pass@1 of the SFT model and of the RL model it becomes, on every built-in task,
+and the rollouts' speed against the engine's own on the same requests, in one run.
+
+    python benchmarks/bench_rl.py                              # base and early SFT trained here if missing
+    python benchmarks/bench_rl.py --sft runs/chat_sft --out /tmp/bench_rl --rl_steps 200
+
+The RL run is configs/chat_rl.py (GRPO on built-in prompts, exact-answer reward) from an SFT model that leaves room:
+the quick start's base model (configs/stdlib_char.py, trained into --base if it holds no run) fine-tuned by
+configs/chat_sft.py for only --sft_steps steps (into --sft if it holds no run), where the full 2000 steps leave
+almost nothing to gain. Both models then answer the held-out prompts of each built-in task (those the SFT split
+holds out, --prompts per task): pass@1 of the greedy reply, pass@8 and pass@1 of 8 replies sampled at temperature 1.
+The task the gain is measured on (--target) is, unless named, the one of those RL trains on where the SFT model
+leaves the most room (its pass@8 less its greedy pass@1: what sampling finds and greedy decoding does not yet),
+chosen from the SFT model's scores alone. The RL run is timed whole (rollouts, updates, evaluations); the targets
+are a gain of 0.15 or more in the target task's greedy pass@1 within 30 minutes of RL, and no other task down by
+more than 0.02.
+
+Rollout speed: one RL step's rollouts as the task samples them (`RL.rollouts`: the engine's decoding, then
+the rewards, the advantages and the rows, with the reference log-probabilities) against `generate_many` alone on
+the same requests (prompts, seeds, lengths), --rounds times each in turn, new tokens per second of each (target:
+the task at 0.8x the engine or better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+from ml_collections import ConfigDict
+
+from jaxgpt.data.conversations import BUILTIN_TASKS
+from jaxgpt.generate.engine import generate_many
+from jaxgpt.io import weights
+from jaxgpt.tasks import build
+from jaxgpt.tasks.rl import local_weights
+from jaxgpt.tasks.rl_prompts import load_prompts, split_prompts
+from jaxgpt.tasks.rl_rewards import parse_rewards
+from jaxgpt.tasks.rl_rollouts import PromptSet, Sampler, encode_prompts, pass_rates
+from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.train.config import ChatConfig, RLConfig, from_config_dict
+from jaxgpt.train.loop import train
+
+K = 8  # pass@K for the RL task
+
+
+def config(path: str, **overrides: object) -> ConfigDict:
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.update_from_flattened_dict(overrides)
+    return c
+
+
+def trained(workdir: Path, c: ConfigDict) -> float:
+    """Train `c` into `workdir` unless it already holds a run; the minutes it took (0 when it was there)."""
+    if Checkpointer(workdir).latest_step() is not None:
+        return 0.0
+    t = time.perf_counter()
+    train(from_config_dict(c))
+    return (time.perf_counter() - t) / 60
+
+
+def held_out(task: str, n: int, tokenizer, block_size: int) -> PromptSet:
+    """Up to `n` held-out prompts of a built-in task (SFT's split: a hash of the prompt)."""
+    prompts, _ = load_prompts(ChatConfig(tasks=task, examples=40 * n), seed=0)
+    held, _ = encode_prompts(split_prompts(prompts, 0.05)[1][:n], tokenizer, block_size, 48)
+    return held
+
+
+def scores(workdir: Path, tasks: tuple[str, ...], n: int, slots: int) -> dict[str, dict]:
+    """Greedy pass@1, pass@K and sampled pass@1 of the run's latest checkpoint on each task's held-out prompts."""
+    loaded = weights.load(f"workdir:{workdir}")
+    tokenizer = loaded.tokenizer()
+    sampler = Sampler(loaded.model, tokenizer, loaded.meta["chat"]["end_id"], RLConfig(slots=slots),
+                      parse_rewards("exact"))
+    return {task: pass_rates(sampler, loaded.params, held_out(task, n, tokenizer, loaded.model.block_size), K, seed=0)
+            for task in tasks}
+
+
+def rollout_speed(c: ConfigDict, rounds: int) -> dict[str, float]:
+    """New tokens/s of one step's rollouts through the task and through `generate_many` alone, taking turns."""
+    task = build(from_config_dict(c))
+    params = local_weights(task.pretrained())
+    task.use_weights(params)
+    P = task.cfg.batch_size // task.rl.num_generations
+    order, seeds = task.requests(0, range(P))
+    task.rollouts(0, range(P))  # compile both paths once
+    times: dict[str, list[float]] = {"task": [], "engine": []}
+    for _ in range(rounds):
+        t = time.perf_counter()
+        tokens = int(task.rollouts(0, range(P))["completion_tokens"].sum())
+        times["task"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out = generate_many(params, task.model_cfg, [task.train.ids[i] for i in order],
+                            max_new_tokens=[task.train.room[i] for i in order], seeds=seeds,
+                            temperature=task.rl.temperature, top_p=task.rl.top_p, eot_token=task.end_id,
+                            vocab_limit=task.tokenizer.vocab_size, slots=task.rl.slots)
+        times["engine"].append(time.perf_counter() - t)
+        assert sum(map(len, out)) == tokens, "the task's rollouts are the engine's"
+    task_s, engine_s = statistics.median(times["task"]), statistics.median(times["engine"])
+    return {"new tokens per step": tokens, "task tok/s": tokens / task_s, "engine tok/s": tokens / engine_s,
+            "task / engine": engine_s / task_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", default="runs/stdlib_char")
+    parser.add_argument("--sft", default="runs/chat_sft_early")
+    parser.add_argument("--sft_steps", type=int, default=200)
+    parser.add_argument("--out", default="/tmp/bench_rl", help="the RL run's work directory (must not hold one)")
+    parser.add_argument("--rl_steps", type=int, default=0, help="0: configs/chat_rl.py's max_steps")
+    parser.add_argument("--prompts", type=int, default=500, help="held-out prompts per task")
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data_dir", default="data/stdlib_char")
+    parser.add_argument("--target", default="", choices=("", *BUILTIN_TASKS),
+                        help="the task the gain is measured on (default: where the SFT model leaves the most room)")
+    args = parser.parse_args()
+    if Checkpointer(args.out).latest_step() is not None:
+        parser.error(f"{args.out} already holds a run: give a new --out")
+    minutes = {"base": trained(Path(args.base), config("configs/stdlib_char.py", workdir=args.base,
+                                                        **{"data.dir": args.data_dir})),
+               "sft": trained(Path(args.sft), config("configs/chat_sft.py", workdir=args.sft, max_steps=args.sft_steps,
+                                                      init_from=f"workdir:{args.base}", eval_interval=args.sft_steps))}
+    rl = config("configs/chat_rl.py", workdir=args.out, init_from=f"workdir:{args.sft}", **{"rl.slots": args.slots})
+    rl.max_steps = args.rl_steps or rl.max_steps
+    before = scores(Path(args.sft), BUILTIN_TASKS, args.prompts, args.slots)
+    trained_on = [t.strip() for t in rl.chat.tasks.split(",")]
+    room = {t: before[t]["val_pass_at_k"] - before[t]["val_pass_at_1"] for t in trained_on}
+    target = args.target or max(room, key=room.get)
+    speed = rollout_speed(rl, args.rounds)
+    t = time.perf_counter()
+    train(from_config_dict(rl))
+    minutes["rl"] = (time.perf_counter() - t) / 60
+    after = scores(Path(args.out), BUILTIN_TASKS, args.prompts, args.slots)
+    print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps), "
+          f"RL {minutes['rl']:.1f} ({rl.max_steps} steps, evaluations included)")
+    print(f"\n| task (held-out prompts) | SFT pass@1 | RL pass@1 | change | SFT sampled pass@1 | RL sampled pass@1 | "
+          f"SFT pass@{K} | RL pass@{K} |\n|---|---|---|---|---|---|---|---|")
+    for task in BUILTIN_TASKS:
+        b, a = before[task], after[task]
+        print(f"| {task}{' (target)' if task == target else ''} ({b['val_prompts']}) | {b['val_pass_at_1']:.3f} | "
+              f"{a['val_pass_at_1']:.3f} | {a['val_pass_at_1'] - b['val_pass_at_1']:+.3f} | "
+              f"{b['val_sampled_pass_at_1']:.3f} | {a['val_sampled_pass_at_1']:.3f} | {b['val_pass_at_k']:.3f} | "
+              f"{a['val_pass_at_k']:.3f} |")
+    gain = after[target]["val_pass_at_1"] - before[target]["val_pass_at_1"]
+    worst = min(after[t]["val_pass_at_1"] - before[t]["val_pass_at_1"] for t in BUILTIN_TASKS if t != target)
+    why = "named" if args.target else f"the most room, pass@{K} - pass@1: " + ", ".join(f"{t} {r:.3f}"
+                                                                                  for t, r in room.items())
+    print(f"\ntarget {target} ({why}): pass@1 {gain:+.3f} (target >= +0.15 within 30 min: "
+          f"{'met' if gain >= 0.15 and minutes['rl'] <= 30 else 'missed'}); other tasks' worst change {worst:+.3f} "
+          f"(target >= -0.02: {'met' if worst >= -0.02 else 'missed'})")
+    print(f"rollouts: {json.dumps({k: round(v, 3) for k, v in speed.items()})} (target task / engine >= 0.8: "
+          f"{'met' if speed['task / engine'] >= 0.8 else 'missed'}); devices: {jax.devices()[0].device_kind}")
+
+
+if __name__ == "__main__":
+    main()

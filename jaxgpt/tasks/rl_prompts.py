@@ -1,0 +1,84 @@
+"""Prompts of task rl: config.chat's conversations without their last assistant turn, which becomes the answer.
+
+From `config.chat.data`:
+* "builtin": the seeded built-in conversations of `config.chat.tasks` (`builtin_conversations`), so the prompts
+  and their held-out split are those an SFT run on the same settings saw and held out;
+* a `.jsonl` file, one object per line: SFT's `{"messages": [..., assistant]}` (the last assistant turn is the
+  answer), or `{"messages": [..., user], "answer": "..."}`, or a prompt alone `{"messages": [..., user]}` for
+  rewards that need no answer; a bad line is one UserError FILE:LINE;
+* `hf:NAME[:SUBSET[:SPLIT]]`: a Hub dataset of conversations (`load_hub`), the last assistant turn the answer.
+
+Held-out prompts are split by `split_held_out`'s hash of the prompt (everything before the answer), as SFT splits
+its conversations: a prompt SFT held out is held out here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxgpt.data.conversations import (
+    HUB_SPEC,
+    Conversation,
+    builtin_conversations,
+    conversation_error,
+    jsonl_objects,
+    load_hub,
+    split_held_out,
+)
+from jaxgpt.errors import UserError
+from jaxgpt.train.config import ChatConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    messages: Conversation  # ends with the user's turn
+    answer: str | None  # what the built-in checker compares with (None: no answer given)
+    kind: str  # the built-in task, or "prompts"
+    origin: str  # where it comes from, for one-line errors
+
+
+def _jsonl_prompt(obj: object, origin: str) -> Prompt:
+    """One parsed line as a prompt; a UserError naming `origin` when it is none of the three forms."""
+    if isinstance(obj, dict) and "answer" in obj and not isinstance(obj["answer"], str):
+        raise UserError(f'{origin}: "answer" must be a string')
+    ends_with_user = isinstance(obj, dict) and isinstance(obj.get("messages"), list) and bool(obj["messages"]) and (
+        isinstance(obj["messages"][-1], dict) and obj["messages"][-1].get("role") == "user")
+    if (error := conversation_error(obj, prompt=ends_with_user)) is not None:
+        raise UserError(f"{origin}: {error}")
+    messages = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
+    if ends_with_user:
+        return Prompt(messages, obj.get("answer"), "prompts", origin)
+    return Prompt(messages[:-1], obj.get("answer", messages[-1]["content"]), "prompts", origin)
+
+
+def _load_jsonl(path: str) -> list[Prompt]:
+    prompts = [_jsonl_prompt(obj, f"{path}:{n}") for n, obj in jsonl_objects(path)]
+    if not prompts:
+        raise UserError(f'{path} holds no prompts: give one JSON object per line, {{"messages": [{{"role": "user", '
+                        '"content": ...}], "answer": ...}')
+    return prompts
+
+
+def load_prompts(c: ChatConfig, seed: int) -> tuple[list[Prompt], str]:
+    """(prompts, a description) of config.chat's data."""
+    if c.data == "builtin":
+        tasks = [t.strip() for t in c.tasks.split(",") if t.strip()]
+        conversations = builtin_conversations(seed, c.examples, tasks)
+        return ([Prompt(conv[:-1], conv[-1]["content"], tasks[i % len(tasks)], f"built-in conversation {i}")
+                 for i, conv in enumerate(conversations)],
+                f"built-in prompts: {c.examples} of {', '.join(tasks)} (seed {seed})")
+    if c.data.startswith("hf:"):
+        return ([Prompt(conv[:-1], conv[-1]["content"], "prompts", f"{c.data} row {n}") for n, conv in
+                 load_hub(c.data)], f"prompts from {c.data}")
+    if c.data.endswith(".jsonl"):
+        prompts = _load_jsonl(c.data)
+        return prompts, f"{len(prompts)} prompts from {c.data}"
+    raise UserError(f"config.chat.data={c.data!r} is neither 'builtin' nor a .jsonl file of {{\"messages\": [...], "
+                    f"\"answer\": ...}} objects nor a Hub dataset, {HUB_SPEC}")
+
+
+def split_prompts(prompts: list[Prompt], val_fraction: float) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held out) by SFT's split (`split_held_out`, a hash of the prompt): each prompt goes in as the
+    conversation it came from, with its index in place of the answer turn that the hash leaves out."""
+    train, val = split_held_out([[*p.messages, {"index": i}] for i, p in enumerate(prompts)], val_fraction)
+    return [prompts[c[-1]["index"]] for c in train], [prompts[c[-1]["index"]] for c in val]
