@@ -7,13 +7,16 @@ completion tokens (GRPO's per-completion mean, so a 2-character sum weighs as mu
 as current practice). Their replies are at most 6 characters: 8 new tokens. Held-out prompts are split by SFT's hash
 of the prompt: a prompt SFT held out is held out here.
 
-Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-28; 19.4 minutes) from a 200-step SFT run, greedy
-pass@1 on 500 held-out prompts each: reverse 0.680 -> 0.918, fact 0.484 -> 0.572, arithmetic 0.116 -> 0.160, and
-count, which it does not train on, 0.148 -> 0.058. RL on arithmetic alone lowered the other three (reverse 0.95 ->
-0.80, fact 0.84 -> 0.37, count 0.28 -> 0.04 in 800 steps); with count's prompts in the mix as well (24 new tokens for
-its tallies), count still fell within 60 steps under every setting tried, and each step took 5.5 s instead of 3.8.
-Every evaluation samples 256 held-out prompts: pass@1 of the greedy reply, pass@8 and pass@1 of sampled ones, and
-scores the loss of their reference answers.
+A completion cut at the 8 tokens (no end token) takes no part in the loss (rl.mask_truncated_completions), so cut
+rambles do not teach every task to stop sooner.
+
+Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-28; 15.5 minutes of RL) from a 200-step SFT run,
+greedy pass@1 on 500 held-out prompts each: reverse 0.680 -> 0.916, fact 0.484 -> 0.586, arithmetic 0.116 -> 0.160,
+and count, which it does not train on, 0.148 -> 0.056. A KL penalty to the SFT model holds count (rl.beta=0.3: 0.148
+-> 0.152) at some of reverse's gain (+0.194), and arithmetic then loses one of its 30 distinct held-out prompts
+(they repeat 6 to 31 times in the 500: 0.116 -> 0.060); the reference pass also slows the rollouts (0.62x the
+engine, against 1.02x). Every evaluation samples 256 held-out prompts: pass@1 of the greedy reply, pass@8 and pass@1
+of sampled ones, and scores the loss of their reference answers.
 
     python train.py --config configs/chat_rl.py [--config.init_from=workdir:runs/chat_sft]
     python sample.py --workdir runs/chat_rl --chat          # or jaxgpt serve --workdir runs/chat_rl
@@ -41,6 +44,7 @@ def get_config():
     c.rl.num_generations = 8
     c.rl.max_new_tokens = 8
     c.rl.loss_type = "grpo"
+    c.rl.mask_truncated_completions = True
     c.rl.eval_prompts = 256
     c.rl.pass_k = 8
     c.batch_size = 256  # completions: 32 prompts x 8 (fewer prompts per step gave noisier, slower gains)

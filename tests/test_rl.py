@@ -64,6 +64,19 @@ def test_advantages_are_normalized_within_each_group() -> None:
     np.testing.assert_allclose(group_advantages(np.array([[2.0, 0.0, 1.0, 1.0]]), scale=False), [[1, -1, 0, 0]])
 
 
+def test_a_truncated_completion_keeps_its_reward_but_leaves_the_loss() -> None:
+    from jaxgpt.tasks.rl_rollouts import group_rows, mask_truncated
+
+    END = 9
+    completions = [[4, 5, END], [4, 5, 6, 7], [6, END], [4, 4, 4, 4]]  # the second and last were cut at 4 tokens
+    rows = group_rows([[1, 2]] * 4, completions, np.array([[1.0, 0.0], [1.0, 0.0]]), True, width=5)
+    masked = mask_truncated(rows, completions, END)
+    np.testing.assert_array_equal(masked["mask"].sum(axis=1), [3, 0, 2, 0])
+    np.testing.assert_array_equal(masked["mask"][0], rows["mask"][0])
+    np.testing.assert_array_equal(masked["advantage"], rows["advantage"])  # the baseline still counts them
+    assert rows["mask"][1].sum() == 4
+
+
 def test_rewards_are_weighted_and_a_failing_one_is_one_line_naming_it_and_the_prompt(tmp_path: Path) -> None:
     (tmp_path / "my_rewards.py").write_text(
         "def short(messages, completion):\n    return float(len(completion) <= 2)\n"
@@ -158,10 +171,11 @@ def test_the_reward_rises_on_a_toy_task_and_the_run_is_a_chat_run(tmp_path: Path
     assert len(answer_loss) == 2 and answer_loss[1] > answer_loss[0] > 0, answer_loss
     assert result["val_answer_loss_by_task"] == {"arithmetic": result["val_answer_loss"]}
     last = rows[-2] if "val_loss" in rows[-1] else rows[-1]
-    for key in ("train_group_spread", "train_no_signal", "train_kl", "train_clip_fraction",
+    for key in ("train_group_spread", "train_no_signal", "train_clip_fraction",
                 "train_completion_tokens", "train_rollout_tokens_per_sec", "train_update_tokens_per_sec"):
         assert math.isfinite(last[key]), key
-    assert last["train_completion_tokens"] == 1.0 and last["train_kl"] > 0 and last["train_clip_fraction"] == 0.0
+    assert last["train_completion_tokens"] == 1.0 and last["train_clip_fraction"] == 0.0
+    assert "train_kl" not in last  # beta 0: no reference model is run, so there is no KL to report
     loaded = weights.load(f"workdir:{workdir}")  # sample.py --chat and jaxgpt serve read a run through these
     chat = ChatModel.from_run(loaded.params, loaded.model, loaded.tokenizer(), loaded.meta, None)
     assert chat.replies([("q", [{"role": "user", "content": "What is 1 + 1?"}])], max_new_tokens=1, seed=0,
@@ -173,6 +187,10 @@ def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_
     2, before the checkpoint) from the work directory and samples the rest from the restored weights."""
     from tests_helpers import train_run
 
+    from jaxgpt.tasks import build
+    from jaxgpt.train.checkpoint import Checkpointer
+    from jaxgpt.train.config import from_config_dict
+
     (tmp_path / "toy.py").write_text(A_REWARD)
     overrides = {"max_steps": 6, "ckpt_interval": 3, "eval_interval": 6, "rl.num_iterations": 2,
                  "rl.max_new_tokens": 3, "rl.beta": 0.1, "rl.loss_type": "grpo"}
@@ -182,6 +200,18 @@ def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_
     shutil.rmtree(split_dir / "checkpoints" / "6")
     resumed = train_run(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:is_a", **overrides))
     assert resumed["steps"] == 3 and resumed["val_pass_at_k"] == whole["val_pass_at_k"]
+    logged = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
+    kls = [r["train_kl"] for r in logged if "train_loss" in r]  # beta > 0: the reference is run, the KL reported
+    assert kls and min(kls) > 0, kls
+    task = build(from_config_dict(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:is_a", **overrides)))
+    ckpt = Checkpointer(split_dir)
+    meta = ckpt.read_meta(6)
+    ckpt.close()
+    del meta["rl"]["settings"]["mask_truncated_completions"]  # a run saved before the setting existed: its default
+    task.check_resume(meta, str(split_dir))
+    meta["rl"]["settings"]["mask_truncated_completions"] = True
+    with pytest.raises(UserError, match="mask_truncated_completions"):
+        task.check_resume(meta, str(split_dir))
     for a, b in zip(jax.tree.leaves(whole["state"]["params"]), jax.tree.leaves(resumed["state"]["params"]),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -53,6 +53,7 @@ from jaxgpt.tasks.rl_rollouts import (
     Sampler,
     encode_prompts,
     group_rows,
+    mask_truncated,
     pass_rates,
     request_seed,
     token_rows,
@@ -124,7 +125,8 @@ class RL:
         self.width = max(len(i) + r for i, r in zip(self.train.ids, self.train.room, strict=True)) - 1
         self.sampler = Sampler(self.model_cfg, self.tokenizer, self.end_id, rl, self.rewards)
         self.batch_ndims = {"x": 2, "y": 2, "mask": 2, "advantage": 1, **dict.fromkeys(STAT_KEYS, 1),
-                            **({"old_logp": 2} if rl.num_iterations > 1 else {}), "ref_logp": 2}
+                            **({"old_logp": 2} if rl.num_iterations > 1 else {}),
+                            **({"ref_logp": 2} if rl.beta > 0 else {})}
         self.tokens_per_row = self.width
         self.eval_rows_per_batch = cfg.batch_size
         self._answers = self._answer_rows()
@@ -157,7 +159,7 @@ class RL:
     def loss(self, params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         rl = self.rl
         loss, terms = policy_loss(
-            self._logp(params, batch), batch.get("old_logp"), batch["ref_logp"], batch["advantage"], batch["mask"],
+            self._logp(params, batch), batch.get("old_logp"), batch.get("ref_logp"), batch["advantage"], batch["mask"],
             loss_type=rl.loss_type, epsilon=rl.epsilon, beta=rl.beta, max_new_tokens=rl.max_new_tokens,
             epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high)
         return loss, {**terms, **{k: batch[k].mean() for k in STAT_KEYS}}
@@ -174,7 +176,9 @@ class RL:
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         Chat.check_resume(self, saved_meta, workdir)  # the same model and tokenizer
         saved = saved_meta.get("rl", {}).get("settings", {})
-        changed = sorted(k for k in set(saved) | set(self.settings) if saved.get(k) != self.settings.get(k))
+        default = base_config().rl.to_dict()  # a setting newer than the run was its default there
+        changed = sorted(k for k in set(saved) | set(self.settings)
+                         if saved.get(k, default.get(k)) != self.settings.get(k, default.get(k)))
         if changed and not self.cfg.resume_changes:
             raise UserError(f"resuming {workdir} with other config.rl settings ({', '.join(changed)}): pass "
                             "--config.resume_changes=True to continue with them anyway, or use a new --config.workdir")
@@ -288,7 +292,7 @@ class RL:
 
     def rollouts(self, g: int, groups: range) -> dict[str, np.ndarray]:
         """Rows of `groups` of rollout batch `g` from the weights `use_weights` gave: sampled, scored, normalized,
-        with the log-probabilities of the reference (and of the sampling policy when num_iterations > 1)."""
+        with the log-probabilities of the reference when beta > 0 and of the sampling policy when num_iterations > 1."""
         G = self.rl.num_generations
         params = jax.block_until_ready(local_weights(self._params))
         t1 = time.perf_counter()
@@ -300,9 +304,12 @@ class RL:
         rewards = self.sampler.score([self.train.prompts[p] for p in order], completions).reshape(-1, G)
         out = group_rows([self.train.ids[p] for p in order], completions, rewards, self.rl.loss_type != "dr_grpo",
                          self.width)
-        if self._reference is None:
-            self._reference = local_weights(self.pretrained())
-        out["ref_logp"] = self._score(self._reference, out)
+        if self.rl.mask_truncated_completions:
+            out = mask_truncated(out, completions, self.end_id)
+        if self.rl.beta > 0:  # with no KL penalty the reference is not run (nor held): TRL does the same
+            if self._reference is None:
+                self._reference = local_weights(self.pretrained())
+            out["ref_logp"] = self._score(self._reference, out)
         if self.rl.num_iterations > 1:
             out["old_logp"] = self._score(params, out)
         handed = self._clock["handed"]  # the previous step's update: from its rows handed over to these weights

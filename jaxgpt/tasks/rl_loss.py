@@ -14,7 +14,8 @@ with a group baseline); with `num_iterations` > 1 updates it is the log-probabil
 The variants differ in how token losses become one number, which decides how long completions weigh:
 `grpo` averages each completion's tokens, then the completions (a long completion's tokens count less); `dr_grpo`
 sums them over a constant, rows x max_new_tokens (every token counts the same, whatever the lengths); `dapo`
-averages over all completion tokens of the batch. tests/numpy_reference_rl.py is the float64 reference of all three
+averages over all completion tokens of the batch. With `beta` 0 the task runs no reference model at all (as TRL):
+the KL is then neither a term nor a metric. tests/numpy_reference_rl.py is the float64 reference of all three
 (values and gradients).
 """
 
@@ -46,19 +47,20 @@ def policy_loss(logp_BW: jax.Array, old_logp_BW: jax.Array | None, ref_logp_BW: 
                 advantage_B: jax.Array, mask_BW: jax.Array, *, loss_type: str, epsilon: float, epsilon_high: float,
                 beta: float, max_new_tokens: int) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, {"clip_fraction", "kl"}) over the completion tokens (`mask_BW`). `old_logp_BW` None: on-policy (the
-    current log-probabilities, gradient stopped); `ref_logp_BW` None: no reference (kl reported as 0)."""
+    current log-probabilities, gradient stopped); `ref_logp_BW` None: no reference (no KL term, no "kl")."""
     old_BW = jax.lax.stop_gradient(logp_BW) if old_logp_BW is None else old_logp_BW
     ratio_BW = jnp.exp(logp_BW - old_BW)
     a_B1 = advantage_B[:, None]
     clipped_BW = jnp.clip(ratio_BW, 1.0 - epsilon, 1.0 + epsilon_high)
     token_BW = -jnp.minimum(ratio_BW * a_B1, clipped_BW * a_B1)
-    kl_BW = jnp.zeros_like(logp_BW)
+    n_tokens = jnp.maximum(mask_BW.sum(), 1.0)
+    kl: dict[str, jax.Array] = {}
     if ref_logp_BW is not None:
         delta_BW = ref_logp_BW - logp_BW
         kl_BW = jnp.exp(delta_BW) - delta_BW - 1.0
+        kl["kl"] = jax.lax.stop_gradient((kl_BW * mask_BW).sum() / n_tokens)
         if beta:
             token_BW = token_BW + beta * kl_BW
-    n_tokens = jnp.maximum(mask_BW.sum(), 1.0)
     if loss_type == "grpo":
         loss = jnp.mean((token_BW * mask_BW).sum(axis=1) / jnp.maximum(mask_BW.sum(axis=1), 1.0))
     elif loss_type == "dr_grpo":
@@ -68,5 +70,4 @@ def policy_loss(logp_BW: jax.Array, old_logp_BW: jax.Array | None, ref_logp_BW: 
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     clip_BW = ((ratio_BW < 1.0 - epsilon) & (a_B1 < 0)) | ((ratio_BW > 1.0 + epsilon_high) & (a_B1 > 0))
-    return loss, {"clip_fraction": (clip_BW * mask_BW).sum() / n_tokens,
-                  "kl": jax.lax.stop_gradient((kl_BW * mask_BW).sum() / n_tokens)}
+    return loss, {"clip_fraction": (clip_BW * mask_BW).sum() / n_tokens, **kl}

@@ -114,6 +114,13 @@ def group_rows(ids: Sequence[list[int]], completions: Sequence[list[int]], rewar
             "completion_tokens": rows["mask"].sum(axis=1)}
 
 
+def mask_truncated(rows: dict[str, np.ndarray], completions: Sequence[list[int]], end_id: int) -> dict[str, np.ndarray]:
+    """`rows` with the loss mask of each completion that has no end token (cut at its room) set to 0: its reward
+    and advantage are kept (the group's baseline counts it), but none of its tokens is learnt from."""
+    ended_R = np.array([end_id in c for c in completions], np.float32)
+    return {**rows, "mask": rows["mask"] * ended_R[:, None]}
+
+
 def pass_rates(sampler: Sampler, params: Any, held: PromptSet, k: int, seed: int) -> dict[str, Any]:
     """Held-out pass@1 of greedy completions, pass@k and pass@1 of k sampled ones (a completion passes when its
     reward reaches PASS), the mean greedy reward, and greedy pass@1 per kind of prompt (the built-in tasks)."""

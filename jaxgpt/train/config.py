@@ -143,6 +143,8 @@ class RLConfig:
     epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher: 0.28)
     beta: float = 0.0  # weight of the KL penalty to the frozen starting model (0: none, as current practice)
     num_iterations: int = 1  # optimizer steps per batch of rollouts (> 1: importance ratios to the sampling policy)
+    # True: a completion cut at max_new_tokens leaves the loss, not teaching early stops (DAPO's overlong filtering)
+    mask_truncated_completions: bool = False
     slots: int = 64  # the engine's slots while sampling rollouts and evaluations
     eval_prompts: int = 256  # held-out prompts scored at each evaluation (greedy pass@1 and sampled pass@k)
     pass_k: int = 8  # k of pass@k: completions sampled per held-out prompt
