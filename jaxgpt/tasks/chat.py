@@ -55,6 +55,7 @@ from jaxgpt.data.conversations import (
 from jaxgpt.data.tokenizer import WithSpecialTokens, tokenizer_from_meta
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
+from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, check_segments, dummy_tokens
 from jaxgpt.tasks.classify_data import spread_indices
 from jaxgpt.tasks.lm import token_cross_entropy
@@ -176,6 +177,18 @@ def held_out_conversations(c: ChatConfig, seed: int, tokenizer: WithSpecialToken
     return [(_through_turn(m, len(e.turn_ends)), kind) for e, kind, m in _split(kept, c.val_fraction)["val"]]
 
 
+def chat_architecture(cfg: TrainConfig, purpose: str) -> tuple[ModelConfig, WithSpecialTokens, ModelConfig]:
+    """(init_from's architecture, its tokenizer with the chat tokens, that architecture with the vocabulary grown to
+    hold them): what a chat fine-tune (SFT, RL) trains. `purpose` completes the error for a tokenizer-less source."""
+    base_cfg, tokenizer_meta = weights.fit_architecture(cfg.init_from, cfg.model, base_config().model.to_dict(),
+                                                        cfg.vocab_from_data)
+    if tokenizer_meta is None:
+        raise UserError(f"init_from {cfg.init_from} has no known tokenizer {purpose}: use a jaxgpt run or a Hugging "
+                        "Face GPT-2 or NanoChat directory")
+    tokenizer = chat_tokenizer(tokenizer_from_meta(tokenizer_meta, cfg.data.bpe_file or None))
+    return base_cfg, tokenizer, base_cfg.replace(vocab_size=max(base_cfg.vocab_size, tokenizer.vocab_size))
+
+
 class Chat:
     """Supervised fine-tuning on conversations: data, chat tokenizer, grown vocabulary, masked loss, exact match."""
 
@@ -189,14 +202,8 @@ class Chat:
             raise UserError("config.loss_chunk applies to task lm: set it to 0 for chat (rows are conversations)")
         pack = cfg.chat.pack
         conversations, origins, kinds, description = _conversations(cfg.chat, cfg.seed)
-        base_cfg, tokenizer_meta = weights.fit_architecture(cfg.init_from, cfg.model, base_config().model.to_dict(),
-                                                            cfg.vocab_from_data)
-        if tokenizer_meta is None:
-            raise UserError(f"init_from {cfg.init_from} has no known tokenizer to add the chat tokens to: use a jaxgpt "
-                            "run or a Hugging Face GPT-2 or NanoChat directory")
-        tokenizer = chat_tokenizer(tokenizer_from_meta(tokenizer_meta, cfg.data.bpe_file or None))
-        self.cfg, self.base_cfg, self.tokenizer = cfg, base_cfg, tokenizer
-        self.model_cfg = base_cfg.replace(vocab_size=max(base_cfg.vocab_size, tokenizer.vocab_size))
+        self.base_cfg, tokenizer, self.model_cfg = chat_architecture(cfg, "to add the chat tokens to")
+        self.cfg, self.tokenizer = cfg, tokenizer
         self.model = GPT(self.model_cfg)
         if pack:  # an attention that would not keep packed conversations apart: one line now, not at the first step
             check_segments(self.model_cfg)
@@ -221,7 +228,7 @@ class Chat:
         self.tokens_per_row = self.width
         self.eval_rows_per_batch = cfg.batch_size
         self._dropout = any(getattr(self.model_cfg, f"{n}_dropout") > 0 for n in ("embd", "attn", "resid", "ff"))
-        grown = self.model_cfg.vocab_size - base_cfg.vocab_size
+        grown = self.model_cfg.vocab_size - self.base_cfg.vocab_size
         self._description = (
             f"{description}: {n_train} train / {n_val} held-out conversations, rows of {self.width} tokens; "
             f"{cut} cut at a turn boundary and {dropped} dropped (longer than model.block_size={block_size})\n"
@@ -229,7 +236,7 @@ class Chat:
             f"{_layout([sum(lengths[i] for i in row) for row in plan], self.width, n_train)}"
             f" (config.chat.pack={pack}: training samples the {'packed' if pack else 'one-conversation'} rows)\n"
             f"{self.tokenizer.name} tokenizer + {len(SPECIAL_TOKENS)} chat tokens {list(SPECIAL_TOKENS)}"
-            + (f"; vocabulary grown from {base_cfg.vocab_size} to {self.model_cfg.vocab_size}" if grown else ""))
+            + (f"; vocabulary grown from {self.base_cfg.vocab_size} to {self.model_cfg.vocab_size}" if grown else ""))
         self.meta = {"chat": {
             "special_tokens": list(SPECIAL_TOKENS), "end_token": END, "end_id": tokenizer.special_ids[END],
             "template": CHAT_TEMPLATE, "init_from": cfg.init_from, "data": description, "n_train": n_train,

@@ -37,12 +37,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxgpt.data.batches import batch_indices, process_share
-from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE, chat_tokenizer
-from jaxgpt.data.tokenizer import tokenizer_from_meta
+from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage, weights
+from jaxgpt.io import storage
 from jaxgpt.model.gpt import GPT, dummy_tokens
-from jaxgpt.tasks.chat import Chat
+from jaxgpt.tasks.chat import Chat, chat_architecture
 from jaxgpt.tasks.classify_data import spread_indices
 from jaxgpt.tasks.rl_loss import policy_loss, token_logprobs
 from jaxgpt.tasks.rl_prompts import load_prompts, split_prompts
@@ -97,14 +96,7 @@ class RL:
         self.cfg, self.rl = cfg, rl
         self.rewards = parse_rewards(rl.reward)
         prompts, description = load_prompts(cfg.chat, cfg.seed)
-        base_cfg, tokenizer_meta = weights.fit_architecture(cfg.init_from, cfg.model, base_config().model.to_dict(),
-                                                            cfg.vocab_from_data)
-        if tokenizer_meta is None:
-            raise UserError(f"init_from {cfg.init_from} has no known tokenizer to write prompts with: use a jaxgpt "
-                            "run or a Hugging Face GPT-2 or NanoChat directory")
-        self.tokenizer = chat_tokenizer(tokenizer_from_meta(tokenizer_meta, cfg.data.bpe_file or None))
-        self.base_cfg = base_cfg
-        self.model_cfg = base_cfg.replace(vocab_size=max(base_cfg.vocab_size, self.tokenizer.vocab_size))
+        self.base_cfg, self.tokenizer, self.model_cfg = chat_architecture(cfg, "to write prompts with")
         self.model = GPT(self.model_cfg)
         self.tokenizer_meta = self.tokenizer.to_meta()
         self.end_id = self.tokenizer.special_ids[END]
