@@ -8,13 +8,13 @@ and the rollouts' speed against the engine's own on the same requests, in one ru
 The RL run is configs/chat_rl.py or --config (GRPO on built-in prompts, exact-answer reward) from an SFT model that
 leaves room: the quick start's base model (configs/stdlib_char.py, trained into --base if it holds no run)
 fine-tuned by configs/chat_sft.py for only --sft_steps steps (into --sft if it holds no run), where the full 2000
-steps leave almost nothing to gain. Both models then answer the held-out prompts of each built-in task (those the
-SFT split holds out, --prompts per task): pass@1 of the greedy reply, pass@8 and pass@1 of 8 replies sampled at
-temperature 1. The task the gain is measured on (--target) is, unless named, the one of those RL trains on where the
-SFT model leaves the most room (its pass@8 less its sampled pass@1: what sampling finds but does not find reliably
-yet), chosen from the SFT model's scores alone. The RL run is timed whole (rollouts, updates, evaluations); the
-targets are a gain of 0.15 or more in the target task's greedy pass@1 within 30 minutes of RL, and no other task
-down by more than 0.02.
+steps leave almost nothing to gain. Both models then answer the distinct held-out prompts of each built-in task
+(those the SFT split holds out, up to --prompts per task): pass@1 of the greedy reply, pass@8 and pass@1 of 8 replies
+sampled at temperature 1. The task the gain is measured on (--target) is, unless named, the one of those RL trains
+on where the SFT model leaves the most room (its pass@8 less its sampled pass@1: what sampling finds but does not
+find reliably yet), chosen from the SFT model's scores alone. The RL run is timed whole (rollouts, updates,
+evaluations); the targets are a gain of 0.15 or more in the target task's greedy pass@1 within 30 minutes of RL,
+and no other task down by more than 0.02.
 
 Rollout speed: one RL step's rollouts as the task samples them (`RL.rollouts`: the engine's decoding, then the
 rewards, the advantages and the rows, and the reference log-probabilities when the config's rl.beta > 0) against
@@ -39,7 +39,7 @@ from jaxgpt.generate.engine import generate_many
 from jaxgpt.io import weights
 from jaxgpt.tasks import build
 from jaxgpt.tasks.rl import local_weights
-from jaxgpt.tasks.rl_prompts import load_prompts, split_prompts
+from jaxgpt.tasks.rl_prompts import Prompt, load_prompts, split_prompts
 from jaxgpt.tasks.rl_rewards import parse_rewards
 from jaxgpt.tasks.rl_rollouts import PromptSet, Sampler, encode_prompts, pass_rates
 from jaxgpt.train.checkpoint import Checkpointer
@@ -68,9 +68,14 @@ def trained(workdir: Path, c: ConfigDict) -> float:
 
 
 def held_out(task: str, n: int, tokenizer, block_size: int) -> PromptSet:
-    """Up to `n` held-out prompts of a built-in task (SFT's split: a hash of the prompt)."""
+    """Up to `n` distinct held-out prompts of a built-in task (SFT's split: a hash of the prompt). Each counts
+    once: arithmetic has only about 30 held-out sums and differences, and drawn with repeats one of them weighed
+    up to 31 times in 500, so a single prompt moved pass@1 by 0.06."""
     prompts, _ = load_prompts(ChatConfig(tasks=task, examples=40 * n), seed=0)
-    held, _ = encode_prompts(split_prompts(prompts, 0.05)[1][:n], tokenizer, block_size, 48)
+    distinct: dict[str, Prompt] = {}
+    for p in split_prompts(prompts, 0.05)[1]:
+        distinct.setdefault(json.dumps(p.messages, sort_keys=True), p)
+    held, _ = encode_prompts(list(distinct.values())[:n], tokenizer, block_size, 48)
     return held
 
 
@@ -117,7 +122,7 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=200)
     parser.add_argument("--out", default="/tmp/bench_rl", help="the RL run's work directory (must not hold one)")
     parser.add_argument("--rl_steps", type=int, default=0, help="0: configs/chat_rl.py's max_steps")
-    parser.add_argument("--prompts", type=int, default=500, help="held-out prompts per task")
+    parser.add_argument("--prompts", type=int, default=500, help="the most distinct held-out prompts per task")
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data_dir", default="data/stdlib_char")

@@ -102,7 +102,7 @@ FULL = Shapes(model={}, loss_chunk=None, batches=(64, 32, 16, 8, 4), steps=10, p
               tests=("tests/",), test_workers=6, profile_steps=3, wide_loss_chunk=512, sweep=("all",),
               sweep_rounds=3, medium_batches=(32, 16, 8), cpu_devices=0, budget=540,
               limits=dict(env=60, tests=150, train=100, train_sweep=180, train_medium=100, torch_train=150,
-                          generate=120, hf_generate=90, serve=210))
+                          generate=140, hf_generate=90, serve=210))
 SMOKE = Shapes(model=dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64), loss_chunk=16,
                batches=(8, 4), steps=2, prompt_len=8, new_tokens=8, serve_tokens=8, gen_batches=(1, 4),
                clients=(1, 4), requests=2, compile_torch=False,
@@ -590,10 +590,11 @@ GENERATE_TARGETS = {1: 4_000, 64: 150_000}  # tokens/s on one H100 or H200 (issu
 def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int, Any], metrics: dict[str, float],
                        details: dict[str, Any]) -> list[str]:
     """Per batch: tokens/s against the target and against the HBM bound (the weights and the rows' KV caches
-    read once per token, at the chip's bandwidth: `bench_sample.bytes_per_token`), and the decode loop compiled
-    with each of `DECODE_OPTIONS` (WHILE and CONDITIONAL command buffers, `ops.decode.WHILE_COMMAND_BUFFERS`: the
-    whole generation one CUDA graph; XLA's Triton fusion, `ops.decode.TRITON_FUSION`: fewer kernels a token)
-    against `generate`'s default, interleaved; then a device profile of one batch-1 generation of the first,
+    read once per token, at the chip's bandwidth: `bench_sample.bytes_per_token`), and the decode loop of each
+    variant a GPU decides (WHILE and CONDITIONAL command buffers, `ops.decode.WHILE_COMMAND_BUFFERS`: the whole
+    generation one CUDA graph; XLA's Triton fusion, `ops.decode.TRITON_FUSION`: fewer kernels a token; XLA's
+    attention in place of the one-kernel decode attention, `ops.decode_attention`) against `generate`'s default,
+    interleaved; then a device profile of one batch-1 generation of the first,
     its command buffers on under the profiler. Lines for the log and the JSON."""
     import jax
     import profile_summary
@@ -605,8 +606,12 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
 
     chip = chip_for(jax.devices()[0])
     on_gpu = jax.default_backend() == "gpu"
-    sweep = {"while_command_buffers": {**WHILE_COMMAND_BUFFERS, "xla_enable_command_buffers_during_profiling": True},
-             "triton_fusion": TRITON_FUSION} if on_gpu else {"loop_alone": None}
+    # name -> (model, compiler options): "xla_attention" decodes with XLA's attention instead of the one-kernel
+    # cache write and attention (`ops.decode_attention`), which only `attention_impl` "cudnn" (auto) runs
+    sweep = {"while_command_buffers": (cfg, {**WHILE_COMMAND_BUFFERS, "xla_enable_command_buffers_during_profiling":
+                                             True}),
+             "triton_fusion": (cfg, TRITON_FUSION),
+             "xla_attention": (cfg.replace(attention_impl="xla"), None)} if on_gpu else {"loop_alone": (cfg, None)}
     lines, variants = [], {}
     for batch, prompt in prompts.items():
         got = metrics[f"batch{batch}_tokens_per_s"]
@@ -618,8 +623,8 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
             step_bytes = bytes_per_token(cfg, shapes.new_tokens, batch, shapes.prompt_len, itemsize=2)
             bound = metrics[f"batch{batch}_hbm_bound_tokens_per_s"] = batch * chip.hbm_bandwidth / step_bytes
             line += f", {got / bound:.1%} of the HBM bound {bound:,.0f} ({step_bytes / 1e6:,.0f} MB read per token)"
-        runs = {name: compiled_generation(params, cfg, prompt, shapes.new_tokens, options)
-                for name, options in sweep.items()}
+        runs = {name: compiled_generation(params, model, prompt, shapes.new_tokens, options)
+                for name, (model, options) in sweep.items()}
         variants[batch] = next(iter(runs.values()))
         runs = {"default": lambda prompt=prompt: generate(params, cfg, prompt, max_new_tokens=shapes.new_tokens,
                                                           temperature=0, dtype="bfloat16"), **runs}

@@ -1,22 +1,24 @@
-"""RL after SFT: GRPO on the built-in arithmetic, reverse and fact prompts, rewarded for the exact answer (no download).
+"""RL after SFT: GRPO on the four built-in tasks' prompts, rewarded for the exact answer (no download).
 
 Continues runs/chat_sft (configs/chat_sft.py; train it first) with task rl (jaxgpt/tasks/rl.py): each step samples 8
 completions for each of 32 training prompts through the serving engine, rewards each 1 when it equals the answer and
 0 otherwise, normalizes the rewards within each prompt's group and takes a clipped policy-gradient step on the
-completion tokens (GRPO's per-completion mean, so a 2-character sum weighs as much as a 6-letter word; no KL penalty,
-as current practice). Their replies are at most 6 characters: 8 new tokens. Held-out prompts are split by SFT's hash
-of the prompt: a prompt SFT held out is held out here.
+completion tokens (GRPO's per-completion mean, so a 2-character sum weighs as much as a 20-character tally; no KL
+penalty, as current practice). All four tasks are in the mix: a task left out drifts (count, left out, fell by 0.09
+while the others rose). Count's tallied replies are the longest, about 20 characters: 24 new tokens. Held-out
+prompts are split by SFT's hash of the prompt: a prompt SFT held out is held out here.
 
-A completion cut at the 8 tokens (no end token) takes no part in the loss (rl.mask_truncated_completions), so cut
+A completion cut at the 24 tokens (no end token) takes no part in the loss (rl.mask_truncated_completions), so cut
 rambles do not teach every task to stop sooner.
 
-Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-28; 15.5 minutes of RL) from a 200-step SFT run,
-greedy pass@1 on 500 held-out prompts each: reverse 0.680 -> 0.916, fact 0.484 -> 0.586, arithmetic 0.116 -> 0.160,
-and count, which it does not train on, 0.148 -> 0.056. A KL penalty to the SFT model holds count (rl.beta=0.3: 0.148
--> 0.152) at some of reverse's gain (+0.194), and arithmetic then loses one of its 30 distinct held-out prompts
-(they repeat 6 to 31 times in the 500: 0.116 -> 0.060); the reference pass also slows the rollouts (0.62x the
-engine, against 1.02x). Every evaluation samples 256 held-out prompts: pass@1 of the greedy reply, pass@8 and pass@1
-of sampled ones, and scores the loss of their reference answers.
+Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-28; 15.7 minutes of RL) from a 200-step SFT run,
+greedy pass@1 on each task's distinct held-out prompts: reverse 0.684 -> 0.892 (500 prompts), fact 0.484 -> 0.576
+(500), count 0.080 -> 0.122 (500), arithmetic 2 -> 1 of its 30 (operands 0 to 19 leave SFT's split only 30 distinct
+held-out sums and differences; the SFT model's two right answers are near chance, and each RL run trades one or two
+of them for others). Rollouts ran at 1.01x the engine alone. A KL penalty to the SFT model (rl.beta=0.1) gave the
+same gains (reverse +0.202, count +0.040, fact +0.104, arithmetic 2 -> 1) at 0.63x the engine: the reference pass
+scores every row again. Every evaluation samples 256 held-out prompts: pass@1 of the greedy reply, pass@8 and
+pass@1 of sampled ones, and scores the loss of their reference answers.
 
     python train.py --config configs/chat_rl.py [--config.init_from=workdir:runs/chat_sft]
     python sample.py --workdir runs/chat_rl --chat          # or jaxgpt serve --workdir runs/chat_rl
@@ -37,12 +39,12 @@ def get_config():
     c.workdir = "runs/chat_rl"
     c.init_from = "workdir:runs/chat_sft"
     c.chat.data = "builtin"
-    c.chat.tasks = "arithmetic,reverse,fact"
+    c.chat.tasks = "arithmetic,reverse,count,fact"
     c.chat.examples = 20000
     c.chat.val_fraction = 0.05
     c.rl.reward = "exact"
     c.rl.num_generations = 8
-    c.rl.max_new_tokens = 8
+    c.rl.max_new_tokens = 24
     c.rl.loss_type = "grpo"
     c.rl.mask_truncated_completions = True
     c.rl.eval_prompts = 256

@@ -6,8 +6,8 @@ Shapes: B batch, T queries, S keys (the cache length when decoding), H heads, D 
 Paths (`attention_impl`): "einsum" (products and a float32 softmax, per causal query block, with a
 hand-written backward), "xla" (`jax.nn.dot_product_attention`), "cudnn" (its cuDNN flash attention), "splash"
 (TPU flash attention, `jaxgpt.ops.splash`). "auto" picks per platform (`resolve_impl`). Decoding one token
-against a cache has a path of its own (`attend_one`). On CPUs the einsum path computes in float32 whatever the
-model's dtype (`work_dtype`).
+against a cache has paths of its own (`attend_one`, `attend_written`, `jaxgpt.ops.decode_attention`). On CPUs
+the einsum path computes in float32 whatever the model's dtype (`work_dtype`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.ops import splash
+from jaxgpt.ops import decode_attention, splash
 from jaxgpt.ops.platform import current_platform
 
 Array = jax.Array
@@ -171,13 +171,22 @@ def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, i
     grouped queries) take the XLA path, whose kernels (XLA's and cuDNN's) take fewer key/value heads as they are.
     """
     impl = resolve_impl(impl, dtype)
-    # One new token takes a path of its own whatever `impl`: a fused kernel has nothing to fuse in one query row,
-    # and jax's cuDNN attention fails under vmap, which the serving engine decodes its slots with (its
-    # batching rule reshapes the broadcast mask into a per-head bias of the wrong size; jax 0.11.2, H100).
+    # One new token takes a path of its own: cuDNN's attention has nothing to fuse in one query row and fails
+    # under vmap, which the serving engine decodes its slots with (its batching rule reshapes the broadcast mask
+    # into a per-head bias of the wrong size; jax 0.11.2, H100). CPUs attend over the cache as it was plus the
+    # new key (`attend_one`); where cuDNN's attention would run, one Pallas kernel writes the cache and attends
+    # (`decode_attention`); elsewhere the cache is written, then attended over (`attend_written`).
     if cache is not None and q_BTHD.shape[1] == 1 and current_platform() == "cpu":
         y_BH1D, k_new, v_new = attend_one(q_BTHD, k_BKSD, v_BKSD, cache["k"], cache["v"], cache_index,
                                           work_dtype(dtype))
         return y_BH1D.transpose(0, 2, 1, 3), None, write_cache(cache, k_new, v_new, cache_index)
+    if cache is not None and q_BTHD.shape[1] == 1 and one_kernel_decode(impl, q_BTHD.shape[2], k_BKSD.shape[1],
+                                                                         q_BTHD.shape[3]):
+        H, K = q_BTHD.shape[2], k_BKSD.shape[1]
+        y_BKGD, k_cache, v_cache = decode_attention.decode_attention(
+            query_rows(scaled_queries(q_BTHD, dtype), K), k_BKSD[:, :, 0], v_BKSD[:, :, 0], cache["k"], cache["v"],
+            cache_index)
+        return heads_of_rows(y_BKGD, H).transpose(0, 2, 1, 3), None, {"k": k_cache, "v": v_cache}
     if cache is not None and q_BTHD.shape[1] == 1:
         cache = write_cache(cache, k_BKSD, v_BKSD, cache_index)
         y_BH1D = attend_written(q_BTHD, cache["k"], cache["v"], cache_index, work_dtype(dtype))
@@ -277,6 +286,16 @@ def attend_written(q_B1HD: Array, k_BKSD: Array, v_BKSD: Array, index: Array, dt
     probs = jax.nn.softmax(s_BKGS, axis=-1)
     y_BKGD = jnp.einsum("bhts,bhsd->bhtd", probs.astype(dtype), v_BKSD.astype(dtype))
     return heads_of_rows(y_BKGD, H)
+
+
+def one_kernel_decode(impl: str, H: int, K: int, D: int) -> bool:
+    """Whether one new token's attention runs as one kernel (`decode_attention`): where the model's attention is
+    cuDNN's (`resolve_impl`: "auto" in 16 bits on an NVIDIA GPU, or named), so "xla" keeps XLA's own decoding;
+    on one device (a Pallas kernel is not partitioned: a mesh of several would gather its operands); for head
+    shapes the kernel takes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return (impl == "cudnn" and current_platform() in ("gpu", "cuda") and (mesh.empty or mesh.size == 1)
+            and decode_attention.fits(H // K, D))
 
 
 def write_cache(cache: Cache, k_BHTD: Array, v_BHTD: Array, index: Array) -> Cache:
