@@ -97,7 +97,7 @@ def grow_vocab(params: dict[str, Any], vocab_size: int, key: jax.Array) -> dict[
     return grown
 
 
-def _conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[str], list[str], str]:
+def configured_conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[str], list[str], str]:
     """(conversations, where each comes from, its kind for per-task accuracy, a description) of config.chat."""
     if c.data == "builtin":
         tasks = [t.strip() for t in c.tasks.split(",") if t.strip()]
@@ -172,7 +172,7 @@ def held_out_conversations(c: ChatConfig, seed: int, tokenizer: WithSpecialToken
     """The held-out conversations a chat run of config.chat scores, as it scores them, each with its kind (its
     built-in task): those that fit its context (`tokenizer` and `block_size`: the run's), each up to its last
     assistant turn that fits. For measuring a trained run elsewhere (through the server: benchmarks/bench_chat.py)."""
-    conversations, origins, kinds, _ = _conversations(c, seed)
+    conversations, origins, kinds, _ = configured_conversations(c, seed)
     kept, _, _ = _fit(conversations, origins, kinds, tokenizer, block_size)
     return [(_through_turn(m, len(e.turn_ends)), kind) for e, kind, m in _split(kept, c.val_fraction)["val"]]
 
@@ -201,7 +201,7 @@ class Chat:
         if cfg.loss_chunk:
             raise UserError("config.loss_chunk applies to task lm: set it to 0 for chat (rows are conversations)")
         pack = cfg.chat.pack
-        conversations, origins, kinds, description = _conversations(cfg.chat, cfg.seed)
+        conversations, origins, kinds, description = configured_conversations(cfg.chat, cfg.seed)
         self.base_cfg, tokenizer, self.model_cfg = chat_architecture(cfg, "to add the chat tokens to")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.model = GPT(self.model_cfg)

@@ -17,15 +17,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxgpt.data.conversations import (
-    HUB_SPEC,
     Conversation,
-    builtin_conversations,
     conversation_error,
     jsonl_objects,
-    load_hub,
     split_held_out,
 )
 from jaxgpt.errors import UserError
+from jaxgpt.tasks.chat import configured_conversations
 from jaxgpt.train.config import ChatConfig
 
 
@@ -33,7 +31,7 @@ from jaxgpt.train.config import ChatConfig
 class Prompt:
     messages: Conversation  # ends with the user's turn
     answer: str | None  # what the built-in checker compares with (None: no answer given)
-    kind: str  # the built-in task, or "prompts"
+    kind: str  # the built-in task, or "conversations"
     origin: str  # where it comes from, for one-line errors
 
 
@@ -47,8 +45,8 @@ def _jsonl_prompt(obj: object, origin: str) -> Prompt:
         raise UserError(f"{origin}: {error}")
     messages = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
     if ends_with_user:
-        return Prompt(messages, obj.get("answer"), "prompts", origin)
-    return Prompt(messages[:-1], obj.get("answer", messages[-1]["content"]), "prompts", origin)
+        return Prompt(messages, obj.get("answer"), "conversations", origin)
+    return Prompt(messages[:-1], obj.get("answer", messages[-1]["content"]), "conversations", origin)
 
 
 def _load_jsonl(path: str) -> list[Prompt]:
@@ -60,21 +58,15 @@ def _load_jsonl(path: str) -> list[Prompt]:
 
 
 def load_prompts(c: ChatConfig, seed: int) -> tuple[list[Prompt], str]:
-    """(prompts, a description) of config.chat's data."""
-    if c.data == "builtin":
-        tasks = [t.strip() for t in c.tasks.split(",") if t.strip()]
-        conversations = builtin_conversations(seed, c.examples, tasks)
-        return ([Prompt(conv[:-1], conv[-1]["content"], tasks[i % len(tasks)], f"built-in conversation {i}")
-                 for i, conv in enumerate(conversations)],
-                f"built-in prompts: {c.examples} of {', '.join(tasks)} (seed {seed})")
-    if c.data.startswith("hf:"):
-        return ([Prompt(conv[:-1], conv[-1]["content"], "prompts", f"{c.data} row {n}") for n, conv in
-                 load_hub(c.data)], f"prompts from {c.data}")
+    """(prompts, a description) of config.chat's data: a JSONL file of prompts read here (`_jsonl_prompt`'s three
+    forms), else SFT's conversations (`chat.configured_conversations`: built-in or from the Hub), each without its
+    last turn, which is the answer."""
     if c.data.endswith(".jsonl"):
         prompts = _load_jsonl(c.data)
         return prompts, f"{len(prompts)} prompts from {c.data}"
-    raise UserError(f"config.chat.data={c.data!r} is neither 'builtin' nor a .jsonl file of {{\"messages\": [...], "
-                    f"\"answer\": ...}} objects nor a Hub dataset, {HUB_SPEC}")
+    conversations, origins, kinds, description = configured_conversations(c, seed)
+    return [Prompt(conv[:-1], conv[-1]["content"], kind, origin)
+            for conv, origin, kind in zip(conversations, origins, kinds, strict=True)], description
 
 
 def split_prompts(prompts: list[Prompt], val_fraction: float) -> tuple[list[Prompt], list[Prompt]]:
