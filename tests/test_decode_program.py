@@ -94,6 +94,11 @@ def generate_program(batch: int, tmp_path: Path, options: dict | None = None) ->
                     num_steps=NEW_TOKENS)
 
 
+def attention_kernels(text: str) -> list[str]:
+    """The HLO lines that call the one-kernel decode attention (`ops.decode_attention`)."""
+    return [line for line in text.splitlines() if "decode_attention" in line and "custom-call(" in line]
+
+
 def kernels_outside_command_buffers(thunks: str) -> list[str]:
     """The kernels of a thunk sequence that the host launches itself: those not nested in a kCommandBuffer."""
     outside, parents = [], []  # parents: (indent, is a command buffer) of the enclosing thunks
@@ -131,7 +136,7 @@ def test_generate_runs_the_model_in_a_loop_of_known_trip_count(batch: int, tmp_p
 @pytest.mark.parametrize("batch", [1, 64])
 def test_each_layer_writes_its_cache_and_attends_in_one_kernel_in_place(batch: int, tmp_path: Path) -> None:
     text, _ = generate_program(batch, tmp_path)
-    kernels = [line for line in text.splitlines() if "decode_attention" in line and "custom-call(" in line]
+    kernels = attention_kernels(text)
     assert len(kernels) == CFG.n_layer * UNROLL, len(kernels)
     S = sampling.cache_slots(CFG, PROMPT, NEW_TOKENS)
     cache = f"bf16[{batch},{CFG.n_head},{S},{CFG.n_embd // CFG.n_head}]"
@@ -163,5 +168,4 @@ def test_engine_chunk_loops_over_its_steps_with_a_known_trip_count(tmp_path: Pat
     loops = hlo.loops(text)
     assert [(loop["known"], loop["trips"] * UNROLL) for loop in loops] == [(True, steps)], loops
     assert not hlo.host_transfers(text)
-    kernels = [line for line in text.splitlines() if "decode_attention" in line and "custom-call(" in line]
-    assert len(kernels) == CFG.n_layer * UNROLL, len(kernels)  # the slots' attention: one kernel a layer, vmapped
+    assert len(attention_kernels(text)) == CFG.n_layer * UNROLL  # the slots' attention: one kernel a layer, vmapped

@@ -163,7 +163,7 @@ def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, i
     heads k G .. (k + 1) G - 1 read key/value head k, G = H / K); no path repeats them to H heads.
     `causal` says the visible keys are a subset of the causal ones, so the einsum path may skip the masked
     triangle and splash may run. With a `cache` ({"k", "v"}: (B, K, S, D)), this call's keys and values are
-    written at `cache_index` and the queries attend over the whole cache (one new token: `attend_one`).
+    written at `cache_index` and the queries attend over the whole cache (one new token: `_one_new_token`).
     `impl` is the model's `attention_impl` ("auto": `resolve_impl`). Returns (y (B, T, H, D), the
     probabilities (B, H, T, S) on the einsum path else None, the updated cache or None); `dropout` applies
     to the probabilities (einsum path only). Splash needs a causal step whose shapes tile
@@ -171,26 +171,8 @@ def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, i
     grouped queries) take the XLA path, whose kernels (XLA's and cuDNN's) take fewer key/value heads as they are.
     """
     impl = resolve_impl(impl, dtype)
-    # One new token takes a path of its own: cuDNN's attention has nothing to fuse in one query row and fails
-    # under vmap, which the serving engine decodes its slots with (its batching rule reshapes the broadcast mask
-    # into a per-head bias of the wrong size; jax 0.11.2, H100). CPUs attend over the cache as it was plus the
-    # new key (`attend_one`); where cuDNN's attention would run, one Pallas kernel writes the cache and attends
-    # (`decode_attention`); elsewhere the cache is written, then attended over (`attend_written`).
-    if cache is not None and q_BTHD.shape[1] == 1 and current_platform() == "cpu":
-        y_BH1D, k_new, v_new = attend_one(q_BTHD, k_BKSD, v_BKSD, cache["k"], cache["v"], cache_index,
-                                          work_dtype(dtype))
-        return y_BH1D.transpose(0, 2, 1, 3), None, write_cache(cache, k_new, v_new, cache_index)
-    if cache is not None and q_BTHD.shape[1] == 1 and one_kernel_decode(impl, q_BTHD.shape[2], k_BKSD.shape[1],
-                                                                         q_BTHD.shape[3]):
-        H, K = q_BTHD.shape[2], k_BKSD.shape[1]
-        y_BKGD, k_cache, v_cache = decode_attention.decode_attention(
-            query_rows(scaled_queries(q_BTHD, dtype), K), k_BKSD[:, :, 0], v_BKSD[:, :, 0], cache["k"], cache["v"],
-            cache_index)
-        return heads_of_rows(y_BKGD, H).transpose(0, 2, 1, 3), None, {"k": k_cache, "v": v_cache}
     if cache is not None and q_BTHD.shape[1] == 1:
-        cache = write_cache(cache, k_BKSD, v_BKSD, cache_index)
-        y_BH1D = attend_written(q_BTHD, cache["k"], cache["v"], cache_index, work_dtype(dtype))
-        return y_BH1D.transpose(0, 2, 1, 3), None, cache
+        return _one_new_token(q_BTHD, k_BKSD, v_BKSD, cache, cache_index, impl, dtype)
     if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
         cache = write_cache(cache, k_BKSD, v_BKSD, cache_index)
         k_BKSD, v_BKSD, causal = cache["k"], cache["v"], False
@@ -286,6 +268,30 @@ def attend_written(q_B1HD: Array, k_BKSD: Array, v_BKSD: Array, index: Array, dt
     probs = jax.nn.softmax(s_BKGS, axis=-1)
     y_BKGD = jnp.einsum("bhts,bhsd->bhtd", probs.astype(dtype), v_BKSD.astype(dtype))
     return heads_of_rows(y_BKGD, H)
+
+
+def _one_new_token(q_B1HD: Array, k_BK1D: Array, v_BK1D: Array, cache: Cache, index: Array, impl: str,
+                   dtype: str) -> tuple[Array, None, Cache]:
+    """`attend` for one new token against a cache: (y (B, 1, H, D), None, the cache with the token written).
+
+    It takes a path of its own: cuDNN's attention has nothing to fuse in one query row and fails under vmap, which
+    the serving engine decodes its slots with (its batching rule reshapes the broadcast mask into a per-head bias
+    of the wrong size; jax 0.11.2, H100). CPUs attend over the cache as it was plus the new key (`attend_one`);
+    where cuDNN's attention would run, one Pallas kernel writes the cache and attends (`decode_attention`);
+    elsewhere the cache is written, then attended over (`attend_written`).
+    """
+    H, K = q_B1HD.shape[2], k_BK1D.shape[1]
+    if current_platform() == "cpu":
+        y_BH1D, k_new, v_new = attend_one(q_B1HD, k_BK1D, v_BK1D, cache["k"], cache["v"], index, work_dtype(dtype))
+        return y_BH1D.transpose(0, 2, 1, 3), None, write_cache(cache, k_new, v_new, index)
+    if one_kernel_decode(impl, H, K, q_B1HD.shape[3]):
+        y_BKGD, k_cache, v_cache = decode_attention.decode_attention(
+            query_rows(scaled_queries(q_B1HD, dtype), K), k_BK1D[:, :, 0], v_BK1D[:, :, 0], cache["k"], cache["v"],
+            index)
+        return heads_of_rows(y_BKGD, H).transpose(0, 2, 1, 3), None, {"k": k_cache, "v": v_cache}
+    cache = write_cache(cache, k_BK1D, v_BK1D, index)
+    y_BH1D = attend_written(q_B1HD, cache["k"], cache["v"], index, work_dtype(dtype))
+    return y_BH1D.transpose(0, 2, 1, 3), None, cache
 
 
 def one_kernel_decode(impl: str, H: int, K: int, D: int) -> bool:

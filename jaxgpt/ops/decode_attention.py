@@ -60,11 +60,11 @@ def _kernel(index_ref: object, q_ref: object, k_ref: object, v_ref: object, k_ca
     def block(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m_G, l_G, acc_GD = carry
         s_B = i * BLOCK_SLOTS + jnp.arange(BLOCK_SLOTS)
-        inside = (s_B < S)[:, None]
-        k_BD = plgpu.load(k_cache_ref.at[pl.ds(i * BLOCK_SLOTS, BLOCK_SLOTS), :], mask=inside, other=0)
-        v_BD = plgpu.load(v_cache_ref.at[pl.ds(i * BLOCK_SLOTS, BLOCK_SLOTS), :], mask=inside, other=0)
+        inside_B = s_B < S  # the last block may run past the cache
+        k_BD = plgpu.load(k_cache_ref.at[pl.ds(i * BLOCK_SLOTS, BLOCK_SLOTS), :], mask=inside_B[:, None], other=0)
+        v_BD = plgpu.load(v_cache_ref.at[pl.ds(i * BLOCK_SLOTS, BLOCK_SLOTS), :], mask=inside_B[:, None], other=0)
         s_GB = jnp.sum(q_GD[:, None, :] * k_BD.astype(jnp.float32)[None, :, :], axis=-1)
-        s_GB = jnp.where(((s_B <= index) & (s_B != w) & (s_B < S))[None, :], s_GB, NEG_INF)
+        s_GB = jnp.where((inside_B & (s_B <= index) & (s_B != w))[None, :], s_GB, NEG_INF)
         m_new = jnp.maximum(m_G, jnp.max(s_GB, axis=-1))
         p_GB = jnp.exp(s_GB - m_new[:, None])
         alpha_G = jnp.exp(m_G - m_new)
