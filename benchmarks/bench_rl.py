@@ -8,13 +8,14 @@ and the rollouts' speed against the engine's own on the same requests, in one ru
 The RL run is configs/chat_rl.py or --config (GRPO on built-in prompts, exact-answer reward) from an SFT model that
 leaves room: the quick start's base model (configs/stdlib_char.py, trained into --base if it holds no run)
 fine-tuned by configs/chat_sft.py for only --sft_steps steps (into --sft if it holds no run), where the full 2000
-steps leave almost nothing to gain. Both models then answer the distinct held-out prompts of each built-in task
-(those the SFT split holds out, up to --prompts per task): pass@1 of the greedy reply, pass@8 and pass@1 of 8 replies
-sampled at temperature 1. The task the gain is measured on (--target) is, unless named, the one of those RL trains
-on where the SFT model leaves the most room (its pass@8 less its sampled pass@1: what sampling finds but does not
-find reliably yet), chosen from the SFT model's scores alone. The RL run is timed whole (rollouts, updates,
-evaluations); the targets are a gain of 0.15 or more in the target task's greedy pass@1 within 30 minutes of RL,
-and no other task down by more than 0.02.
+steps leave almost nothing to gain (175: from 150 RL finds few right samples to learn from, from 200 the target task
+is near its pass@8 already; docs/rl.md "Measured"). Both models then answer the distinct held-out prompts of each
+built-in task (those the SFT split holds out, up to --prompts per task): pass@1 of the greedy reply, pass@8 and
+pass@1 of 8 replies sampled at temperature 1. The task the gain is measured on (--target) is, unless named, the one
+of those RL trains on where the SFT model leaves the most room (its pass@8 less its sampled pass@1: what sampling
+finds but does not find reliably yet), chosen from the SFT model's scores alone. The RL run is timed whole
+(rollouts, updates, evaluations); the targets are a gain of 0.15 or more in the target task's greedy pass@1 within
+30 minutes of RL, and no other task down by more than 0.02.
 
 Rollout speed: one RL step's rollouts as the task samples them (`RL.rollouts`: the engine's decoding, then the
 rewards, the advantages and the rows, and the reference log-probabilities when the config's rl.beta > 0) against
@@ -28,6 +29,8 @@ import argparse
 import importlib.util
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +50,7 @@ from jaxgpt.train.config import ChatConfig, RLConfig, from_config_dict
 from jaxgpt.train.loop import train
 
 K = 8  # pass@K for the RL task
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(path: str, **overrides: object) -> ConfigDict:
@@ -58,19 +62,22 @@ def config(path: str, **overrides: object) -> ConfigDict:
     return c
 
 
-def trained(workdir: Path, c: ConfigDict) -> float:
-    """Train `c` into `workdir` unless it already holds a run; the minutes it took (0 when it was there)."""
+def trained(workdir: Path, config_file: str, **overrides: object) -> float:
+    """Run train.py on `config_file` with `overrides` into `workdir` unless it already holds a run; the minutes it
+    took (0 when it was there). A process of its own: those runs choose their CPU devices before JAX starts, and
+    JAX has started in this one."""
     if Checkpointer(workdir).latest_step() is not None:
         return 0.0
     t = time.perf_counter()
-    train(from_config_dict(c))
+    flags = [f"--config.{key}={value}" for key, value in {"workdir": workdir, **overrides}.items()]
+    subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / config_file), *flags], check=True)
     return (time.perf_counter() - t) / 60
 
 
 def held_out(task: str, n: int, tokenizer, block_size: int) -> PromptSet:
     """Up to `n` distinct held-out prompts of a built-in task (SFT's split: a hash of the prompt). Each counts
-    once: arithmetic has only about 30 held-out sums and differences, and drawn with repeats one of them weighed
-    up to 31 times in 500, so a single prompt moved pass@1 by 0.06."""
+    once: drawn with repeats, a prompt of a task with few distinct ones weighs more than others (with operands up
+    to 19 arithmetic held out 30, one of them up to 31 times in 500, and moved pass@1 by 0.06 alone)."""
     prompts, _ = load_prompts(ChatConfig(tasks=task, examples=40 * n), seed=0)
     distinct: dict[str, Prompt] = {}
     for p in split_prompts(prompts, 0.05)[1]:
@@ -119,7 +126,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/chat_rl.py", help="the RL run's configuration file")
     parser.add_argument("--base", default="runs/stdlib_char")
     parser.add_argument("--sft", default="runs/chat_sft_early")
-    parser.add_argument("--sft_steps", type=int, default=200)
+    parser.add_argument("--sft_steps", type=int, default=175)
     parser.add_argument("--out", default="/tmp/bench_rl", help="the RL run's work directory (must not hold one)")
     parser.add_argument("--rl_steps", type=int, default=0, help="0: configs/chat_rl.py's max_steps")
     parser.add_argument("--prompts", type=int, default=500, help="the most distinct held-out prompts per task")
@@ -131,10 +138,9 @@ def main() -> None:
     args = parser.parse_args()
     if Checkpointer(args.out).latest_step() is not None:
         parser.error(f"{args.out} already holds a run: give a new --out")
-    minutes = {"base": trained(Path(args.base), config("configs/stdlib_char.py", workdir=args.base,
-                                                        **{"data.dir": args.data_dir})),
-               "sft": trained(Path(args.sft), config("configs/chat_sft.py", workdir=args.sft, max_steps=args.sft_steps,
-                                                      init_from=f"workdir:{args.base}", eval_interval=args.sft_steps))}
+    minutes = {"base": trained(Path(args.base), "configs/stdlib_char.py", **{"data.dir": args.data_dir}),
+               "sft": trained(Path(args.sft), "configs/chat_sft.py", max_steps=args.sft_steps,
+                              init_from=f"workdir:{args.base}", eval_interval=args.sft_steps)}
     rl = config(args.config, workdir=args.out, init_from=f"workdir:{args.sft}", **{"rl.slots": args.slots})
     rl.max_steps = args.rl_steps or rl.max_steps
     before = scores(Path(args.sft), BUILTIN_TASKS, args.prompts, args.slots)

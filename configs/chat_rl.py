@@ -11,14 +11,13 @@ prompts are split by SFT's hash of the prompt: a prompt SFT held out is held out
 A completion cut at the 24 tokens (no end token) takes no part in the loss (rl.mask_truncated_completions), so cut
 rambles do not teach every task to stop sooner.
 
-Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-28; 15.7 minutes of RL) from a 200-step SFT run,
-greedy pass@1 on each task's distinct held-out prompts: reverse 0.684 -> 0.892 (500 prompts), fact 0.484 -> 0.576
-(500), count 0.080 -> 0.122 (500), arithmetic 2 -> 1 of its 30 (operands 0 to 19 leave SFT's split only 30 distinct
-held-out sums and differences; the SFT model's two right answers are near chance, and each RL run trades one or two
-of them for others). Rollouts ran at 1.01x the engine alone. A KL penalty to the SFT model (rl.beta=0.1) gave the
-same gains (reverse +0.202, count +0.040, fact +0.104, arithmetic 2 -> 1) at 0.63x the engine: the reference pass
-scores every row again. Every evaluation samples 256 held-out prompts: pass@1 of the greedy reply, pass@8 and
-pass@1 of sampled ones, and scores the loss of their reference answers.
+Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-28; 21.2 minutes of RL with another run beside it)
+from a 175-step SFT run, greedy pass@1 on each task's distinct held-out prompts: reverse 0.650 -> 0.854 (500
+prompts), fact 0.362 -> 0.490 (500), count 0.130 -> 0.172 (500), arithmetic 0.030 -> 0.015 (197: 6 right, then 3,
+near chance). Rollouts ran at 0.97x the engine alone. With operands up to 19, from a 200-step SFT run, a KL penalty
+to the SFT model (rl.beta=0.1) gave the same gains as none (reverse +0.202 against +0.208) at 0.63x the engine: the
+reference pass scores every row again. Every evaluation samples 256 held-out prompts: pass@1 of the greedy reply,
+pass@8 and pass@1 of sampled ones, and scores the loss of their reference answers.
 
     python train.py --config configs/chat_rl.py [--config.init_from=workdir:runs/chat_sft]
     python sample.py --workdir runs/chat_rl --chat          # or jaxgpt serve --workdir runs/chat_rl

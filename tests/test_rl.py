@@ -129,6 +129,8 @@ def test_held_out_prompts_are_those_sft_holds_out() -> None:
 # RL on the loop
 
 A_REWARD = "def is_a(messages, completion):\n    return float(completion == 'a')\n"
+# A dense signal: most groups of 3-token completions have a spread, so the policy moves from the first step.
+VOWELS_REWARD = "def vowels(messages, completion):\n    return float(sum(c in 'aeiou' for c in completion))\n"
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +163,10 @@ def test_the_reward_rises_on_a_toy_task_and_the_run_is_a_chat_run(tmp_path: Path
 
     (tmp_path / "toy.py").write_text(A_REWARD)
     workdir = tmp_path / "run"
-    result = train_run(rl_config(workdir, base_run, f"{tmp_path / 'toy.py'}:is_a"))
+    # 64 one-character completions a step, about one 'a' in each (of ~75 characters): the first signal comes in the
+    # first steps whatever the prompts (32 a step depended on a lucky 'a' early: one step of signal is not enough)
+    result = train_run(rl_config(workdir, base_run, f"{tmp_path / 'toy.py'}:is_a", batch_size=64,
+                                 **{"rl.num_generations": 8, "rl.slots": 64}))
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["train_reward"] for r in rows if "train_reward" in r]
     assert rewards[0] < 0.2 and rewards[-1] > 0.8, rewards  # one character of ~75 at first, then nearly always
@@ -191,19 +196,19 @@ def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_
     from jaxgpt.train.checkpoint import Checkpointer
     from jaxgpt.train.config import from_config_dict
 
-    (tmp_path / "toy.py").write_text(A_REWARD)
+    (tmp_path / "toy.py").write_text(VOWELS_REWARD)
     overrides = {"max_steps": 6, "ckpt_interval": 3, "eval_interval": 6, "rl.num_iterations": 2,
                  "rl.max_new_tokens": 3, "rl.beta": 0.1, "rl.loss_type": "grpo"}
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
-    whole = train_run(rl_config(whole_dir, base_run, f"{tmp_path / 'toy.py'}:is_a", **overrides))
+    whole = train_run(rl_config(whole_dir, base_run, f"{tmp_path / 'toy.py'}:vowels", **overrides))
     shutil.copytree(whole_dir, split_dir)  # the run as a SIGKILL after step 3's checkpoint leaves it
     shutil.rmtree(split_dir / "checkpoints" / "6")
-    resumed = train_run(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:is_a", **overrides))
+    resumed = train_run(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:vowels", **overrides))
     assert resumed["steps"] == 3 and resumed["val_pass_at_k"] == whole["val_pass_at_k"]
     logged = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
     kls = [r["train_kl"] for r in logged if "train_loss" in r]  # beta > 0: the reference is run, the KL reported
     assert kls and min(kls) > 0, kls
-    task = build(from_config_dict(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:is_a", **overrides)))
+    task = build(from_config_dict(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:vowels", **overrides)))
     ckpt = Checkpointer(split_dir)
     meta = ckpt.read_meta(6)
     ckpt.close()
