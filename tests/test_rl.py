@@ -197,18 +197,19 @@ def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_
     from jaxgpt.train.config import from_config_dict
 
     (tmp_path / "toy.py").write_text(VOWELS_REWARD)
+    reward = f"{tmp_path / 'toy.py'}:vowels"
     overrides = {"max_steps": 6, "ckpt_interval": 3, "eval_interval": 6, "rl.num_iterations": 2,
                  "rl.max_new_tokens": 3, "rl.beta": 0.1, "rl.loss_type": "grpo"}
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
-    whole = train_run(rl_config(whole_dir, base_run, f"{tmp_path / 'toy.py'}:vowels", **overrides))
+    whole = train_run(rl_config(whole_dir, base_run, reward, **overrides))
     shutil.copytree(whole_dir, split_dir)  # the run as a SIGKILL after step 3's checkpoint leaves it
     shutil.rmtree(split_dir / "checkpoints" / "6")
-    resumed = train_run(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:vowels", **overrides))
+    resumed = train_run(rl_config(split_dir, base_run, reward, **overrides))
     assert resumed["steps"] == 3 and resumed["val_pass_at_k"] == whole["val_pass_at_k"]
     logged = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
     kls = [r["train_kl"] for r in logged if "train_loss" in r]  # beta > 0: the reference is run, the KL reported
     assert kls and min(kls) > 0, kls
-    task = build(from_config_dict(rl_config(split_dir, base_run, f"{tmp_path / 'toy.py'}:vowels", **overrides)))
+    task = build(from_config_dict(rl_config(split_dir, base_run, reward, **overrides)))
     ckpt = Checkpointer(split_dir)
     meta = ckpt.read_meta(6)
     ckpt.close()
