@@ -39,17 +39,16 @@ class CheckpointReadError(UserError):
 
 
 def _quiet_closed_loop() -> None:
-    """Drop the noise that orbax's writer threads leave behind a failed save.
+    """Drop the noise that orbax's threads leave behind a failed save or read.
 
-    When one write of an asynchronous save fails (a full disk), orbax closes its event loop while other
-    writes are still completing; each then reports, as an unraisable exception with a traceback, that it
-    cannot call back into the closed loop, and asyncio logs the failed writes' tasks ("Task exception was
-    never retrieved") at exit. The failure itself is raised by `wait` and reported once.
+    When one write of an asynchronous save fails (a full disk), or one array of a checkpoint cannot be read
+    (corrupt), orbax closes its event loop while other writes or reads are still completing; each then
+    reports, as an unraisable exception with a traceback, that it cannot call back into the closed loop. The
+    failure itself is raised (`wait`, `CheckpointReadError`) and reported once.
     """
     previous = sys.unraisablehook
     if getattr(previous, "jaxgpt_quiet", False):
         return
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
     def hook(unraisable: Any) -> None:
         if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
@@ -135,8 +134,9 @@ class Checkpointer:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._bytes = 0  # of the last state saved, for the message of a full disk
         _end_pending_reads()
-        if not read_only:
-            _quiet_closed_loop()
+        _quiet_closed_loop()
+        if not read_only:  # a failed save's tasks are logged at exit ("Task exception was never retrieved")
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
     def latest_step(self) -> int | None:
         with storage.guard(self.directory, "listing checkpoints in"):
