@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.layers import EinsumDense, Norm, rotary
-from jaxgpt.ops.attention import Cache, attend, work_dtype
+from jaxgpt.ops.attention import Cache, attend, attend_qkv, work_dtype
 from jaxgpt.ops.projection import DECLARED
 
 Array = jax.Array
@@ -97,6 +97,10 @@ class Attention(nn.Module):
             k_BKSD, v_BKSD = self.memory_kv(x_BTC)
         else:
             qkv = self.qkv(x_BTC)
+            decoded = None if cache is None or cfg.rotary or cfg.qk_norm else attend_qkv(
+                qkv, cache, cache_index, impl=cfg.attention_impl, dtype=cfg.dtype)
+            if decoded is not None:  # one new token, one kernel reading q, k and v from the projection as it is
+                return self.out(decoded[0]), decoded[1]
             q_BTHD = qkv[:, :, 0]
             k_BKSD, v_BKSD = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
         if cfg.rotary:  # this call's tokens sit at positions_BT, else at cache_index.. (0.. without a cache)

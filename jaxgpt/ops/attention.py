@@ -286,12 +286,28 @@ def _one_new_token(q_B1HD: Array, k_BK1D: Array, v_BK1D: Array, cache: Cache, in
         return y_BH1D.transpose(0, 2, 1, 3), None, write_cache(cache, k_new, v_new, index)
     if one_kernel_decode(impl, H, K, q_B1HD.shape[3]):
         y_BKGD, k_cache, v_cache = decode_attention.decode_attention(
-            query_rows(scaled_queries(q_B1HD, dtype), K), k_BK1D[:, :, 0], v_BK1D[:, :, 0], cache["k"], cache["v"],
+            query_rows(q_B1HD.transpose(0, 2, 1, 3), K), k_BK1D[:, :, 0], v_BK1D[:, :, 0], cache["k"], cache["v"],
             index)
         return heads_of_rows(y_BKGD, H).transpose(0, 2, 1, 3), None, {"k": k_cache, "v": v_cache}
     cache = write_cache(cache, k_BK1D, v_BK1D, index)
     y_BH1D = attend_written(q_B1HD, cache["k"], cache["v"], index, work_dtype(dtype))
     return y_BH1D.transpose(0, 2, 1, 3), None, cache
+
+
+def attend_qkv(qkv_B13HD: Array, cache: Cache, index: Array, impl: str, dtype: str) -> tuple[Array, Cache] | None:
+    """One new token's multi-head attention straight from its fused projection (B, 1, 3, H, D), as `attend` with
+    its three parts would give, where that is one kernel (`one_kernel_decode`): (y (B, 1, H, D), the cache with the
+    token written); None elsewhere, where the caller splits it for `attend`.
+
+    The kernel reads the three parts from the projection as it is (`decode_attention.decode_attention_qkv`), so
+    XLA computes the projection as one fusion: with XLA's Triton fusion a batch-1 GPT-2 token launched 103 kernels
+    when the kernel took three slices of it, each a fusion of its own, and 79 this way (tests/test_decode_program.py).
+    """
+    H, D = qkv_B13HD.shape[3:]
+    if qkv_B13HD.shape[1] != 1 or not one_kernel_decode(resolve_impl(impl, dtype), H, H, D):
+        return None
+    y_BH1D, k_cache, v_cache = decode_attention.decode_attention_qkv(qkv_B13HD[:, 0], cache["k"], cache["v"], index)
+    return y_BH1D.transpose(0, 2, 1, 3), {"k": k_cache, "v": v_cache}
 
 
 def one_kernel_decode(impl: str, H: int, K: int, D: int) -> bool:
