@@ -7,6 +7,7 @@ is installed.
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,3 +89,10 @@ def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: Modu
     # many clients to one, and each load (1 and 4 clients) to the engine alone with as many at once
     assert len(result["comparisons"]) == (0 if "torch" in missing else 1) + (0 if missing else 2) + 6
     assert parts["serve"]["metrics"]["clients4_cpu_us_per_token_front_ends"] > 0
+
+
+def test_the_guides_table_gives_each_parts_own_time_limit(device_check: ModuleType) -> None:
+    """docs/accelerators.md's table of parts lists every part with the limit the script gives it (it once said 90 s
+    for `generate` after the script had given it 140)."""
+    rows = re.findall(r"^\| `(\w+)` \|.*\| (\d+) \|$", (ROOT / "docs" / "accelerators.md").read_text(), re.M)
+    assert {name: float(limit) for name, limit in rows} == device_check.FULL.limits
