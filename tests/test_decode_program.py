@@ -57,7 +57,9 @@ from jaxgpt.train.config import from_config_dict  # noqa: E402
 CFG = from_config_dict(get_config()).model.replace(dtype="bfloat16", param_dtype="bfloat16")
 PROMPT, NEW_TOKENS = 16, 256
 KERNELS_PER_TOKEN = {1: 172, 64: 134}  # measured: 171.5 and 134 (see the module docstring)
-TRITON_KERNELS_PER_TOKEN = 79  # batch 1 with TRITON_FUSION: 79 measured (5 a layer)
+# batch 1 with TRITON_FUSION, measured: 79 on jax 0.12.0.1 (5 a layer); the experimental fusion of jax 0.11.2 (what
+# GPU images ship) fuses less, 91 (115 while the kernel took three slices of the QKV projection)
+TRITON_KERNELS_PER_TOKEN = 91 if jax.__version_info__[:2] == (0, 11) else 79
 
 
 def h100() -> jax.sharding.Mesh:

@@ -145,9 +145,10 @@ WHILE_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer":
 
 # XLA:GPU's experimental Triton fusion of whole chains of elementwise ops, reductions and their broadcasts (jax
 # 0.12): compiled with it a batch-1 GPT-2 decode step launches 5 kernels a layer instead of 13 (each layer norm
-# fused with the projection it feeds, the QKV projection as one: tests/test_decode_program.py; 79 a token), but
-# the Triton code it emits for one-row products has not been timed against XLA's own reductions, and at batch 64
-# it launches more. benchmarks/device_check.py measures it against the defaults; not the default until then.
+# fused with the projection it feeds, the QKV projection as one: tests/test_decode_program.py; 79 a token, 91 with
+# jax 0.11.2's XLA), but the Triton code it emits for one-row products has not been timed against XLA's own
+# reductions, and at batch 64 it launches more. benchmarks/device_check.py measures it against the defaults; not
+# the default until then.
 TRITON_FUSION = {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}
 
 
