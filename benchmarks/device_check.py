@@ -885,7 +885,8 @@ def main() -> int:
     parser.add_argument("--out", help="the JSON file (default benchmarks/results/device_check-<device>-<date>.json)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, run in this order (default "
                         f"{','.join(PARTS)})")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 480; --smoke 420)")
+    parser.add_argument("--budget", type=float, help=f"seconds for the whole run (default {FULL.budget:.0f}; "
+                        f"--smoke {SMOKE.budget:.0f})")
     parser.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS", help="one part's time limit")
     parser.add_argument("--steps", type=int, help="timed training steps (default 10; --smoke 2)")
     parser.add_argument("--batches", help="per-device training batches to try, largest first (default "

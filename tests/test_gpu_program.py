@@ -127,12 +127,13 @@ def test_the_recipes_h100_step_has_no_loop_and_moves_nothing_between_host_and_de
 @needs_plugin
 def test_gpt2_124m_at_batch_64_on_an_h100_has_no_loop_and_the_chunked_losss_memory() -> None:
     """The recipe itself, 64 x 1024 tokens on one H100 (about a minute here): no loop, nothing moved between host
-    and device, and the temporaries of the chunked loss (30.3 GiB when measured; all logits at once: 45.9)."""
+    and device, and the temporaries of the chunked loss with the activations kept in bf16 (19.5 GiB when measured;
+    28.6 with GELU's float32 intermediates kept; all logits at once: 24.7)."""
     from jaxgpt.tools import aot
 
     report = aot.analyze(_recipe(batch_size=64, grad_accum=1), "h100:1")
     assert report["gpu"]["loops"] == [] and report["gpu"]["host_transfers"] == []
-    assert report["temp_bytes"] < 32 * 2**30 and report["fits"]
+    assert report["temp_bytes"] < 24 * 2**30 and report["fits"]
 
 
 def _recipe(**overrides: int) -> Any:

@@ -15,7 +15,9 @@ import pytest
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import RUNTIME_FIELDS, ModelConfig, Seq2SeqConfig
 from jaxgpt.model.gpt import GPT, GPTClassifier, abstract_variables, init_params, stack_layers, unstack_layers
+from jaxgpt.model.layers import MLP
 from jaxgpt.model.presets import PRESETS, get_preset
+from jaxgpt.ops import activation as activation_op
 from jaxgpt.ops.attention import attend, query_blocks
 from jaxgpt.tools.summary import count_params, param_shapes, summary
 
@@ -317,6 +319,29 @@ def test_remat_equals_no_remat(remat: str, scan: bool) -> None:
     l2, g2 = _loss_and_grad(cfg.replace(remat=remat), params, idx)
     assert float(l1) == pytest.approx(float(l2), rel=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g2)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "relu2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_on_gpus_the_mlp_keeps_its_activations_input_and_output_alone(activation: str, dtype: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a feed-forward layer's backward pass keeps of its forward at the hidden width F, as a GPU's program
+    has it (`ops.activation`): the activation's input and output (the second product's input), in the model's
+    dtype; its float32 intermediates are recomputed (kept, a bf16 GELU's were five more arrays of 4 bytes an
+    element). The layer's output and gradients are those of the plain activation, to the bit."""
+    cfg = ModelConfig(**TINY, activation=activation, dtype=dtype)
+    mlp = MLP(cfg)
+    x_BTC = jax.random.normal(jax.random.key(0), (2, 5, cfg.n_embd), dtype)
+    variables = mlp.init(jax.random.key(1), x_BTC, True)
+    run = lambda: jax.vjp(lambda v, x: mlp.apply(v, x, True), variables, x_BTC)
+    y_plain, backward_plain = run()
+    monkeypatch.setattr(activation_op, "current_platform", lambda: "gpu")
+    y, backward = run()
+    wide = [r.dtype for r in jax.tree.leaves(backward) if r.size == 2 * 5 * cfg.d_ff]
+    assert wide == [jnp.dtype(dtype)] * 2
+    np.testing.assert_array_equal(y, y_plain)
+    for a, b in zip(jax.tree.leaves(backward(y)), jax.tree.leaves(backward_plain(y)), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 DROPOUT = dict(embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, ff_dropout=0.1)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.ops import projection
+from jaxgpt.ops import activation, projection
 
 Array = jax.Array
 
@@ -165,8 +165,8 @@ class MLP(nn.Module):
         proj = EinsumDense(cfg, "btf,fc->btc", (F, C), ("mlp", "embed"), ("embed",), residual=True, role="mlp",
                            kernel_storage=self.kernel_storage, name="proj")
         # in float32, rounded once: a bf16 GELU rounds after each operation of its formula, which is both
-        # less accurate and, on XLA:CPU, a slower pass
-        h_BTF = ACTIVATIONS[cfg.activation](fc(x_BTC).astype(jnp.float32)).astype(cfg.dtype)
+        # less accurate and, on XLA:CPU, a slower pass (what the backward keeps of it: `activation.activate`)
+        h_BTF = activation.activate(ACTIVATIONS[cfg.activation], fc(x_BTC), cfg.dtype)
         h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "act_mlp"))
         h_BTF = nn.Dropout(cfg.ff_dropout)(h_BTF, deterministic=deterministic)
         return proj(h_BTF)

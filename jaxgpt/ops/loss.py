@@ -4,6 +4,7 @@ The loss is computed `chunk` positions at a time, each chunk's body rematerializ
 chunk exist at a time, forward and backward, instead of the whole tensor (which for GPT-2 grows with tokens per
 chip times a 50k vocabulary). Shapes: B batch, T sequence, C n_embd, V vocabulary.
 The z-loss (`z_loss`) is added chunk by chunk too: it needs each position's log-partition, from the same logits.
+Each position's loss is `token_nll`, whose gradient is one element-wise pass over a chunk's logits.
 
 Two layouts of the same sum. A `lax.scan` (TPUs, CPUs): one loop, compiled once, whatever the number of chunks.
 Unrolled (GPUs): XLA:GPU launches every kernel of a `while` body from the host on every trip, outside the
@@ -19,10 +20,10 @@ for an H100).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxgpt.ops.platform import current_platform
 
@@ -34,6 +35,31 @@ def z_loss(logits_BTV: Array) -> Array:
     into the training loss it pulls log Z toward 0, so the logits cannot drift upward together (softmax
     ignores a shared shift, the gradient of the cross-entropy alone never corrects it) and stay in range."""
     return jnp.square(jax.nn.logsumexp(logits_BTV, axis=-1))
+
+
+@jax.custom_jvp
+def target_logit(logits_BTV: Array, targets_BT: Array) -> Array:
+    """logits[b, t, targets[b, t]], (B, T), for targets in [0, V): gathered (B x T reads, not a pass over the
+    logits), and differentiated as a comparison of the vocabulary's indices with the targets.
+
+    The gather's own gradient would be a scatter into a zeroed (B, T, V) float32 buffer, then a product and a
+    conversion: three passes over logits-sized data per loss chunk. The comparison's transpose is a select that
+    fuses into the softmax's gradient, the one pass over the logits the backward makes anyway (what that saves
+    for GPT-2 on a GPU: docs/scaling.md, section 5)."""
+    return jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+
+
+@target_logit.defjvp
+def _target_logit_jvp(primals: tuple[Array, Array], tangents: tuple[Array, Any]) -> tuple[Array, Array]:
+    logits_BTV, targets_BT = primals
+    is_target_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1) == targets_BT[..., None]
+    return target_logit(logits_BTV, targets_BT), jnp.sum(jnp.where(is_target_BTV, tangents[0], 0), axis=-1)
+
+
+def token_nll(logits_BTV: Array, targets_BT: Array) -> Array:
+    """Per-position cross-entropy log(sum exp logits) - logits[target], (B, T), for targets in [0, V): optax's
+    `softmax_cross_entropy_with_integer_labels`, with a gradient of one element-wise pass (`target_logit`)."""
+    return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit(logits_BTV, targets_BT)
 
 
 def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, targets_BT: Array,
@@ -58,7 +84,7 @@ def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, tar
     @jax.checkpoint
     def chunk_sum(h_BtC: Array, y_Bt: Array, weights: list[Array]) -> Array:
         logits_BtV = head(h_BtC, *weights)
-        loss_Bt = optax.softmax_cross_entropy_with_integer_labels(logits_BtV, y_Bt)
+        loss_Bt = token_nll(logits_BtV, y_Bt)
         if z_loss_weight:
             loss_Bt = loss_Bt + z_loss_weight * z_loss(logits_BtV)
         return loss_Bt.sum()

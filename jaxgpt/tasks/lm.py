@@ -10,7 +10,6 @@ from typing import Any, ClassVar
 
 import jax
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 
 from jaxgpt.data.batches import batch_for_step, check_shapes, document_starts, eval_batches
@@ -21,7 +20,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import storage, weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, dummy_tokens
-from jaxgpt.ops.loss import chunked_cross_entropy, z_loss
+from jaxgpt.ops.loss import chunked_cross_entropy, token_nll, z_loss
 from jaxgpt.train.config import DataConfig, TrainConfig, base_config
 
 
@@ -106,7 +105,7 @@ def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:
 def token_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
     """Per-token cross-entropy (B, T) against the targets smoothed toward uniform: optax.smooth_labels'
     (1 - a) one_hot + a / V, computed without materializing that (B, T, V) distribution."""
-    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    nll_BT = token_nll(logits_BTV, targets_BT)
     if not label_smoothing:
         return nll_BT
     uniform_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - logits_BTV.mean(axis=-1)  # mean over v of -log p_v
