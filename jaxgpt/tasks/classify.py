@@ -25,13 +25,13 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxgpt.data.batches import batch_indices, process_share
 from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.gpt import GPTClassifier, dummy_tokens
+from jaxgpt.ops.loss import token_nll
 from jaxgpt.tasks.classify_data import (
     Label,
     cls_token_id,
@@ -58,12 +58,12 @@ def classification_loss(lm_logits_BTV: jax.Array, cls_logits_BK: jax.Array, batc
     classification token (which is not part of the text) are never targets.
     """
     w_B = batch["weight"]
-    cls_B = optax.softmax_cross_entropy_with_integer_labels(cls_logits_BK, batch["label"])
+    cls_B = token_nll(cls_logits_BK, batch["label"])
     cls_loss = jnp.sum(cls_B * w_B) / jnp.maximum(jnp.sum(w_B), 1.0)
     # Position t predicts t+1 for t < T-2: the last column holds the classification token, never a target.
     mask_BT = batch["mask"]
     target_BT = mask_BT[:, :-2] & mask_BT[:, 1:-1]
-    tok_BT = optax.softmax_cross_entropy_with_integer_labels(lm_logits_BTV[:, :-2], batch["x"][:, 1:-1])
+    tok_BT = token_nll(lm_logits_BTV[:, :-2], batch["x"][:, 1:-1])
     tok_w_BT = target_BT * w_B[:, None]
     lm_loss = jnp.sum(tok_BT * tok_w_BT) / jnp.maximum(jnp.sum(tok_w_BT), 1.0)
     return cls_loss + lm_weight * lm_loss, {"cls_loss": cls_loss, "lm_loss": lm_loss}

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.ops.loss import target_logit
+
 ADVANTAGE_EPS = 1e-4  # added to a group's standard deviation: a group of equal rewards gets advantage 0, not NaN
 
 
@@ -40,7 +42,7 @@ def group_advantages(rewards_PG: np.ndarray, scale: bool) -> np.ndarray:
 def token_logprobs(logits_BWV: jax.Array, y_BW: jax.Array, temperature: float) -> jax.Array:
     """log pi(y) under the sampling distribution: the softmax of the logits over the rollouts' temperature."""
     logp_BWV = jax.nn.log_softmax(logits_BWV.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.take_along_axis(logp_BWV, y_BW[..., None], axis=-1)[..., 0]
+    return target_logit(logp_BWV, y_BW)
 
 
 def policy_loss(logp_BW: jax.Array, old_logp_BW: jax.Array | None, ref_logp_BW: jax.Array | None,

@@ -25,7 +25,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm import tqdm
 
 from jaxgpt.data.batches import eval_batches
@@ -33,6 +32,7 @@ from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
+from jaxgpt.ops.loss import token_nll
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # x, y (int32, (N, T)) and which targets count (bool)
 
@@ -105,7 +105,7 @@ def trainer_batches(tokens: np.ndarray, settings: dict[str, Any], block_size: in
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _summed_nats(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     logits = GPT(cfg).apply({"params": params}, x).astype(jnp.float32)
-    return jnp.sum(jnp.where(mask, optax.softmax_cross_entropy_with_integer_labels(logits, y), 0.0))
+    return jnp.sum(jnp.where(mask, token_nll(logits, y), 0.0))
 
 
 def _batches(rows: Rows, batch_size: int) -> Iterable[Rows]:
