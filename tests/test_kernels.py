@@ -22,7 +22,7 @@ from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
 from jaxgpt.ops import splash
 from jaxgpt.ops.attention import attend, resolve_impl
-from jaxgpt.ops.loss import token_nll
+from jaxgpt.ops.loss import chunked_cross_entropy, token_nll
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.config import base_config, from_config_dict, model_fields
@@ -148,6 +148,21 @@ def test_token_nll_is_optaxs_cross_entropy_and_its_gradient_scatters_nothing() -
     scatters = lambda f: re.findall(r" scatter\(", jax.jit(jax.grad(f)).lower(logits).compile().as_text())
     assert scatters(optaxs) and not scatters(ours)
 
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_a_loss_chunk_keeps_its_two_reductions_for_the_backward_and_no_logits(unroll: bool) -> None:
+    """What the chunked loss keeps for its backward pass, both layouts: per position the logits' max and sum of
+    exponentials (`keep_reductions`), so the backward recomputes the head's product and passes over the logits
+    once; never logits themselves (float32 (B, t) pairs per chunk; nothing V wide)."""
+    B, T, C, V, chunk = 2, 8, 4, 11, 4
+    h_BTC, w_CV = jax.random.normal(jax.random.key(0), (B, T, C)), jax.random.normal(jax.random.key(1), (C, V))
+    y_BT = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+    _, backward = jax.vjp(lambda h, w: chunked_cross_entropy(lambda x: x @ w, h, y_BT, chunk, unroll=unroll),
+                          h_BTC, w_CV)
+    kept = [r for r in jax.tree.leaves(backward) if r.dtype == jnp.float32]
+    assert sum(r.size for r in kept if r.shape[-2:] == (B, chunk)) == 2 * B * T
+    assert not any(r.ndim > 2 and r.shape[-1] == V for r in kept)
 
 def test_chunked_loss_never_holds_all_logits() -> None:
     """No array of the compiled training gradient holds the batch's logits: one chunk's at most."""

@@ -4,7 +4,9 @@ The loss is computed `chunk` positions at a time, each chunk's body rematerializ
 chunk exist at a time, forward and backward, instead of the whole tensor (which for GPT-2 grows with tokens per
 chip times a 50k vocabulary). Shapes: B batch, T sequence, C n_embd, V vocabulary.
 The z-loss (`z_loss`) is added chunk by chunk too: it needs each position's log-partition, from the same logits.
-Each position's loss is `token_nll`, whose gradient is one element-wise pass over a chunk's logits.
+Each position's loss is `token_nll`, whose gradient is one element-wise pass over a chunk's logits, and the
+chunk's reductions over the vocabulary are kept for the backward pass (`keep_reductions`), so that pass is the
+only one the backward makes over the recomputed logits.
 
 Two layouts of the same sum. A `lax.scan` (TPUs, CPUs): one loop, compiled once, whatever the number of chunks.
 Unrolled (GPUs): XLA:GPU launches every kernel of a `while` body from the host on every trip, outside the
@@ -19,6 +21,7 @@ for an H100).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +65,13 @@ def token_nll(logits_BTV: Array, targets_BT: Array) -> Array:
     return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit(logits_BTV, targets_BT)
 
 
+def keep_reductions(primitive: jax.extend.core.Primitive, *_: Any, **__: Any) -> bool:
+    """A loss chunk's checkpoint policy: keep its reductions over the vocabulary (the logits' max and sum of
+    exponentials, one number a position) for the backward pass, which then recomputes the head's product and
+    passes over its logits once, for the gradient, instead of three times (the two reductions again first)."""
+    return primitive in (jax.lax.reduce_max_p, jax.lax.reduce_sum_p)
+
+
 def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, targets_BT: Array,
                           chunk: int, z_loss_weight: float = 0.0, unroll: bool | None = None) -> Array:
     """Mean next-token cross-entropy of hidden states, `chunk` positions at a time (chunk divides T), plus
@@ -81,7 +91,7 @@ def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, tar
     # The head's closed-over weights as explicit inputs, so the unrolled chunks can pass them along in order.
     head, weights = jax.closure_convert(logits_fn, h_NBtC[0])
 
-    @jax.checkpoint
+    @functools.partial(jax.checkpoint, policy=keep_reductions)
     def chunk_sum(h_BtC: Array, y_Bt: Array, weights: list[Array]) -> Array:
         logits_BtV = head(h_BtC, *weights)
         loss_Bt = token_nll(logits_BtV, y_Bt)
