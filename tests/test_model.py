@@ -335,7 +335,7 @@ def test_on_gpus_the_mlp_keeps_its_activations_input_and_output_alone(activation
     variables = mlp.init(jax.random.key(1), x_BTC, True)
     run = lambda: jax.vjp(lambda v, x: mlp.apply(v, x, True), variables, x_BTC)
     y_plain, backward_plain = run()
-    monkeypatch.setattr(activation_op, "current_platform", lambda: "gpu")
+    monkeypatch.setattr(activation_op, "on_gpu", lambda: True)
     y, backward = run()
     wide = [r.dtype for r in jax.tree.leaves(backward) if r.size == 2 * 5 * cfg.d_ff]
     assert wide == [jnp.dtype(dtype)] * 2

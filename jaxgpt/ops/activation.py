@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.ops.platform import current_platform
+from jaxgpt.ops.platform import on_gpu
 
 Array = jax.Array
 
@@ -24,4 +24,4 @@ Array = jax.Array
 def activate(fn: Callable[[Array], Array], u_BTF: Array, dtype: str) -> Array:
     """fn(u) computed in float32 and rounded once to `dtype`; recomputed in the backward pass on GPUs."""
     act = lambda u: fn(u.astype(jnp.float32)).astype(dtype)
-    return jax.checkpoint(act)(u_BTF) if current_platform() in ("gpu", "cuda") else act(u_BTF)
+    return jax.checkpoint(act)(u_BTF) if on_gpu() else act(u_BTF)

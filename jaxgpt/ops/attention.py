@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.ops import decode_attention, splash
-from jaxgpt.ops.platform import current_platform
+from jaxgpt.ops.platform import current_platform, on_gpu
 
 Array = jax.Array
 Cache = dict[str, Array]  # one layer's {"k", "v"}: (B, K, S, D); (L, B, K, S, D) when layers are scanned
@@ -316,7 +316,7 @@ def one_kernel_decode(impl: str, H: int, K: int, D: int) -> bool:
     on one device (a Pallas kernel is not partitioned: a mesh of several would gather its operands); for head
     shapes the kernel takes."""
     mesh = jax.sharding.get_abstract_mesh()
-    return (impl == "cudnn" and current_platform() in ("gpu", "cuda") and (mesh.empty or mesh.size == 1)
+    return (impl == "cudnn" and on_gpu() and (mesh.empty or mesh.size == 1)
             and decode_attention.fits(H // K, D))
 
 

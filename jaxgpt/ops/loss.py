@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.ops.platform import current_platform
+from jaxgpt.ops.platform import on_gpu
 
 Array = jax.Array
 
@@ -100,7 +100,7 @@ def chunked_cross_entropy(logits_fn: Callable[[Array], Array], h_BTC: Array, tar
         return loss_Bt.sum()
 
     total = jnp.zeros((), jnp.float32)
-    if unroll if unroll is not None else current_platform() == "gpu":
+    if unroll if unroll is not None else on_gpu():
         for h_BtC, y_Bt in zip(h_NBtC, y_NBt, strict=True):
             # chunk i+1 waits for chunk i's sum, and in the backward pass chunk i for chunk i+1's gradients
             h_BtC, weights, total = jax.lax.optimization_barrier((h_BtC, weights, total))

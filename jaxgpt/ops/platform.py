@@ -19,6 +19,11 @@ def current_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+def on_gpu() -> bool:
+    """Whether a traced program is for NVIDIA GPUs (`current_platform`; jax names them "gpu", some tools "cuda")."""
+    return current_platform() in ("gpu", "cuda")
+
+
 def keep_freed_memory() -> bool:
     """On a CPU backend with glibc, keep freed memory in the process for the next program instead of returning it
     to the system; whether that was done. For a process that runs the same programs over and over: a server.
