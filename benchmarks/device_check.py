@@ -13,22 +13,23 @@ holds no device memory and every part has the whole device to itself.
 
 Parts, in the order they run (docs/accelerators.md describes each): env (devices, versions, CUDA/cuDNN or TPU
 runtime, memory, missing imports, and on GPUs the target description XLA compiles for: `jaxgpt aot`'s input);
-tests (`pytest -m accelerator tests/`); train (GPT-2 124M as configs/gpt2_124m.py trains it, through
-bench_train's real train step, at the largest per-device batch that fits, steps back to back as the trainer
-runs them: tokens/s, MFU; then where the step's time goes (benchmarks/profile_summary.py: top ops,
-attention/matmul/other, host gaps; on GPUs with command buffers on while profiling), the optimizer's update
-alone); train_sweep (what a GPU's defaults must decide, each candidate compiled in the same process and timed
-in turns with the recipe, as a ratio over it: loss layouts, command-buffer types and minimum graph size, the
-latency-hiding scheduler, batch 64 vs 32 x 2 accumulation, remat; --variants picks some); train_medium (GPT-2
-medium, 350M, the same way: tokens/s, MFU); torch_train (the same model in PyTorch: torch.compile, flash
-SDPA, bf16 autocast); generate and hf_generate (cached greedy generation at batch 1 and 64, jaxgpt's and
-transformers'; jaxgpt's also against its targets and the HBM bound, with its decode loop under WHILE
-command buffers, and a profile of one generation); serve (`jaxgpt serve`'s app under 1, 16 and 64 streaming
-clients of the openai client, against `generate` alone and the engine alone: benchmarks/bench_serve.py's
-part 1; the host needs the serving wheels,
-docs/accelerators.md). The table ends with the ratios: jaxgpt's to PyTorch's, the sweep's candidates' to the
-recipe's, one client's to `generate` alone's, each load's to the engine alone's with as many, many clients' to
-one's.
+train (GPT-2 124M as configs/gpt2_124m.py trains it, through bench_train's real train step, at the largest
+per-device batch that fits, steps back to back as the trainer runs them: tokens/s, MFU; then where the step's time
+goes (benchmarks/profile_summary.py: top ops, attention/matmul/other, host gaps; on GPUs with command buffers on
+while profiling), the optimizer's update alone); torch_train (the same model in PyTorch: torch.compile, flash
+SDPA, bf16 autocast); train_medium (GPT-2 medium, 350M, the same way: tokens/s, MFU); generate (cached greedy
+generation at batch 1 and 64 against its targets and the HBM bound, with its decode loop under WHILE command
+buffers, and a profile of one generation); serve (`jaxgpt serve`'s app under 1, 16 and 64 streaming clients of the
+openai client, against `generate` alone and the engine alone: benchmarks/bench_serve.py's part 1; the host needs
+the serving wheels, docs/accelerators.md); tests (`pytest -m accelerator tests/`); train_sweep (what a GPU's
+defaults must decide, each candidate compiled in the same process and timed in turns with the recipe, as a ratio
+over it: loss layouts, command-buffer types and minimum graph size, the latency-hiding scheduler, batch 64 vs
+32 x 2 accumulation, remat; --variants picks some); hf_generate (transformers' cached generation, as generate).
+The parts that measure the targets come first, the sweep's settings and transformers' row last: the limits add
+up to more than the 9-minute budget, so a run cut short loses those, and a second call with what is left of a
+GPU's lease runs them (docs/accelerators.md, "A GPU lent for 15 minutes"). The table ends with the ratios:
+jaxgpt's to PyTorch's, the sweep's candidates' to the recipe's, one client's to `generate` alone's, each load's
+to the engine alone's with as many, many clients' to one's.
 
 --smoke runs every part on the CPU at tiny shapes (a 2-layer model, 64 positions, a few steps and small
 batches); PyTorch's parts are skipped with the reason where torch is not installed, torch.compile is left out
@@ -62,7 +63,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # jaxgpt and configs/ from the checkout, installed or not
 
-PARTS = ("env", "tests", "train", "train_sweep", "train_medium", "torch_train", "generate", "hf_generate", "serve")
+PARTS = ("env", "train", "torch_train", "train_medium", "generate", "serve", "tests", "train_sweep", "hf_generate")
 # jaxgpt's imports that accelerator images often lack (docs/accelerators.md lists what must travel as wheels)
 OFTEN_MISSING = ("ml_collections", "tensorboardX", "torch", "transformers", "fastapi", "uvicorn", "pydantic",
                  "openai")
