@@ -24,6 +24,7 @@ from tqdm import tqdm
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
+from jaxgpt.ops.loss import target_logit
 from jaxgpt.train.sharding import global_array, local_rows
 
 
@@ -41,8 +42,7 @@ def _token_logprobs(params: Any, inputs_BT: jax.Array, targets_BT: jax.Array, *,
     """Per position: log p(target | inputs so far) and whether the target is the argmax."""
     logits_BTV = GPT(cfg).apply({"params": params}, inputs_BT).astype(jnp.float32)
     logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
-    picked_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return picked_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
+    return target_logit(logp_BTV, targets_BT), jnp.argmax(logits_BTV, axis=-1) == targets_BT
 
 
 @functools.cache

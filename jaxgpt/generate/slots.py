@@ -39,6 +39,7 @@ from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.ops.decode import token_loop
+from jaxgpt.ops.loss import target_logit
 
 Array = jax.Array
 TOP_LOGPROBS = 5  # the most alternatives a request may ask for (OpenAI's completions allow 5)
@@ -127,7 +128,7 @@ def pick_rows(logits_BV: Array, gumbel_BV: Array | None, temperature_B: Array, t
 def logprobs(logits_XV: Array, tok_X: Array) -> tuple[Array, tuple[Array, Array]]:
     """Each row's log-probability of its token, and the TOP_LOGPROBS most likely (log-probabilities, ids)."""
     logp_XV = jax.nn.log_softmax(logits_XV.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp_XV, tok_X[:, None], axis=-1)[:, 0], jax.lax.top_k(logp_XV, TOP_LOGPROBS)
+    return target_logit(logp_XV, tok_X), jax.lax.top_k(logp_XV, TOP_LOGPROBS)
 
 
 def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Array, setting: Setting,

@@ -42,8 +42,9 @@ def z_loss(logits_BTV: Array) -> Array:
 
 @jax.custom_jvp
 def target_logit(logits_BTV: Array, targets_BT: Array) -> Array:
-    """logits[b, t, targets[b, t]], (B, T), for targets in [0, V): gathered (B x T reads, not a pass over the
-    logits), and differentiated as a comparison of the vocabulary's indices with the targets.
+    """logits[b, t, targets[b, t]], (B, T) (or any other leading axes), for targets in [0, V): gathered (B x T
+    reads, not a pass over the logits), and differentiated as a comparison of the vocabulary's indices with the
+    targets.
 
     The gather's own gradient would be a scatter into a zeroed (B, T, V) float32 buffer, then a product and a
     conversion: three passes over logits-sized data per loss chunk. The comparison's transpose is a select that
