@@ -149,7 +149,6 @@ def test_token_nll_is_optaxs_cross_entropy_and_its_gradient_scatters_nothing() -
     assert scatters(optaxs) and not scatters(ours)
 
 
-
 @pytest.mark.parametrize("unroll", [True, False])
 def test_a_loss_chunk_keeps_its_two_reductions_for_the_backward_and_no_logits(unroll: bool) -> None:
     """What the chunked loss keeps for its backward pass, both layouts: per position the logits' max and sum of
@@ -163,6 +162,7 @@ def test_a_loss_chunk_keeps_its_two_reductions_for_the_backward_and_no_logits(un
     kept = [r for r in jax.tree.leaves(backward) if r.dtype == jnp.float32]
     assert sum(r.size for r in kept if r.shape[-2:] == (B, chunk)) == 2 * B * T
     assert not any(r.ndim > 2 and r.shape[-1] == V for r in kept)
+
 
 def test_chunked_loss_never_holds_all_logits() -> None:
     """No array of the compiled training gradient holds the batch's logits: one chunk's at most."""
