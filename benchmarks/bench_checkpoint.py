@@ -3,12 +3,12 @@
     python benchmarks/bench_checkpoint.py            # GPT-2 124M: parameters + Adam moments, float32
     python benchmarks/bench_checkpoint.py --preset gpt2_6x6x384 --repeats 3
 
-One run, the same state, the same code path training uses (`jaxgpt.train.checkpoint.Checkpointer`): local
+One run, the same state, the same code path training uses (`jaxgpt.io.checkpoint.Checkpointer`): local
 disk, a GCS JSON-API server and an S3 server, both on 127.0.0.1 (tests/storage_servers.py starts them; they
 keep objects in memory, in Python, so their numbers bound the client side from below rather than predict a
 real bucket). "save" runs until the checkpoint is committed (orbax's asynchronous save, then its wait);
 "blocking" is what the training loop waits for before its next step. "restore" reads the state back onto
-one device. The last column stages dataset files (`jaxgpt.io.storage.stage`: download, sha256, rename),
+one device. The last column stages dataset files (`jaxgpt.storage.stage`: download, sha256, rename),
 how a run with data.dir in a bucket gets its tokens. Needs the test extra (moto, gcp-storage-emulator).
 """
 
@@ -31,10 +31,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import storage_servers  # noqa: E402
 
-from jaxgpt.io import storage  # noqa: E402
+from jaxgpt import storage  # noqa: E402
+from jaxgpt.io.checkpoint import Checkpointer, state_bytes  # noqa: E402
 from jaxgpt.model.gpt import init_params  # noqa: E402
 from jaxgpt.model.presets import get_preset  # noqa: E402
-from jaxgpt.train.checkpoint import Checkpointer, state_bytes  # noqa: E402
 
 
 def make_state(preset: str) -> dict:

@@ -10,7 +10,7 @@ float32, and whether two cores can share a decode step, is decided here, below t
   decode step needs them, 16 steps inside one compiled loop, best of --repeats calls), for the 6x6x384
   model and the GPT-2 124M shape (without the tied head). Routes: float32 one row, with the kernel
   stored (K, N) as the model declares it and stored (N, K) as the sampler decodes one row from it
-  (`ops.decode.output_major_kernels`); bfloat16 one row;
+  (`generate.decode_weights.output_major_kernels`); bfloat16 one row;
   bfloat16 padded to two rows (kernel stored (K, N) as the model stores it, and stored (N, K)); float32
   split by columns over two CPU devices with the all-gather each product then needs, and without it
   (the bound of splitting, not a correct program).

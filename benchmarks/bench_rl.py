@@ -40,12 +40,12 @@ from ml_collections import ConfigDict
 from jaxgpt.data.conversations import BUILTIN_TASKS
 from jaxgpt.generate.engine import generate_many
 from jaxgpt.io import weights
+from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.tasks import build
-from jaxgpt.tasks.rl import local_weights
-from jaxgpt.tasks.rl_prompts import Prompt, load_prompts, split_prompts
-from jaxgpt.tasks.rl_rewards import parse_rewards
-from jaxgpt.tasks.rl_rollouts import PromptSet, Sampler, encode_prompts, pass_rates
-from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.tasks.rl.prompts import Prompt, load_prompts, split_prompts
+from jaxgpt.tasks.rl.rewards import parse_rewards
+from jaxgpt.tasks.rl.rollouts import PromptSet, Sampler, encode_prompts, pass_rates
+from jaxgpt.tasks.rl.task import local_weights
 from jaxgpt.train.config import ChatConfig, RLConfig, from_config_dict
 from jaxgpt.train.loop import train
 

@@ -1,13 +1,13 @@
 """Generation speed with and without the KV cache, measured in one run (issue 4's benchmark).
 
 Measured when the decoding paths were written (2-core CPU; rerun for today's): output-major kernels
-(`ops.decode.output_major_kernels`) took the GPT-2-shaped products per token from 150 to 130 us (qkv), 215 to 176
+(`decode_weights.output_major_kernels`) took the GPT-2-shaped products per token from 150 to 130 us (qkv), 215 to 176
 (fc) and 243 to 199 (proj), its MLP products 6.0 to 4.2 ms, while at 4 rows the declared order won (6.2 vs
 10.6 ms); contracting in the kernel's order removed a copy that added a sixth to the weight traffic
 (`ops.projection.einsum_in_kernel_order`); one stacked cache buffer for listed layers cost 30% tokens/s on
 4x4x128 (`model.attention`); argmax's reduction took 215 us over 50,304 logits, 2% of a step, against 28 us
 for a max and a min (`generate.strategies.first_argmax`); preparing decode weights copies GPT-2 124M in about
-0.1 s (`ops.decode.decoding_weights` keeps one prepared copy).
+0.1 s (`generate.decode_weights.decoding_weights` keeps one prepared copy).
 
     python benchmarks/bench_sample.py                 # both char models, cached and uncached
     python benchmarks/bench_sample.py --skip_uncached # the cached loop only (the uncached larger model takes ~1 min)
@@ -71,10 +71,10 @@ import sampling_reference
 
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.generate import sampling
+from jaxgpt.generate.decode_weights import output_major_kernels
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import abstract_variables, init_params
 from jaxgpt.model.layers import EinsumDense
-from jaxgpt.ops.decode import output_major_kernels
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.runtime import use_cpu_devices
 
@@ -148,7 +148,7 @@ def bytes_per_token(cfg: ModelConfig, new_tokens: int = NEW_TOKENS, rows: int = 
 def compiled_generation(params, cfg: ModelConfig, prompt: np.ndarray, new_tokens: int,
                         compiler_options: dict[str, Any] | None) -> Callable[[], np.ndarray]:
     """`generate(params, cfg, prompt, max_new_tokens=new_tokens, temperature=0, dtype="bfloat16")` with its decode
-    loop (`sampling._run`) compiled with XLA `compiler_options` (e.g. `ops.decode.WHILE_COMMAND_BUFFERS`), which
+    loop (`sampling._run`) compiled with XLA `compiler_options` (e.g. `decode_weights.WHILE_COMMAND_BUFFERS`), which
     `generate` itself never passes: the same tokens, so a GPU run can time the options against the default."""
     req = sampling.request(cfg, prompt, num_samples=None, max_new_tokens=new_tokens, temperature=0, top_k=None,
                            top_p=None, key=0, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)

@@ -592,8 +592,8 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
                        details: dict[str, Any]) -> list[str]:
     """Per batch: tokens/s against the target and against the HBM bound (the weights and the rows' KV caches
     read once per token, at the chip's bandwidth: `bench_sample.bytes_per_token`), and the decode loop of each
-    variant a GPU decides (WHILE and CONDITIONAL command buffers, `ops.decode.WHILE_COMMAND_BUFFERS`: the whole
-    generation one CUDA graph; XLA's Triton fusion, `ops.decode.TRITON_FUSION`: fewer kernels a token; XLA's
+    variant a GPU decides (WHILE and CONDITIONAL command buffers, `decode_weights.WHILE_COMMAND_BUFFERS`: the whole
+    generation one CUDA graph; XLA's Triton fusion, `decode_weights.TRITON_FUSION`: fewer kernels a token; XLA's
     attention in place of the one-kernel decode attention, `ops.decode_attention`) against `generate`'s default,
     interleaved; then a device profile of one batch-1 generation of the first,
     its command buffers on under the profiler. Lines for the log and the JSON."""
@@ -601,8 +601,8 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
     import profile_summary
     from bench_sample import best_seconds, bytes_per_token, compiled_generation
 
+    from jaxgpt.generate.decode_weights import TRITON_FUSION, WHILE_COMMAND_BUFFERS
     from jaxgpt.generate.sampling import generate
-    from jaxgpt.ops.decode import TRITON_FUSION, WHILE_COMMAND_BUFFERS
     from jaxgpt.train.chips import chip_for
 
     chip = chip_for(jax.devices()[0])

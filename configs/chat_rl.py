@@ -1,6 +1,6 @@
 """RL after SFT: GRPO on the four built-in tasks' prompts, rewarded for the exact answer (no download).
 
-Continues runs/chat_sft (configs/chat_sft.py; train it first) with task rl (jaxgpt/tasks/rl.py): each step samples 8
+Continues runs/chat_sft (configs/chat_sft.py; train it first) with task rl (jaxgpt/tasks/rl/): each step samples 8
 completions for each of 32 training prompts through the serving engine, rewards each 1 when it equals the answer and
 0 otherwise, normalizes the rewards within each prompt's group and takes a clipped policy-gradient step on the
 completion tokens (GRPO's per-completion mean, so a 2-character sum weighs as much as a 20-character tally; no KL

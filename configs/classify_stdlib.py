@@ -4,7 +4,7 @@ Fine-tunes the character model of configs/stdlib_char.py (train it first:
 `python train.py --config configs/stdlib_char.py --config.workdir=runs/stdlib_char`) on the built-in
 `stdlib_packages` task: 128-character snippets of asyncio / email / unittest / xml, 4 balanced classes,
 held-out snippets from files no training snippet comes from. The classification token is "\\n" appended
-to each snippet (a character model has no spare token; see jaxgpt/tasks/classify_data.py).
+to each snippet (a character model has no spare token; see jaxgpt/data/classify_data.py).
 
     python train.py --config configs/classify_stdlib.py \\
         [--config.init_from=workdir:runs/stdlib_char] [--config.workdir=runs/classify_stdlib]

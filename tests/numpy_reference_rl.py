@@ -1,4 +1,4 @@
-"""A float64 numpy reference of the GRPO loss variants (jaxgpt/tasks/rl_loss.py), its gradient worked out by hand.
+"""A float64 numpy reference of the GRPO loss variants (jaxgpt/tasks/rl/loss.py), its gradient worked out by hand.
 
 The loss is a function of the logits through the completion tokens' log-probabilities at the rollouts' temperature,
 logp = log_softmax(z / T)[y], whose gradient is (onehot(y) - softmax(z / T)) / T. A token's clipped surrogate

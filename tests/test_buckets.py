@@ -75,7 +75,7 @@ def wait_for(proc: subprocess.Popen, needle: str) -> str:
 
 
 def params_at(workdir: str, step: int) -> dict:
-    from jaxgpt.train.checkpoint import Checkpointer
+    from jaxgpt.io.checkpoint import Checkpointer
 
     ckpt = Checkpointer(workdir, read_only=True)
     try:
@@ -86,7 +86,7 @@ def params_at(workdir: str, step: int) -> dict:
 
 
 def losses(workdir: str) -> list[tuple[int, float]]:
-    from jaxgpt.io import storage
+    from jaxgpt import storage
 
     text = (storage.location(workdir, "workdir") / "metrics.jsonl").read_text()
     return [(r["step"], r["train_loss"]) for r in map(json.loads, text.splitlines()) if "lr" in r]
@@ -105,8 +105,8 @@ def kill_mid_save(server: storage_servers.Server, url: str, cmd: list[str]) -> t
     """SIGKILL the run while its step-20 checkpoint is being written: the moment its directory appears in the
     bucket (step 10 is committed by then: orbax finishes a save before it starts the next). Returns the
     committed steps and the directories left without a commit."""
-    from jaxgpt.io import storage
-    from jaxgpt.train.checkpoint import Checkpointer
+    from jaxgpt import storage
+    from jaxgpt.io.checkpoint import Checkpointer
 
     proc = popen(cmd, server)
     wait_for(proc, "step 20/")
@@ -161,8 +161,8 @@ def test_two_trainers_on_one_path_one_runs_and_sigterm_commits(server: storage_s
     finally:
         first.kill()
     with storage_servers.client_env(server):
-        from jaxgpt.io import storage
-        from jaxgpt.train.checkpoint import Checkpointer
+        from jaxgpt import storage
+        from jaxgpt.io.checkpoint import Checkpointer
 
         assert Checkpointer(url, read_only=True).latest_step() == step  # committed before the exit
         assert not (storage.location(url, "workdir") / "jaxgpt.lease").exists()  # released
@@ -172,7 +172,7 @@ def test_a_lease_not_renewed_for_its_period_is_taken_over(server: storage_server
                                                           xla_cache: str) -> None:
     url = server.url()
     with storage_servers.client_env(server):
-        from jaxgpt.io import storage
+        from jaxgpt import storage
 
         lease = {"holder": "dead", "host": "gone-host", "pid": 4242, "since": time.time() - 600,
                  "renewed": time.time() - 120, "period": 60}

@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxgpt.data import classify_data
 from jaxgpt.data.batches import batch_indices
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
+from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, GPTClassifier, init_params
-from jaxgpt.tasks import classify, classify_data
-from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.tasks import classify
 from jaxgpt.train.config import base_config, from_config_dict
 from jaxgpt.train.optim import OptimConfig, make_optimizer
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tiktoken
 
+from jaxgpt import storage
 from jaxgpt.commands import data as data_command
 from jaxgpt.data import corpora as datasets
 from jaxgpt.data import dataset as data
@@ -20,7 +21,6 @@ from jaxgpt.data.prepare import prepare_text
 from jaxgpt.data.sources import hub_stream
 from jaxgpt.data.tokenizer import CharTokenizer, load_bpe
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 VOCAB = "".join(sorted(set(TEXT)))

@@ -9,14 +9,14 @@ jax's CUDA plugin compiles for compile-only GPUs (`jaxgpt.tools.gpus`); skipped 
 * the kernels one token launches (`hlo.loops`: fusions, GEMMs, copies, custom calls) stay at what was measured
   when this was written: 171.5 at batch 1 and 134 at batch 64 (two tokens per trip). They were 278.5 and 218
   before GPUs attended over the cache after writing the new key and value into it (`ops.attention.attend_written`:
-  206.5 and 169), read batch 1's kernels output-major (`ops.decode.output_major_for`: 194.5, and no product the
+  206.5 and 169), read batch 1's kernels output-major (`decode_weights.output_major_for`: 194.5, and no product the
   size of a kernel written and read back per token) and ran each layer's cache writes and attention as one Pallas
-  kernel (`ops.decode_attention`: 171.5 and 134); with XLA's Triton fusion (`ops.decode.TRITON_FUSION`) batch 1
+  kernel (`ops.decode_attention`: 171.5 and 134); with XLA's Triton fusion (`decode_weights.TRITON_FUSION`) batch 1
   launches 79 (139 before the Pallas kernel, 103 while it took three slices of the fused QKV projection, each a
   Triton fusion of its own: `ops.attention.attend_qkv`);
 * that kernel runs once per layer and token, and writes the caches in place: no copy of a cache;
 * every kernel of that loop's body runs inside a command buffer (a CUDA graph: one launch per trip), and with
-  WHILE and CONDITIONAL among the command-buffer types (`ops.decode.WHILE_COMMAND_BUFFERS`) the whole
+  WHILE and CONDITIONAL among the command-buffer types (`generate.decode_weights.WHILE_COMMAND_BUFFERS`) the whole
   generation, loops included, is one command buffer;
 * the engine's decode chunk loops over its steps with a known trip count too.
 
@@ -41,8 +41,7 @@ pytestmark = pytest.mark.skipif(
 
 from configs.gpt2_124m import get_config  # noqa: E402
 from jaxgpt.generate import sampling, slots  # noqa: E402
-from jaxgpt.model.gpt import init_params  # noqa: E402
-from jaxgpt.ops.decode import (  # noqa: E402
+from jaxgpt.generate.decode_weights import (  # noqa: E402
     TRIP_TOKENS,
     TRITON_FUSION,
     UNROLL,
@@ -50,10 +49,11 @@ from jaxgpt.ops.decode import (  # noqa: E402
     output_major_for,
     output_major_kernels,
 )
+from jaxgpt.model.gpt import init_params  # noqa: E402
 from jaxgpt.tools import gpus, hlo  # noqa: E402
 from jaxgpt.train.config import from_config_dict  # noqa: E402
 
-# configs/gpt2_124m.py's model as `generate(..., dtype="bfloat16")` decodes it (`ops.decode.decoding_weights`)
+# configs/gpt2_124m.py's model as `generate(..., dtype="bfloat16")` decodes it (`decode_weights.decoding_weights`)
 CFG = from_config_dict(get_config()).model.replace(dtype="bfloat16", param_dtype="bfloat16")
 PROMPT, NEW_TOKENS = 16, 256
 KERNELS_PER_TOKEN = {1: 172, 64: 134}  # measured: 171.5 and 134 (see the module docstring)
@@ -80,13 +80,13 @@ def compiled(fn: object, args: tuple, options: dict | None, tmp_path: Path, **st
 
 def generate_program(batch: int, tmp_path: Path, options: dict | None = None) -> tuple[str, str]:
     """`generate`'s decode loop (`sampling._run`) for `batch` greedy rows of NEW_TOKENS tokens after PROMPT, its
-    kernels stored as a GPU's `generate` stores them (output-major at batch 1: `ops.decode.output_major_for`)."""
+    kernels stored as a GPU's `generate` stores them (output-major at batch 1: `decode_weights.output_major_for`)."""
     with jax.set_mesh(h100()):
         output_major = output_major_for(batch)
     spec = sampling.SamplerSpec(greedy=True, top_k=None, use_top_p=False, eot_token=None,
                                 window_shift=sampling.default_window_shift(CFG), output_major=output_major)
     params = jax.eval_shape(lambda: init_params(CFG, jax.random.key(0)))
-    if output_major:  # in the model's bfloat16, as `ops.decode.decoding_weights` prepares them for GPUs
+    if output_major:  # in the model's bfloat16, as `generate.decode_weights.decoding_weights` prepares them for GPUs
         params = jax.eval_shape(lambda p: output_major_kernels(p, CFG), params)
     prefill = lambda p, x: sampling._prefill(p, x, jax.random.key(0), cfg=CFG, output_major=output_major,
                                              slots=sampling.cache_slots(CFG, PROMPT, NEW_TOKENS))

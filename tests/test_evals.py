@@ -23,9 +23,10 @@ if not os.environ.get("JAXGPT_BPE_FILE"):
 import numpy_reference as ref
 from test_hf import random_params
 
+from jaxgpt.data import hf_tokenizer
 from jaxgpt.data.tokenizer import load_bpe
 from jaxgpt.evals import benchmarks
-from jaxgpt.io import hf, hf_tokenizer
+from jaxgpt.io import hf
 from jaxgpt.model.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=32)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from tests_helpers import one_line_error
 
-from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.io.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -333,10 +333,10 @@ def test_too_little_space_is_refused_before_compiling(tmp_path: Path, data_dir: 
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from tests_helpers import load_tiny, train_run
 
+    from jaxgpt import storage
     from jaxgpt.errors import UserError
-    from jaxgpt.train import rundir
 
-    monkeypatch.setattr(rundir, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 1000)
     with pytest.raises(UserError, match="MiB free, but a checkpoint of this run needs"):
         train_run(load_tiny(workdir=str(tmp_path / "w"), data_dir=str(data_dir)))
     assert not list((tmp_path / "w" / "checkpoints").iterdir())

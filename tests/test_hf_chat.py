@@ -32,6 +32,7 @@ from jaxgpt.data.conversations import (
     chat_tokenizer,
     encode_conversation,
 )
+from jaxgpt.data.hf_tokenizer import read_tokenizer_meta
 from jaxgpt.data.tokenizer import (
     CharTokenizer,
     Tokenizer,
@@ -42,10 +43,9 @@ from jaxgpt.data.tokenizer import (
 )
 from jaxgpt.generate import sampling
 from jaxgpt.io import weights
-from jaxgpt.io.hf_tokenizer import read_tokenizer_meta
+from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
-from jaxgpt.train.checkpoint import Checkpointer
 from jaxgpt.train.optim import OptimConfig, make_optimizer
 
 CONVERSATIONS = [*builtin_conversations(7, 8), [

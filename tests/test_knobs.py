@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from tests_helpers import logged_losses
 
-from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.io.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")

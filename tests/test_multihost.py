@@ -18,9 +18,9 @@ import pytest
 from flax import traverse_util
 from tests_helpers import fake_devices_env, free_port, logged_eval, logged_losses, write_hellaswag_fixture
 
+from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.io.weights import load
 from jaxgpt.train import sharding as layout
-from jaxgpt.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")

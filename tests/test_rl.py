@@ -19,9 +19,9 @@ from test_classify import save_random_lm
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.tasks.rl_loss import group_advantages, policy_loss, token_logprobs
-from jaxgpt.tasks.rl_prompts import load_prompts, split_prompts
-from jaxgpt.tasks.rl_rewards import RewardError, parse_rewards, total_reward
+from jaxgpt.tasks.rl.loss import group_advantages, policy_loss, token_logprobs
+from jaxgpt.tasks.rl.prompts import load_prompts, split_prompts
+from jaxgpt.tasks.rl.rewards import RewardError, parse_rewards, total_reward
 from jaxgpt.train.config import ChatConfig, base_config
 
 
@@ -65,7 +65,7 @@ def test_advantages_are_normalized_within_each_group() -> None:
 
 
 def test_a_truncated_completion_keeps_its_reward_but_leaves_the_loss() -> None:
-    from jaxgpt.tasks.rl_rollouts import group_rows, mask_truncated
+    from jaxgpt.tasks.rl.rollouts import group_rows, mask_truncated
 
     END = 9
     completions = [[4, 5, END], [4, 5, 6, 7], [6, END], [4, 4, 4, 4]]  # the second and last were cut at 4 tokens
@@ -192,8 +192,8 @@ def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_
     2, before the checkpoint) from the work directory and samples the rest from the restored weights."""
     from tests_helpers import train_run
 
+    from jaxgpt.io.checkpoint import Checkpointer
     from jaxgpt.tasks import build
-    from jaxgpt.train.checkpoint import Checkpointer
     from jaxgpt.train.config import from_config_dict
 
     (tmp_path / "toy.py").write_text(VOWELS_REWARD)
@@ -227,7 +227,7 @@ def test_a_reward_that_turns_nan_stops_the_run_with_one_line_and_keeps_its_check
                                                                                      base_run: Path) -> None:
     from tests_helpers import train_run
 
-    from jaxgpt.train.checkpoint import Checkpointer
+    from jaxgpt.io.checkpoint import Checkpointer
 
     (tmp_path / "flaky.py").write_text("calls = 0\ndef flaky(messages, completion):\n    global calls\n"
                                        "    calls += 1\n    return float('nan') if calls > 32 * 5 else 0.0\n")
@@ -251,7 +251,7 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run
 
     from tests_helpers import ROOT
 
-    from jaxgpt.train.checkpoint import Checkpointer
+    from jaxgpt.io.checkpoint import Checkpointer
 
     (tmp_path / "toy.py").write_text(A_REWARD)
     flags = lambda workdir: [

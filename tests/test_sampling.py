@@ -298,11 +298,11 @@ def test_accelerators_attention_over_the_written_cache_equals_the_cpus(kv_heads:
 
 
 def test_fixed_trip_count_loops_give_the_while_loops_tokens(monkeypatch) -> None:
-    """The loops accelerators run (`ops.decode.fixed_trip_counts`: every step of a trip runs, those past the loop's
+    """The loops accelerators run (`decode_weights.fixed_trip_counts`: every step of a trip runs, those past the loop's
     end masked) give the tokens of the while loops CPUs run: a sliding window (masked steps on a full cache), end
     of text, sampling, streamed chunks and the engine's chunks (`generate_many`)."""
+    from jaxgpt.generate import decode_weights
     from jaxgpt.generate.engine import generate_many
-    from jaxgpt.ops import decode
 
     cfg = SWEEP["seed001"]
     params, prompt = random_params(cfg), prompts(cfg, 5, seed=3)
@@ -318,7 +318,7 @@ def test_fixed_trip_count_loops_give_the_while_loops_tokens(monkeypatch) -> None
                                     temperature=[0.0, 1.0, 0.8], slots=2)]
     want = run()
     jax.clear_caches()  # the programs compiled for CPUs' loops
-    monkeypatch.setattr(decode, "current_platform", lambda: "gpu")
+    monkeypatch.setattr(decode_weights, "current_platform", lambda: "gpu")
     try:
         got = run()
     finally:
@@ -433,7 +433,7 @@ assert len(CHARS) == SAMPLED_CFG.vocab_size
 @pytest.fixture(scope="module")
 def char_workdir(tmp_path_factory) -> Path:
     """A work directory holding one checkpoint of a tiny character model, written with the trainer's API."""
-    from jaxgpt.train.checkpoint import Checkpointer
+    from jaxgpt.io.checkpoint import Checkpointer
 
     workdir = tmp_path_factory.mktemp("char_run")
     cfg = SAMPLED_CFG
@@ -704,7 +704,7 @@ def test_bfloat16_decoding_follows_float32() -> None:
     np.testing.assert_array_equal(want[0], expected[3:])  # and the model learned the rule
     chunks = list(stream(params, cfg, prompt, max_new_tokens=40, temperature=0, chunk_size=40, dtype="bfloat16"))
     np.testing.assert_array_equal(np.concatenate(chunks, axis=1), got)
-    # one row: output-major float32 images of the bf16 kernels on CPUs (`ops.decode.decoding_weights`)
+    # one row: output-major float32 images of the bf16 kernels on CPUs (`generate.decode_weights.decoding_weights`)
     one, one_logits = generate(params, cfg, prompt[:1], max_new_tokens=40, temperature=0, return_logits=True,
                                dtype="bfloat16")
     np.testing.assert_allclose(one_logits, want_logits[:1], rtol=0, atol=tolerance)

@@ -14,12 +14,12 @@ import pytest
 from sampling_reference import seq2seq_uncached
 
 from jaxgpt.commands import sample as cli
+from jaxgpt.data import pairs
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import seq2seq as dec
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model.encdec import EncoderDecoder
-from jaxgpt.tasks import pairs
 
 PAD, BOS = 0, 1
 TINY = dict(vocab_size=11, src_vocab_size=13, block_size=8, src_block_size=9, n_layer=2, n_encoder_layer=2,
@@ -208,7 +208,7 @@ CHARS = "abcdefgh"  # text ids 0..7 -> model ids 3..10: TINY's 11-token vocabula
 
 def write_run(workdir: Path, cfg: ModelConfig | Seq2SeqConfig, params: dict, seq2seq: bool) -> Path:
     """A work directory with one checkpoint, as the trainer writes it (a seq2seq run's meta has its specials)."""
-    from jaxgpt.train.checkpoint import Checkpointer
+    from jaxgpt.io.checkpoint import Checkpointer
 
     meta = {"model": cfg.to_dict(), "tokenizer": CharTokenizer(CHARS).to_meta(), "val_loss": 1.0}
     ckpt = Checkpointer(workdir)

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxgpt.data import pairs
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate.seq2seq import greedy
@@ -21,7 +22,6 @@ from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model.encdec import abstract_variables
 from jaxgpt.model.presets import get_preset
-from jaxgpt.tasks import pairs
 from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.tasks.seq2seq import Seq2Seq, seq2seq_loss
 from jaxgpt.train.config import base_config, from_config_dict, model_fields

@@ -344,8 +344,8 @@ def test_serving_an_encoder_decoder_takes_the_source_as_the_prompt():
     from test_seq2seq_decoding import random_params as encdec_params
     from test_seq2seq_decoding import tiny
 
+    from jaxgpt.data.pairs import SPECIALS, PairText, decode_ids, encode_text
     from jaxgpt.generate import seq2seq as dec
-    from jaxgpt.tasks.pairs import SPECIALS, PairText, decode_ids, encode_text
 
     cfg, chars = tiny(), CharTokenizer("abcdefgh")
     params = encdec_params(cfg)

@@ -21,8 +21,8 @@ from tests_helpers import serving  # noqa: E402
 
 from jaxgpt.generate import sampling  # noqa: E402
 from jaxgpt.generate.engine import Engine, Request  # noqa: E402
+from jaxgpt.io.checkpoint import Checkpointer  # noqa: E402
 from jaxgpt.model.config import ModelConfig  # noqa: E402
-from jaxgpt.train.checkpoint import Checkpointer  # noqa: E402
 
 PROMPT, LONG = "abc", 50
 

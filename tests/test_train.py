@@ -18,8 +18,8 @@ import pytest
 from flax import traverse_util
 from tests_helpers import logged_eval, logged_losses, write_hellaswag_fixture
 
+from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.train import optim
-from jaxgpt.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "tiny_config.py")
@@ -87,7 +87,7 @@ def test_kill_during_checkpoint_save_keeps_previous(tmp_path: Path) -> None:
     """A process SIGKILLed while an asynchronous save is in flight leaves the previous step restorable."""
     script = f"""
 import os, signal, numpy as np, jax.numpy as jnp
-from jaxgpt.train.checkpoint import Checkpointer
+from jaxgpt.io.checkpoint import Checkpointer
 ck = Checkpointer({str(tmp_path)!r})
 small = {{"params": {{"w": jnp.ones((4, 4))}}, "opt_state": {{"m": jnp.zeros((4,))}}, "step": jnp.asarray(1)}}
 ck.save(small, {{"model": {{}}}}); ck.wait()

@@ -24,13 +24,14 @@ from jaxgpt.commands import eval as eval_command
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.commands import sample as sample_command
 from jaxgpt.commands import train as train_command
+from jaxgpt.data import bpe_ranks
 from jaxgpt.data.dataset import load_dataset
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, CharTokenizer, load_bpe
 from jaxgpt.errors import UserError
-from jaxgpt.io import bpe_ranks, weights
+from jaxgpt.evals import text
+from jaxgpt.io import weights
+from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.tools import evaluate
-from jaxgpt.train.checkpoint import Checkpointer
 from jaxgpt.train.config import base_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +219,7 @@ def test_own_text_configs_need_a_data_dir(tmp_path: Path, capsys) -> None:
 
 
 def test_windows_predict_every_token_once() -> None:
-    x, y, mask = evaluate.windows(np.arange(11), block_size=4)
+    x, y, mask = text.windows(np.arange(11), block_size=4)
     assert x.shape == (3, 4) and mask.sum() == 10
     np.testing.assert_array_equal(y[mask], np.arange(1, 11))
     np.testing.assert_array_equal(x[mask], np.arange(10))

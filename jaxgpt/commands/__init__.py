@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
+from jaxgpt import storage
 from jaxgpt.errors import InterruptError, StorageError, UserError
-from jaxgpt.io import storage
 
 # Each command: its one line, and the guide (in the source tree) that covers it. `jaxgpt --help` lists both.
 COMMANDS = {

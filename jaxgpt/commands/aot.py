@@ -19,8 +19,8 @@ from pathlib import Path
 
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import define_config, no_arguments, require_config, run_command
-from jaxgpt.io import storage
 
 EXAMPLE = "configs/gpt2_xl.py"
 LOCATIONS = {"json": storage.LOCAL}  # (`storage.check`: refused before minutes of compiling, not after)

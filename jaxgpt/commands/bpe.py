@@ -15,10 +15,11 @@ from pathlib import Path
 
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import run_command
+from jaxgpt.data import bpe_ranks
 from jaxgpt.data.tokenizer import BPE_FILE_ENV
 from jaxgpt.errors import UserError
-from jaxgpt.io import bpe_ranks, storage
 
 SUBCOMMANDS = ("fetch", "verify")
 LOCATIONS = {"dest": storage.LOCAL}  # (`storage.check`: a file written and read on this machine)

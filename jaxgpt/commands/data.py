@@ -31,6 +31,7 @@ from pathlib import Path
 
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data import remote
 from jaxgpt.data.corpora import BUILTIN_DATASETS, WINE_VOCAB_SIZE, prepare_builtin
@@ -39,7 +40,6 @@ from jaxgpt.data.prepare import SHARD_TOKENS, prepare, prepare_text
 from jaxgpt.data.sources import hub_stream
 from jaxgpt.data.tokenizer import WordTokenizer, load_bpe
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 
 # The flags that name a file or directory, and what each takes (`storage.check`, before anything is read).
 LOCATIONS = {"text": storage.LOCAL, "out": storage.ANYWHERE, "csv": storage.LOCAL, "bpe_file": storage.LOCAL}

@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import run_command
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.evals import benchmarks
-from jaxgpt.io import storage, weights
-from jaxgpt.tools import evaluate
+from jaxgpt.evals import benchmarks, text
+from jaxgpt.io import weights
 
 # The flags that name a file or directory, and what each takes (`storage.check`, before anything is read).
 LOCATIONS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "text": storage.LOCAL,
@@ -84,7 +84,7 @@ def window_length(flags_: flags.FlagValues, model_block_size: int) -> int:
 
 
 def dataset_rows(flags_: flags.FlagValues, loaded: weights.Weights,
-                 tokenizer: Tokenizer) -> tuple[evaluate.Rows, int, str]:
+                 tokenizer: Tokenizer) -> tuple[text.Rows, int, str]:
     """Rows of a prepared dataset's split (whole, or the trainer's batches), their characters, and a label."""
     from jaxgpt.data.dataset import load_dataset
     from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer
@@ -102,11 +102,11 @@ def dataset_rows(flags_: flags.FlagValues, loaded: weights.Weights,
     if flags_.trainer_batches:
         if not settings:
             raise UserError("--trainer_batches needs a run's saved config: use --workdir")
-        rows = evaluate.trainer_batches(tokens, settings, loaded.model.block_size, flags_.split)
-        return rows, evaluate.rows_characters(rows, tokenizer), f"{data_dir} ({flags_.split}, the trainer's batches)"
+        rows = text.trainer_batches(tokens, settings, loaded.model.block_size, flags_.split)
+        return rows, text.rows_characters(rows, tokenizer), f"{data_dir} ({flags_.split}, the trainer's batches)"
     ids = np.asarray(tokens, np.int64)
-    rows = evaluate.windows(ids, window_length(flags_, loaded.model.block_size))
-    return rows, evaluate.stream_characters(ids, tokenizer), f"{data_dir} ({flags_.split})"
+    rows = text.windows(ids, window_length(flags_, loaded.model.block_size))
+    return rows, text.stream_characters(ids, tokenizer), f"{data_dir} ({flags_.split})"
 
 
 def run_benchmark(flags_: flags.FlagValues, source: str, paths: list[str]) -> None:
@@ -136,13 +136,13 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     weights.require_gpt(source, loaded.model, "be evaluated as a language model")
     tokenizer = loaded.tokenizer(flags_.bpe_file)
     if texts:
-        ids = evaluate.text_ids(texts, tokenizer)
-        rows = evaluate.windows(ids, window_length(flags_, loaded.model.block_size))
-        characters = evaluate.stream_characters(ids, tokenizer)
+        ids = text.text_ids(texts, tokenizer)
+        rows = text.windows(ids, window_length(flags_, loaded.model.block_size))
+        characters = text.stream_characters(ids, tokenizer)
         label = ", ".join(paths)
     else:
         rows, characters, label = dataset_rows(flags_, loaded, tokenizer)
-    result = evaluate.evaluate(loaded.params, loaded.model, rows, characters, flags_.batch_size)
+    result = text.evaluate(loaded.params, loaded.model, rows, characters, flags_.batch_size)
     print(f"{label}: {result.report()}")
 
 

@@ -26,10 +26,11 @@ from pathlib import Path
 
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage, weights
+from jaxgpt.io import weights
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
 from jaxgpt.tools import plots

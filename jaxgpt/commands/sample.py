@@ -59,7 +59,9 @@ import jax
 import numpy as np
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import no_arguments, run_command
+from jaxgpt.data import pairs
 from jaxgpt.data.conversations import load_jsonl
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
@@ -67,10 +69,9 @@ from jaxgpt.generate import sampling
 from jaxgpt.generate import seq2seq as seq2seq_decoding
 from jaxgpt.generate.chat import ChatModel, StreamDecoder, converse
 from jaxgpt.generate.engine import check_request, generate_many
-from jaxgpt.io import storage, weights
+from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.serve.chat import load_template
-from jaxgpt.tasks import pairs
 
 SEPARATOR = "-" * 40
 

@@ -31,13 +31,13 @@ from pathlib import Path
 
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.commands.sample import MODEL_LOCATIONS, define_model, load_model
+from jaxgpt.data.pairs import PairText
 from jaxgpt.errors import UserError, optional_import
-from jaxgpt.io import storage
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.ops.platform import keep_freed_memory
-from jaxgpt.tasks.pairs import PairText
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:

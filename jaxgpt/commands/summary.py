@@ -20,9 +20,9 @@ from typing import Any
 
 from absl import flags
 
+from jaxgpt import storage
 from jaxgpt.commands import load_config_file, no_arguments, run_command
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 from jaxgpt.io.hf import hf_config_to_model_config, read_hf_config
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS, get_preset

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxgpt import storage
 from jaxgpt.data.tokenizer import (
     GPT2_EOT,
     GPT2_TOKENIZER_META,
@@ -36,7 +37,6 @@ from jaxgpt.data.tokenizer import (
 )
 from jaxgpt.data.tokens import TokenStream, llmc_shard, nanogpt_vocabulary
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 
 FORMAT_VERSIONS = (1, 2)
 META_FILE = "meta.json"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxgpt import storage
 from jaxgpt.data.dataset import META_FILE, content_key, token_files
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 
 
 def local_copy(url: str) -> Path:

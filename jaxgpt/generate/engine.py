@@ -56,6 +56,7 @@ from tqdm import tqdm
 from jaxgpt.errors import UserError
 from jaxgpt.evals.loglik import bucket
 from jaxgpt.generate import seq2seq
+from jaxgpt.generate.decode_weights import decoding_weights
 from jaxgpt.generate.sampling import cache_slots, validate_options
 from jaxgpt.generate.slots import (
     NO_TOKEN,
@@ -70,7 +71,6 @@ from jaxgpt.generate.slots import (
     prefill_slot,
 )
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.ops.decode import decoding_weights
 from jaxgpt.ops.platform import current_platform
 
 __all__ = ["TOP_LOGPROBS", "Engine", "Request", "check_request", "generate_many"]

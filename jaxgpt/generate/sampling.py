@@ -55,11 +55,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.errors import UserError
+from jaxgpt.generate.decode_weights import decoding_weights, kernel_storage, output_major_for, token_loop, trip_tokens
 from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
-from jaxgpt.ops.decode import decoding_weights, kernel_storage, output_major_for, token_loop, trip_tokens
 
 Array = jax.Array
 PromptLike = Sequence[int] | Sequence[Sequence[int]] | np.ndarray | Array

@@ -11,7 +11,7 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
   caches (a power of two that holds what they fill: a decode step reads its row's cache, which for short
   requests on a long context costs more than the weights when many rows decode). A slot stops advancing at its
   end (a token of its end set: end-of-text unless ignored, a stop id; or its last token); on CPUs the loop stops
-  early once every row has ended, elsewhere it runs its `steps` (a known trip count: `ops.decode.token_loop`).
+  early once every row has ended, elsewhere it runs its `steps` (a known trip count: `decode_weights.token_loop`).
 * `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front.
 
 A slot holds the token it picked last, not yet fed to the model: a decode step feeds it at the slot's length and
@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.generate import seq2seq
+from jaxgpt.generate.decode_weights import token_loop
 from jaxgpt.generate.sampling import _decode
 from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.ops.decode import token_loop
 from jaxgpt.ops.loss import target_logit
 
 Array = jax.Array

@@ -11,7 +11,7 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
 
 A Hugging Face directory's tokenizer is read back when jaxgpt knows it (GPT-2's BPE, or a character
-vocabulary such as a jaxgpt export's, `jaxgpt.io.hf_tokenizer`). A source without a tokenizer of its own gets
+vocabulary such as a jaxgpt export's, `jaxgpt.data.hf_tokenizer`). A source without a tokenizer of its own gets
 GPT-2's BPE when its vocabulary is GPT-2's, and none otherwise (`Weights.tokenizer` then says so).
 
 Fine-tuning takes its architecture from the weights (`fit_architecture`): the config only chooses what does
@@ -29,13 +29,13 @@ from typing import Any
 
 import jax
 
+from jaxgpt import storage
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError, optional_import
-from jaxgpt.io import storage
+from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
 from jaxgpt.model.presets import get_preset
-from jaxgpt.train.checkpoint import open_checkpoint
 
 SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face GPT-2 or NanoChat directory), hf:OWNER/NAME "
            "(a Hugging Face Hub repository) or preset:NAME")
@@ -129,7 +129,7 @@ def hf_directory(arg: str, flag: str = "hf:") -> Path:
 
 
 def _hf_tokenizer(root: Path, cfg: ModelConfig) -> dict[str, Any] | None:
-    from jaxgpt.io.hf_tokenizer import has_hf_tokenizer, read_tokenizer_meta
+    from jaxgpt.data.hf_tokenizer import has_hf_tokenizer, read_tokenizer_meta
 
     return read_tokenizer_meta(root) if has_hf_tokenizer(root) else _vocabulary_tokenizer(cfg)
 

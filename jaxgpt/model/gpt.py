@@ -90,7 +90,7 @@ class GPT(nn.Module):
     """Decoder-only language model: tokens (B, T) -> next-token logits (B, T, V) in float32.
 
     `kernel_storage` is how the projection kernels are stored (`jaxgpt.ops.projection`): as declared, except
-    in the weights `jaxgpt.ops.decode` prepares for batch-1 decoding on CPUs.
+    in the weights `jaxgpt.generate.decode_weights` prepares for batch-1 decoding on CPUs.
     """
 
     cfg: ModelConfig

@@ -7,13 +7,13 @@ the kernel's storage:
   natively in bf16 (`projection_dot_general`), and a bias gradient written as a product (`add_bias`).
 * output-major kernels (`OUTPUT_MAJOR`): every kernel stored as one (outputs, inputs) matrix, which
   XLA:CPU's one-row products stream faster; the sampler stores them so for batch-1 decoding on CPUs
-  (`jaxgpt.ops.decode`).
+  (`jaxgpt.generate.decode_weights`).
 
 Why the storage is a module attribute (`EinsumDense.kernel_storage`) rather than something the product
 infers: flax checks a stored parameter's shape against the shape its module declares, so a module that
 reads a (outputs, inputs) matrix must declare that shape (`stored_shape`); and a square 2-D kernel has the
 same shape in both orders, so the stored array alone cannot tell its layout. The sampler gets the weights
-and the storage name together from `jaxgpt.ops.decode`; training and checkpoints only ever see DECLARED.
+and the storage name together from `jaxgpt.generate.decode_weights`; training and checkpoints only ever see DECLARED.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from jaxgpt.data.pairs import PairText
 from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import check_request
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
@@ -60,7 +61,6 @@ from jaxgpt.serve.protocol import (
     error_body,
     responses,
 )
-from jaxgpt.tasks.pairs import PairText
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is a 413
 NO_TEMPLATE = ("this model has no chat template: use /v1/completions, or start the server with "

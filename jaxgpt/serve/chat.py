@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
+from jaxgpt import storage
 from jaxgpt.data.conversations import TEMPLATE_FILE, ChatTemplate
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 
 # ChatTemplate (the rendering) and TEMPLATE_FILE are defined once, with the chat format in
 # jaxgpt.data.conversations, which fine-tuning uses too; the server and its command import them from here.

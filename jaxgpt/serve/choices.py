@@ -17,12 +17,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException
 
+from jaxgpt.data.pairs import PairText
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.generate.chat import StreamDecoder
 from jaxgpt.serve.client import EngineClient
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import Sampling, error_body
-from jaxgpt.tasks.pairs import PairText
 
 Codec = Tokenizer | PairText  # a GPT's tokenizer, or an encoder-decoder's source/target text
 

@@ -20,7 +20,7 @@ import jax
 
 from jaxgpt.generate.engine import Engine
 from jaxgpt.io import weights
-from jaxgpt.train.checkpoint import Checkpointer, CheckpointReadError
+from jaxgpt.io.checkpoint import Checkpointer, CheckpointReadError
 
 
 def version(step: int) -> str:

@@ -86,7 +86,7 @@ def build(cfg: TrainConfig) -> Task:
 
         return Chat(cfg)
     if cfg.task == "rl":
-        from jaxgpt.tasks.rl import RL
+        from jaxgpt.tasks.rl.task import RL
 
         return RL(cfg)
     from jaxgpt.tasks.lm import LanguageModelling, open_dataset

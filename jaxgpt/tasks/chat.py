@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.data.batches import batch_indices, process_share, rows_sha256
+from jaxgpt.data.classify_data import spread_indices
 from jaxgpt.data.conversations import (
     CHAT_TEMPLATE,
     END,
@@ -57,7 +58,6 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, check_segments, dummy_tokens
-from jaxgpt.tasks.classify_data import spread_indices
 from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.train.config import ChatConfig, TrainConfig, base_config
 

@@ -7,7 +7,7 @@ new linear head (`GPTClassifier.cls_head`), and train on
 
 the language-model term acting as a regularizer that keeps the pretrained features (GPT-1 used 0.5).
 The model, tokenizer and body weights come from `init_from` (a jaxgpt run, a classifier run, or a
-Hugging Face GPT-2 or NanoChat directory); the data from `jaxgpt.tasks.classify_data`. It trains on the one loop:
+Hugging Face GPT-2 or NanoChat directory); the data from `jaxgpt.data.classify_data`. It trains on the one loop:
 
     python train.py --config configs/classify_stdlib.py [--config.key=value ...]
 
@@ -27,12 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.data.batches import batch_indices, process_share
-from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
-from jaxgpt.errors import UserError
-from jaxgpt.io import weights
-from jaxgpt.model.gpt import GPTClassifier, dummy_tokens
-from jaxgpt.ops.loss import token_nll
-from jaxgpt.tasks.classify_data import (
+from jaxgpt.data.classify_data import (
     Label,
     cls_token_id,
     encode_task,
@@ -43,6 +38,11 @@ from jaxgpt.tasks.classify_data import (
     padded_batches,
     spread_indices,
 )
+from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
+from jaxgpt.errors import UserError
+from jaxgpt.io import weights
+from jaxgpt.model.gpt import GPTClassifier, dummy_tokens
+from jaxgpt.ops.loss import token_nll
 from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # x (B, T) int32, mask (B, T) bool, label (B,) int32, weight (B,) float32

@@ -12,12 +12,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxgpt import storage
 from jaxgpt.data.batches import batch_for_step, check_shapes, document_starts, eval_batches
 from jaxgpt.data.corpora import prepare_builtin
 from jaxgpt.data.dataset import META_FILE, Dataset, load_dataset, unknown_summary
 from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage, weights
+from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, dummy_tokens
 from jaxgpt.ops.loss import chunked_cross_entropy, token_nll, z_loss

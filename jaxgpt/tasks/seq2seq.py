@@ -10,7 +10,7 @@ loop:
 
     python train.py --config configs/seq2seq_copy.py [--config.seq2seq.data=pairs.tsv ...]
 
-Data, vocabulary and batches: `jaxgpt.tasks.pairs`. The row widths come from the data: the longest source,
+Data, vocabulary and batches: `jaxgpt.data.pairs`. The row widths come from the data: the longest source,
 and the longest target + 1, of the pairs that fit `model.block_size` (longer pairs are skipped and counted).
 """
 
@@ -24,13 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.data.batches import batch_indices, process_share, rows_sha256
-from jaxgpt.errors import UserError
-from jaxgpt.generate.seq2seq import greedy
-from jaxgpt.io import weights
-from jaxgpt.model.config import Seq2SeqConfig
-from jaxgpt.model.encdec import EncoderDecoder, dummy_batch
-from jaxgpt.tasks.lm import token_cross_entropy
-from jaxgpt.tasks.pairs import (
+from jaxgpt.data.pairs import (
     SPECIALS,
     Pair,
     build_tokenizer,
@@ -42,6 +36,12 @@ from jaxgpt.tasks.pairs import (
     rows,
     to_ids,
 )
+from jaxgpt.errors import UserError
+from jaxgpt.generate.seq2seq import greedy
+from jaxgpt.io import weights
+from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.model.encdec import EncoderDecoder, dummy_batch
+from jaxgpt.tasks.lm import token_cross_entropy
 from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # src (B, S), tgt_in / tgt_out (B, T) int32, weight (B,) float32

@@ -41,8 +41,8 @@ from typing import Any
 
 import jax
 
+from jaxgpt import storage
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 from jaxgpt.ops import splash
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.tools import gpus, hlo

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxgpt import storage
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 
 METRICS_FILE = "metrics.jsonl"

@@ -20,8 +20,8 @@ from typing import Any
 
 from ml_collections import ConfigDict, config_dict
 
+from jaxgpt import storage
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
 from jaxgpt.model.presets import get_preset
 from jaxgpt.train.optim import OptimConfig
@@ -128,7 +128,7 @@ class ChatConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """Task "rl": GRPO on rewards a program checks (jaxgpt/tasks/rl.py), from init_from; prompts are config.chat's
+    """Task "rl": GRPO on rewards a program checks (jaxgpt/tasks/rl/task.py), from init_from; prompts are config.chat's
     conversations less their last assistant turn (the answer); batch_size counts completions (prompts x groups)."""
 
     # "exact" (the reply equals the answer), "module:function" or "path/file.py:function" taking (prompt messages,

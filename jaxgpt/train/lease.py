@@ -23,8 +23,8 @@ from typing import Any
 
 from etils import epath
 
+from jaxgpt import storage
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 
 LEASE_FILE = "jaxgpt.lease"
 

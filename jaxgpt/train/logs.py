@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 
+from jaxgpt import storage
 from jaxgpt.errors import optional_import
-from jaxgpt.io import storage
 
 # Periodic (training) values whose tag is not train/<name>.
 TRAIN_TAGS = {"train_loss": "train/loss", "tokens_per_sec": "perf/tokens_per_s", "mfu": "perf/mfu"}

@@ -20,13 +20,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxgpt import tasks
+from jaxgpt import storage, tasks
 from jaxgpt.data.tokenizer import tokenizer_from_meta
 from jaxgpt.errors import StorageError, UserError
-from jaxgpt.io import storage
+from jaxgpt.io.checkpoint import Checkpointer, state_bytes
 from jaxgpt.train import optim, resume, rundir, runtime
 from jaxgpt.train import sharding as layout
-from jaxgpt.train.checkpoint import Checkpointer, state_bytes
 from jaxgpt.train.chips import peak_flops_for
 from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.flops import flops_per_token, measure_matmul_peak
@@ -307,7 +306,7 @@ def _close(meter: Meter, ckpt: Checkpointer) -> None:
 def _check_space(ckpt: Checkpointer, abstract_state: dict[str, Any]) -> None:
     """Refuse to start (before compiling) when the checkpoint directory cannot hold even one checkpoint."""
     need = state_bytes([abstract_state["params"], abstract_state["opt_state"]])
-    free = rundir.free_bytes(ckpt.directory)
+    free = storage.free_bytes(ckpt.directory)
     if free < need:
         raise UserError(f"{ckpt.directory} has {free / 2**20:,.1f} MiB free, but a checkpoint of this run needs about "
                         f"{need / 2**20:,.1f} MiB: free space there or choose another --config.workdir")

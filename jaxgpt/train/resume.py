@@ -17,8 +17,8 @@ from typing import Any
 import jax
 
 from jaxgpt.errors import UserError
+from jaxgpt.io.checkpoint import Checkpointer, CheckpointReadError
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.train.checkpoint import Checkpointer, CheckpointReadError
 from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.optim import OptimConfig
 

@@ -9,17 +9,15 @@ it was. In a bucket, where there is no flock, a lease object does the same (`jax
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from jaxgpt import storage
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 from jaxgpt.train.lease import LEASE_FILE, BucketLease
 
 LOCK_FILE = "jaxgpt.lock"
@@ -28,8 +26,6 @@ STARTS_DIR = "starts"
 # Everything a run writes at the top of its work directory: a directory holding only these is a run's.
 RUN_FILES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", CONFIG_FILE, STARTS_DIR, LOCK_FILE,
                        LEASE_FILE, "corrupt-checkpoints", "wandb"})
-# Disk faults a user fixes by freeing space (or raising a quota / file-size limit).
-DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 
 def is_run_config(path: storage.Location) -> bool:
@@ -108,28 +104,3 @@ def record_start(workdir: storage.Location, settings: dict[str, Any], start_step
     storage.write_text(starts / f"step{start_step:08d}-{stamp}-{os.getpid()}.json", text)
     storage.write_text(workdir / CONFIG_FILE, text)
 
-
-def disk_error(error: BaseException) -> OSError | None:
-    """The OSError behind `error` (its cause chain) if it is a full disk, quota or file-size limit."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in DISK_FULL:
-            return e
-        text = str(e)  # tensorstore (orbax's writer) reports the OS error inside its own message
-        for code in DISK_FULL:
-            if os.strerror(code) in text:
-                return OSError(code, os.strerror(code))
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def free_bytes(path: storage.Location) -> float:
-    """Free space on the file system holding `path` (or its nearest existing parent); a bucket has no limit
-    that can be read."""
-    if storage.is_bucket(path):
-        return float("inf")
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free

@@ -12,8 +12,8 @@ from typing import Any
 
 import jax
 
+from jaxgpt import storage
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
 from jaxgpt.train.config import DistributedConfig, TrainConfig
 
 

@@ -22,9 +22,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jaxgpt import storage
 from jaxgpt.errors import StorageError, UserError
-from jaxgpt.io import storage
-from jaxgpt.train.rundir import disk_error, free_bytes
 
 CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
 
@@ -185,15 +184,15 @@ class Checkpointer:
                 error = storage.failure(e, str(self.directory), "writing a checkpoint into")
                 raise StorageError(f"{error}; the checkpoints committed before this save are intact: run the same "
                                    "command to resume") from None
-            fault = disk_error(e)
+            fault = storage.disk_error(e)
             if fault is None:
                 raise
             steps = self.manager.all_steps()
             kept = f"step {max(steps)} is intact" if steps else "there is no earlier checkpoint"
             raise UserError(f"writing a checkpoint into {self.directory} failed ({fault.strerror or fault}): it "
-                            f"needs about {self._bytes / 2**20:,.1f} MiB, {free_bytes(self.directory) / 2**20:,.1f} "
-                            f"MiB are free there (or a file-size limit applies); {kept}. Free space, then run "
-                            "the same command to resume") from None
+                            f"needs about {self._bytes / 2**20:,.1f} MiB, "
+                            f"{storage.free_bytes(self.directory) / 2**20:,.1f} MiB are free there (or a file-size "
+                            f"limit applies); {kept}. Free space, then run the same command to resume") from None
 
     def read_meta(self, step: int) -> dict[str, Any]:
         return dict(self._reading(step, lambda: self.manager.restore(

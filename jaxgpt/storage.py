@@ -20,6 +20,7 @@ AWS_ENDPOINT_URL does the same for S3 (the tests start both servers on 127.0.0.1
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import logging
@@ -363,3 +364,33 @@ class Mirror:
             self.failed = True
             raise
         self._sizes |= {name: (self.local / name).stat().st_size for name in changed}
+
+
+# Disk faults a user fixes by freeing space (or raising a quota / file-size limit).
+DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (its cause chain) if it is a full disk, quota or file-size limit."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return e
+        text = str(e)  # tensorstore (orbax's writer) reports the OS error inside its own message
+        for code in DISK_FULL:
+            if os.strerror(code) in text:
+                return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def free_bytes(path: Location) -> float:
+    """Free space on the file system holding `path` (or its nearest existing parent); a bucket has no limit
+    that can be read."""
+    if is_bucket(path):
+        return float("inf")
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.data.batches import held_out_split
+from jaxgpt.data.classify_data import spread_indices
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
 from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.tasks.classify_data import spread_indices
 
 Pair = tuple[str, str]
 

@@ -24,9 +24,9 @@ from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import generate_many
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.tasks.rl_loss import group_advantages
-from jaxgpt.tasks.rl_prompts import Prompt
-from jaxgpt.tasks.rl_rewards import Reward, total_reward
+from jaxgpt.tasks.rl.loss import group_advantages
+from jaxgpt.tasks.rl.prompts import Prompt
+from jaxgpt.tasks.rl.rewards import Reward, total_reward
 from jaxgpt.train.config import RLConfig
 
 ROLLOUT_STREAM, EVAL_STREAM = 7, 8  # entropy beside the seed: training rollouts, evaluation samples

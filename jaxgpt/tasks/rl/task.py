@@ -1,8 +1,8 @@
 """RL: reinforcement learning on rewards a program checks (GRPO), after SFT, on the one loop.
 
 Each step samples `rl.num_generations` completions (a group) for each of batch_size / num_generations training
-prompts through the serving engine (`rl_rollouts`), scores them (`rl_rewards`), normalizes the rewards within each
-group, and takes a clipped policy-gradient step on the completion tokens only (`rl_loss`: loss_type grpo, dr_grpo
+prompts through the serving engine (`rollouts`), scores them (`rewards`), normalizes the rewards within each
+group, and takes a clipped policy-gradient step on the completion tokens only (`loss`: loss_type grpo, dr_grpo
 or dapo, an optional KL penalty `beta` to the frozen starting model). The loop hands the task the weights it is
 about to train (`use_weights`), so the rows of step i are a pure function of (seed, i) and those weights: a run
 killed and resumed samples the same rollouts and continues bit for bit. With `num_iterations` = mu > 1 the
@@ -36,17 +36,18 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, process_share
+from jaxgpt.data.classify_data import spread_indices
 from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
 from jaxgpt.errors import UserError
-from jaxgpt.io import storage
+from jaxgpt.io.checkpoint import checkpoint_dir
 from jaxgpt.model.gpt import GPT, dummy_tokens
 from jaxgpt.tasks.chat import Chat, chat_architecture
-from jaxgpt.tasks.classify_data import spread_indices
-from jaxgpt.tasks.rl_loss import policy_loss, token_logprobs
-from jaxgpt.tasks.rl_prompts import load_prompts, split_prompts
-from jaxgpt.tasks.rl_rewards import EXACT, parse_rewards
-from jaxgpt.tasks.rl_rollouts import (
+from jaxgpt.tasks.rl.loss import policy_loss, token_logprobs
+from jaxgpt.tasks.rl.prompts import load_prompts, split_prompts
+from jaxgpt.tasks.rl.rewards import EXACT, parse_rewards
+from jaxgpt.tasks.rl.rollouts import (
     ROLLOUT_STREAM,
     PromptSet,
     Sampler,
@@ -57,7 +58,6 @@ from jaxgpt.tasks.rl_rollouts import (
     request_seed,
     token_rows,
 )
-from jaxgpt.train.checkpoint import checkpoint_dir
 from jaxgpt.train.config import TrainConfig, base_config
 
 EVAL_ONLY = ("slots", "eval_prompts", "pass_k")  # config.rl keys that leave the training trajectory alone
