@@ -22,7 +22,7 @@ from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model.encdec import abstract_variables
 from jaxgpt.model.presets import get_preset
-from jaxgpt.tasks.lm import token_cross_entropy
+from jaxgpt.ops.loss import token_cross_entropy
 from jaxgpt.tasks.seq2seq import Seq2Seq, seq2seq_loss
 from jaxgpt.train.config import base_config, from_config_dict, model_fields
 from jaxgpt.train.flops import seq2seq_flops_per_token

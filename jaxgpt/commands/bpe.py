@@ -18,7 +18,7 @@ from absl import flags
 from jaxgpt import storage
 from jaxgpt.commands import run_command
 from jaxgpt.data import bpe_ranks
-from jaxgpt.data.tokenizer import BPE_FILE_ENV
+from jaxgpt.data.tokenizer import BPE_FILE_ENV, configured_bpe_file
 from jaxgpt.errors import UserError
 
 SUBCOMMANDS = ("fetch", "verify")
@@ -33,8 +33,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
     if args not in ([name] for name in SUBCOMMANDS):
         raise UserError("give one sub-command: `jaxgpt bpe fetch` or `jaxgpt bpe verify` (see --help)")
-    dest = Path(flags_.dest) if flags_.dest else bpe_ranks.configured_file()
-    hint = "" if dest == bpe_ranks.configured_file() else f"; use it with {BPE_FILE_ENV}={dest}"
+    dest = Path(flags_.dest) if flags_.dest else configured_bpe_file()
+    hint = "" if dest == configured_bpe_file() else f"; use it with {BPE_FILE_ENV}={dest}"
     if args[0] == "verify":
         if not bpe_ranks.is_valid(dest):
             raise UserError(f"{dest} is {'not the GPT-2 ranks' if dest.exists() else 'missing'}: run `jaxgpt bpe fetch"

@@ -167,3 +167,22 @@ def rows_sha256(rows: dict[str, np.ndarray], keys: tuple[str, ...]) -> str:
     """The sha256 of a split's `keys` arrays, in that order: what a task's meta records of its examples, so a
     resume on other data is refused."""
     return hashlib.sha256(b"".join(rows[k].tobytes() for k in keys)).hexdigest()
+
+
+def spread_indices(n: int, k: int) -> np.ndarray:
+    """min(n, k) distinct indices evenly spaced over range(n): a sample of a class-ordered set that keeps
+    every class (the built-in task lists its examples class by class)."""
+    return np.unique(np.linspace(0, n - 1, min(n, k)).round().astype(np.int64))
+
+
+def fixed_batches(idx: np.ndarray, batch_size: int) -> list[tuple[np.ndarray, int]]:
+    """`idx` cut into batches of one shape (one compiled program), each with how many of its rows are real: the
+    last batch is completed by repeating its rows, filler that its user gives no weight (or cuts off)."""
+    return [(np.resize(idx[i:i + batch_size], batch_size), len(idx[i:i + batch_size]))
+            for i in range(0, len(idx), batch_size)]
+
+
+def bucket(length: int, block_size: int) -> int:
+    """The padded length of a row of `length` inputs: the next power of two from 16, at most block_size, so rows
+    of any length compile one program per bucket (the evaluations' scorer, the engine's prefill)."""
+    return min(block_size, max(16, 1 << (length - 1).bit_length()))

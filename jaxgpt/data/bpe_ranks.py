@@ -3,8 +3,8 @@
 tiktoken downloads the ranks from openaipublic.blob.core.windows.net, which offline and locked-down
 machines cannot reach. The openai-whisper source package on PyPI ships a byte-identical copy
 (whisper/assets/gpt2.tiktoken, sha256 `tokenizer.R50K_SHA256`), so `fetch` asks pip for that package,
-extracts the one file, checks its hash and renames it into place (`tokenizer.DEFAULT_BPE_FILE`, where
-`tokenizer.load_bpe` looks when nothing else is configured). The command line is `jaxgpt bpe fetch`;
+extracts the one file, checks its hash and renames it into place (`tokenizer.configured_bpe_file()`,
+where `tokenizer.load_bpe` looks when no --bpe_file is given). The command line is `jaxgpt bpe fetch`;
 `.ci/provision_bpe.sh` does the same in shell.
 
 The file is not shipped inside jaxgpt, although its licences would allow it (see docs/data.md, "GPT-2 BPE offline").
@@ -20,7 +20,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from jaxgpt.data.tokenizer import BPE_FILE_ENV, DEFAULT_BPE_FILE, R50K_SHA256
+from jaxgpt.data.tokenizer import BPE_FILE_ENV, R50K_SHA256, configured_bpe_file
 from jaxgpt.errors import UserError
 
 WHISPER_SDIST = "openai-whisper==20250625"
@@ -34,11 +34,6 @@ def sha256_of(path: Path) -> str:
 def is_valid(path: Path) -> bool:
     """Whether `path` holds exactly the GPT-2 ranks."""
     return path.is_file() and sha256_of(path) == R50K_SHA256
-
-
-def configured_file() -> Path:
-    """The ranks file `tokenizer.load_bpe` reads when no --bpe_file is given: $JAXGPT_BPE_FILE, else the default."""
-    return Path(os.environ.get(BPE_FILE_ENV) or DEFAULT_BPE_FILE)
 
 
 def _download_sdist(directory: Path) -> Path:
@@ -65,12 +60,13 @@ def _extract_ranks(sdist: Path, out: Path) -> None:
 
 
 def fetch(dest: Path | None = None) -> tuple[Path, bool]:
-    """Make `dest` (default: `configured_file()`) hold the checked ranks; returns (path, whether it was fetched).
+    """Make `dest` (default: `tokenizer.configured_bpe_file()`, where `load_bpe` looks) hold the checked ranks;
+    returns (path, whether it was fetched).
 
     A file already there with the right hash is kept. The new file is checked before it is renamed into
     place, so `dest` is only ever absent, the old file, or the right ranks.
     """
-    dest = Path(dest) if dest is not None else configured_file()
+    dest = Path(dest) if dest is not None else configured_bpe_file()
     if is_valid(dest):
         return dest, False
     try:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.data.batches import permutation
+from jaxgpt.data.batches import fixed_batches, permutation
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
@@ -331,14 +331,7 @@ def padded_batches(data: dict[str, np.ndarray], batch_size: int,
                  idx: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
     """Examples `idx` (default all) in fixed-shape batches; the last one is padded with zero-weight rows."""
     idx = np.arange(len(data["x"])) if idx is None else idx
-    return [make_batch(data, np.resize(idx[i:i + batch_size], batch_size), len(idx[i:i + batch_size]))
-            for i in range(0, len(idx), batch_size)]
-
-
-def spread_indices(n: int, k: int) -> np.ndarray:
-    """min(n, k) distinct indices evenly spaced over range(n): a sample of a class-ordered set that keeps
-    every class (the built-in task lists its examples class by class)."""
-    return np.unique(np.linspace(0, n - 1, min(n, k)).round().astype(np.int64))
+    return [make_batch(data, rows, n_real) for rows, n_real in fixed_batches(idx, batch_size)]
 
 
 def majority_baseline(train_ids: np.ndarray, val_ids: np.ndarray) -> tuple[int, float]:

@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.data.batches import held_out_split
-from jaxgpt.data.classify_data import spread_indices
+from jaxgpt.data.batches import fixed_batches, held_out_split, spread_indices
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
 from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
 from jaxgpt.errors import UserError
@@ -251,5 +250,4 @@ def eval_rows(data: dict[str, np.ndarray], batch_size: int, n_batches: int) -> l
     """At most `n_batches * batch_size` rows spread evenly over the data (all of it if fewer), in fixed-shape
     batches; the last one is completed with zero-weight filler rows."""
     idx = spread_indices(len(data["src"]), n_batches * batch_size)
-    return [rows(data, np.resize(idx[i:i + batch_size], batch_size), len(idx[i:i + batch_size]))
-            for i in range(0, len(idx), batch_size)]
+    return [rows(data, part, n_real) for part, n_real in fixed_batches(idx, batch_size)]

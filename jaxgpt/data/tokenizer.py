@@ -397,12 +397,16 @@ def load_bpe(name: str = "gpt2", bpe_file: str | os.PathLike[str] | None = None)
         return _tiktoken_encoding(name, bpe_file)
     if name not in BPE_ENCODINGS:
         raise UserError(f"unknown BPE encoding {name!r}: use one of {', '.join([*BPE_ENCODINGS, *TIKTOKEN_ENCODINGS])}")
-    configured = bpe_file or os.environ.get(BPE_FILE_ENV)
-    if configured:
-        return bpe_from_ranks(read_bpe_ranks(configured), name)
-    if DEFAULT_BPE_FILE.is_file():
-        return bpe_from_ranks(read_bpe_ranks(DEFAULT_BPE_FILE), name)
+    ranks = bpe_file or configured_bpe_file()
+    if bpe_file or os.environ.get(BPE_FILE_ENV) or ranks.is_file():  # (only the default may be absent)
+        return bpe_from_ranks(read_bpe_ranks(ranks), name)
     return _bpe_from_tiktoken(name)
+
+
+def configured_bpe_file() -> Path:
+    """Where GPT-2's ranks are when no --bpe_file names them: $JAXGPT_BPE_FILE, else DEFAULT_BPE_FILE (where
+    `jaxgpt bpe fetch` puts them by default)."""
+    return Path(os.environ.get(BPE_FILE_ENV) or DEFAULT_BPE_FILE)
 
 
 def tokenizer_from_meta(meta: dict[str, Any], bpe_file: str | os.PathLike[str] | None = None) -> Tokenizer:

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from jaxgpt.data.batches import bucket
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
@@ -49,11 +50,6 @@ def _token_logprobs(params: Any, inputs_BT: jax.Array, targets_BT: jax.Array, *,
 def _compiled(cfg: ModelConfig, out_sharding: NamedSharding | None) -> Any:
     """One jitted scorer per model and placement, so a new Scorer (each evaluation of a run) compiles nothing."""
     return jax.jit(functools.partial(_token_logprobs, cfg=cfg), out_shardings=out_sharding)
-
-
-def bucket(length: int, block_size: int) -> int:
-    """The padded length of a row of `length` inputs: the next power of two from 16, at most block_size."""
-    return min(block_size, max(16, 1 << (length - 1).bit_length()))
 
 
 def window(context: Sequence[int], continuation: Sequence[int], block_size: int) -> tuple[list[int], int]:

@@ -53,8 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxgpt.data.batches import bucket
 from jaxgpt.errors import UserError
-from jaxgpt.evals.loglik import bucket
 from jaxgpt.generate import seq2seq
 from jaxgpt.generate.decode_weights import decoding_weights
 from jaxgpt.generate.sampling import cache_slots, validate_options

@@ -66,6 +66,20 @@ def token_nll(logits_BTV: Array, targets_BT: Array) -> Array:
     return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit(logits_BTV, targets_BT)
 
 
+def token_cross_entropy(logits_BTV: Array, targets_BT: Array, label_smoothing: float = 0.0) -> Array:
+    """Per-token cross-entropy (B, T) against the targets smoothed toward uniform: optax.smooth_labels'
+    (1 - a) one_hot + a / V, computed without materializing that (B, T, V) distribution."""
+    nll_BT = token_nll(logits_BTV, targets_BT)
+    if not label_smoothing:
+        return nll_BT
+    uniform_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - logits_BTV.mean(axis=-1)  # mean over v of -log p_v
+    return (1.0 - label_smoothing) * nll_BT + label_smoothing * uniform_BT
+
+
+def cross_entropy(logits_BTV: Array, targets_BT: Array, label_smoothing: float = 0.0) -> Array:
+    return token_cross_entropy(logits_BTV, targets_BT, label_smoothing).mean()
+
+
 def keep_reductions(primitive: jax.extend.core.Primitive, *_: Any, **__: Any) -> bool:
     """A loss chunk's checkpoint policy: keep its reductions over the vocabulary (the logits' max and sum of
     exponentials, one number a position) for the backward pass, which then recomputes the head's product and

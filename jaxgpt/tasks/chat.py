@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, process_share, rows_sha256
-from jaxgpt.data.classify_data import spread_indices
+from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
 from jaxgpt.data.conversations import (
     CHAT_TEMPLATE,
     END,
@@ -58,7 +57,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, check_segments, dummy_tokens
-from jaxgpt.tasks.lm import token_cross_entropy
+from jaxgpt.ops.loss import token_cross_entropy
 from jaxgpt.train.config import ChatConfig, TrainConfig, base_config
 
 # x, y (B, W) int32; loss_mask, answer_mask (B, W) float32 over the targets y; segments (B, W) int32 of the inputs
@@ -289,9 +288,9 @@ class Chat:
         out = {}
         for split, idx in self.eval_idx.items():
             batches = []
-            for start in range(0, len(idx), B):
-                rows = {k: v[np.resize(idx[start:start + B], B)] for k, v in self.data[split].items()}
-                real_B = np.arange(B) < len(idx[start:start + B])
+            for picked, n_real in fixed_batches(idx, B):
+                rows = {k: v[picked] for k, v in self.data[split].items()}
+                real_B = np.arange(B) < n_real
                 for k in ("loss_mask", "answer_mask"):
                     rows[k] = rows[k] * real_B[:, None]
                 batches.append({k: v[part] for k, v in rows.items()})

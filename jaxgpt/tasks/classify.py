@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, process_share
+from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, spread_indices
 from jaxgpt.data.classify_data import (
     Label,
     cls_token_id,
@@ -36,7 +36,6 @@ from jaxgpt.data.classify_data import (
     majority_baseline,
     make_batch,
     padded_batches,
-    spread_indices,
 )
 from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError
@@ -202,9 +201,8 @@ class Classifier:
         """Class logits (N, K), in batches of one fixed shape (one compilation)."""
         x, mask = encode_texts(texts, self.tokenizer, self.model.cls_token_id, self.width, "texts")
         out = []
-        for start in range(0, len(x), batch_size):
-            idx = np.resize(np.arange(start, min(start + batch_size, len(x))), batch_size)
-            out.append(np.asarray(self._cls_logits(self.params, x[idx], mask[idx]))[:min(batch_size, len(x) - start)])
+        for idx, n_real in fixed_batches(np.arange(len(x)), batch_size):
+            out.append(np.asarray(self._cls_logits(self.params, x[idx], mask[idx]))[:n_real])
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)), np.float32)
 
     def predict(self, texts: Sequence[str], batch_size: int = 64) -> list[Label]:

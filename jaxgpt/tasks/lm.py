@@ -21,7 +21,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, dummy_tokens
-from jaxgpt.ops.loss import chunked_cross_entropy, token_nll, z_loss
+from jaxgpt.ops.loss import chunked_cross_entropy, cross_entropy, z_loss
 from jaxgpt.train.config import DataConfig, TrainConfig, base_config
 
 
@@ -101,20 +101,6 @@ def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:
     for split in ("train", "val"):  # a block size the data cannot fill fails before anything is written
         check_shapes(len(getattr(dataset, split)), 1, model_cfg.block_size, split)
     return model_cfg
-
-
-def token_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
-    """Per-token cross-entropy (B, T) against the targets smoothed toward uniform: optax.smooth_labels'
-    (1 - a) one_hot + a / V, computed without materializing that (B, T, V) distribution."""
-    nll_BT = token_nll(logits_BTV, targets_BT)
-    if not label_smoothing:
-        return nll_BT
-    uniform_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - logits_BTV.mean(axis=-1)  # mean over v of -log p_v
-    return (1.0 - label_smoothing) * nll_BT + label_smoothing * uniform_BT
-
-
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
-    return token_cross_entropy(logits_BTV, targets_BT, label_smoothing).mean()
 
 
 def _document_starts(dataset: Dataset | None, block_size: int) -> dict[str, np.ndarray]:

@@ -41,7 +41,7 @@ from jaxgpt.generate.seq2seq import greedy
 from jaxgpt.io import weights
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.model.encdec import EncoderDecoder, dummy_batch
-from jaxgpt.tasks.lm import token_cross_entropy
+from jaxgpt.ops.loss import token_cross_entropy
 from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # src (B, S), tgt_in / tgt_out (B, T) int32, weight (B,) float32

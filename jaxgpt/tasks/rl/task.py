@@ -37,8 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxgpt import storage
-from jaxgpt.data.batches import batch_indices, process_share
-from jaxgpt.data.classify_data import spread_indices
+from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, spread_indices
 from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
 from jaxgpt.errors import UserError
 from jaxgpt.io.checkpoint import checkpoint_dir
@@ -195,10 +194,9 @@ class RL:
         B = self.eval_rows_per_batch
         part = process_share(B, process_index, process_count)
         batches = []
-        for start in range(0, len(kinds), B):
-            idx = np.resize(np.arange(start, min(start + B, len(kinds))), B)
+        for idx, n_real in fixed_batches(np.arange(len(kinds)), B):
             batch = {k: v[idx] for k, v in rows.items()}
-            batch["mask"] = batch["mask"] * (np.arange(B) < min(B, len(kinds) - start))[:, None]
+            batch["mask"] = batch["mask"] * (np.arange(B) < n_real)[:, None]
             batch.update({k: np.zeros((B,) + (batch["x"].shape[1:] if n == 2 else ()), np.float32)
                           for k, n in self.batch_ndims.items() if k not in batch})
             batches.append({k: v[part] for k, v in batch.items()})
