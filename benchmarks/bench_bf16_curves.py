@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxgpt.commands import use_huge_pages
+from jaxgpt.tasks import build
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
 
@@ -74,7 +75,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in ("float32", "bfloat16"):
             workdir = Path(tmp) / dtype
-            train(from_config_dict(quick_start_config(workdir, args.steps, dtype)))
+            train(from_config_dict(quick_start_config(workdir, args.steps, dtype)), build)
             curves[dtype] = losses(workdir)
     (f32, f32_val, f32_tok_s), (bf16, bf16_val, bf16_tok_s) = curves["float32"], curves["bfloat16"]
     diff = np.abs(bf16 - f32)

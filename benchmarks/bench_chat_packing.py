@@ -75,7 +75,7 @@ def main() -> None:
     for k in range(args.rounds):
         done, until = args.steps * k // args.rounds, args.steps * (k + 1) // args.rounds
         for name, pack in runs.items():
-            final[name] = train(from_config_dict(load_config(args.config, root / name, until, args.steps, pack)))
+            final[name] = train(from_config_dict(load_config(args.config, root / name, until, args.steps, pack)), build)
             seconds[name] += step_seconds(root / name, after=done)
     results = {}
     for name, pack in runs.items():

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxgpt.commands import load_config_file, use_huge_pages
+from jaxgpt.tasks import build
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
 
@@ -59,7 +60,7 @@ def run(workdir: Path, recipe: str, steps: int, seed: int, args: argparse.Namesp
     """Train one recipe; its validation curve as steps, losses and seconds since the run began."""
     cfg = from_config_dict(recipe_config(workdir, recipe, steps, seed, args.eval_interval, args.eval_batches))
     start = time.time()
-    train(cfg)
+    train(cfg, build)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_loss" in r]
     return {"step": [r["step"] for r in evals], "val_loss": [r["val_loss"] for r in evals],

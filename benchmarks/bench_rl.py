@@ -149,7 +149,7 @@ def main() -> None:
     target = args.target or max(room, key=room.get)
     speed = rollout_speed(rl, args.rounds)
     t = time.perf_counter()
-    train(from_config_dict(rl))
+    train(from_config_dict(rl), build)
     minutes["rl"] = (time.perf_counter() - t) / 60
     after = scores(Path(args.out), BUILTIN_TASKS, args.prompts, args.slots)
     print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps), "

@@ -123,9 +123,9 @@ def test_a_new_task_trains_on_the_loop_unchanged(tmp_path: Path) -> None:
     c = load_tiny(workdir=str(tmp_path / "copy"), max_steps=200, eval_interval=100, ckpt_interval=100)
     c.model.vocab_size, c.optim.lr, c.optim.min_lr = 16, 1e-2, 1e-3
     cfg = from_config_dict(c)
-    first = train(cfg, CopyTask(cfg))
+    first = train(cfg, CopyTask)
     assert first["val_loss"] < 0.1, first["val_loss"]  # chance is log(16) = 2.77: it learned the rule
-    again = train(cfg, CopyTask(cfg))  # resumes at the end: its checkpoint and meta are the task's
+    again = train(cfg, CopyTask)  # resumes at the end: its checkpoint and meta are the task's
     assert again["steps"] == 0
 
 

@@ -195,17 +195,18 @@ def test_flops_count_every_weight_use_of_a_row() -> None:
 
 
 def test_trains_checkpoints_resumes_exactly_and_loads_as_encoder_decoder(tmp_path: Path) -> None:
+    from jaxgpt.tasks import build
     from jaxgpt.train.loop import train
 
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
-    whole = train(from_config_dict(_tiny(tmp_path, workdir=str(whole_dir))))
+    whole = train(from_config_dict(_tiny(tmp_path, workdir=str(whole_dir))), build)
     evals = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
     val_losses = [row["val_loss"] for row in evals if "val_loss" in row]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0] < np.log(9)  # chance: 6 symbols + 3 specials
     assert 0 <= whole["val_exact_match"] <= 1 and whole["val_pairs"] == 32
     shutil.copytree(whole_dir, split_dir)  # the run as it was when it stopped after step 20
     shutil.rmtree(split_dir / "checkpoints" / "40")
-    resumed = train(from_config_dict(_tiny(tmp_path, workdir=str(split_dir))))
+    resumed = train(from_config_dict(_tiny(tmp_path, workdir=str(split_dir))), build)
     assert resumed["steps"] == 20 and resumed["val_loss"] == whole["val_loss"]
     for a, b in zip(jax.tree.leaves(whole["state"]["params"]), jax.tree.leaves(resumed["state"]["params"]),
                     strict=True):

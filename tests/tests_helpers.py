@@ -93,10 +93,11 @@ def one_line_error(proc: subprocess.CompletedProcess | tuple[int, str], status: 
 
 def train_run(c: ConfigDict) -> dict:
     """The loop on a ConfigDict, typed at the boundary as the train command does."""
+    from jaxgpt.tasks import build
     from jaxgpt.train.config import from_config_dict
     from jaxgpt.train.loop import train
 
-    return train(from_config_dict(c))
+    return train(from_config_dict(c), build)
 
 
 def device_check_smoke(out: Path, *options: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict | None]:

@@ -47,12 +47,13 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 
 def run(flags_: flags.FlagValues, args: list[str]) -> None:
+    from jaxgpt.tasks import build
     from jaxgpt.train.config import from_config_dict
     from jaxgpt.train.loop import train
 
     no_arguments(args)
     cfg = from_config_dict(require_config(flags_, EXAMPLE))
-    print_sample(cfg, train(cfg))
+    print_sample(cfg, train(cfg, build))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

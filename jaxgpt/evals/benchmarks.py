@@ -132,17 +132,17 @@ class DuringTraining:
     The file is read and tokenized once, when the run starts (a missing file stops it before it trains).
     """
 
-    def __init__(self, settings: EvalConfig, cfg: ModelConfig, tokenizer: Tokenizer, batch_size: int,
-                 rows_sharding: jax.sharding.NamedSharding) -> None:
+    def __init__(self, settings: EvalConfig, cfg: ModelConfig, tokenizer: Tokenizer, batch_size: int) -> None:
         path = data_file("hellaswag", settings.hellaswag_data)
         self.examples = read(path)[:settings.hellaswag_examples or None]
         if not self.examples:
             raise UserError(f"{path} holds no HellaSwag example")
         self.requests = hellaswag_requests(tokenizer, self.examples)
-        self.cfg, self.batch_size, self.rows_sharding = cfg, batch_size, rows_sharding
+        self.cfg, self.batch_size = cfg, batch_size
 
-    def __call__(self, params: Any) -> dict[str, float]:
-        scorer = Scorer(params, self.cfg, self.batch_size, progress=False, rows_sharding=self.rows_sharding)
+    def __call__(self, params: Any, rows_sharding: jax.sharding.NamedSharding) -> dict[str, float]:
+        """The run's accuracies on the weights `params`, its rows placed as the run's batches are."""
+        scorer = Scorer(params, self.cfg, self.batch_size, progress=False, rows_sharding=rows_sharding)
         result = hellaswag(scorer, self.examples, self.requests)
         return {"hellaswag_acc": result.accuracy, "hellaswag_acc_norm": result.accuracy_norm}
 

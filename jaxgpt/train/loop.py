@@ -1,8 +1,8 @@
 """The training loop: a task -> sharded state -> compiled steps -> logs and checkpoints.
 
-One loop for every task (`jaxgpt.tasks`). Everything a step needs is a function of (config, step): the
-batch comes from `task.train_rows(step, ...)`, dropout from `fold_in(key, step)`, so resuming from a
-checkpoint replays exactly what an uninterrupted run would have done.
+One loop for every task (`jaxgpt.train.task.Task`, made by `jaxgpt.tasks.build`). Everything a step needs is a
+function of (config, step): the batch comes from `task.train_rows(step, ...)`, dropout from `fold_in(key, step)`,
+so resuming from a checkpoint replays exactly what an uninterrupted run would have done.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -20,8 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxgpt import storage, tasks
-from jaxgpt.data.tokenizer import tokenizer_from_meta
+from jaxgpt import storage
 from jaxgpt.errors import StorageError, UserError
 from jaxgpt.io.checkpoint import Checkpointer, state_bytes
 from jaxgpt.train import optim, resume, rundir, runtime
@@ -31,6 +31,7 @@ from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.flops import flops_per_token, measure_matmul_peak
 from jaxgpt.train.interrupt import GracefulStop
 from jaxgpt.train.logs import MetricsLog, progress_line, require_wandb
+from jaxgpt.train.task import Task
 
 
 def micro_batches(x: np.ndarray, grad_accum: int) -> np.ndarray:
@@ -39,16 +40,18 @@ def micro_batches(x: np.ndarray, grad_accum: int) -> np.ndarray:
     return np.swapaxes(x.reshape(b // grad_accum, grad_accum, *x.shape[1:]), 0, 1)
 
 
-def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, make_task: Callable[[TrainConfig], Task]) -> dict[str, Any]:
     """Run (or resume) training as configured; returns the final metrics, state and model config.
 
-    The task is `cfg.task`'s (`tasks.build`) unless one is given: any object with the `tasks.Task` methods
-    trains here unchanged. The run owns its work directory while it trains (`rundir.WorkdirLock`).
+    The task is `make_task(cfg)`: `jaxgpt.tasks.build` for the one `cfg.task` names, or any class with the `Task`
+    methods, which trains here unchanged. It is made after the runtime is set up (devices, compile cache, hosts),
+    which must precede anything a task computes. The run owns its work directory while it trains
+    (`rundir.WorkdirLock`).
     """
     runtime.setup(cfg)
     if cfg.wandb.project and jax.process_index() == 0:
         require_wandb(cfg.wandb.project)
-    task = task or tasks.build(cfg)
+    task = make_task(cfg)
     workdir = runtime.check_workdir(cfg.workdir)
     rundir.check_not_foreign(workdir)
     lock = rundir.claim(workdir, cfg.lease_seconds) if jax.process_index() == 0 else None
@@ -59,7 +62,7 @@ def train(cfg: TrainConfig, task: tasks.Task | None = None) -> dict[str, Any]:
             lock.release()
 
 
-def _train(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, lock: rundir.Hold | None
+def _train(cfg: TrainConfig, task: Task, workdir: storage.Location, lock: rundir.Hold | None
            ) -> dict[str, Any]:
     """`train` once the work directory is this run's: nothing in it changes before every check has passed."""
     is_main = jax.process_index() == 0
@@ -114,7 +117,7 @@ def _train(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, lock: 
             "tokenizer_meta": task.tokenizer_meta}
 
 
-def _steps(cfg: TrainConfig, task: tasks.Task, compiled: Any, state: dict, start: int, dropout_key: jax.Array,
+def _steps(cfg: TrainConfig, task: Task, compiled: Any, state: dict, start: int, dropout_key: jax.Array,
            feed: Feed, meter: Meter, ckpt: Checkpointer, meta: dict[str, Any], stop: GracefulStop,
            lock: rundir.Hold | None) -> tuple[dict, dict[str, Any]]:
     """Steps start..max_steps: train, log, evaluate, save (every ckpt_interval steps, after evaluations, and
@@ -170,7 +173,7 @@ class Feed:
     """The global batches of the run: each process reads only the rows its devices hold (all of them when the
     batch is replicated over hosts) and assembles them into sharded arrays."""
 
-    def __init__(self, cfg: TrainConfig, task: tasks.Task, prog: layout.Program, mesh: jax.sharding.Mesh) -> None:
+    def __init__(self, cfg: TrainConfig, task: Task, prog: layout.Program, mesh: jax.sharding.Mesh) -> None:
         self.cfg, self.task, self.prog = cfg, task, prog
         A = cfg.grad_accum
         self.train_spans = layout.local_rows(layout.batch_sharding(mesh, 1, leading=1), (A, cfg.batch_size // A),
@@ -179,13 +182,7 @@ class Feed:
         self.evals = {split: [self._global(prog.eval_sh, rows, task.eval_rows_per_batch) for rows in batches]
                       for split, batches in layout.read_rows(task.eval_rows, eval_spans,
                                                              task.eval_rows_per_batch).items()}
-        self.hellaswag = None
-        if cfg.eval.hellaswag:
-            from jaxgpt.evals.benchmarks import DuringTraining  # the evals package loads only for runs that use it
-
-            tokenizer = tokenizer_from_meta(task.tokenizer_meta, cfg.data.bpe_file or None)
-            self.hellaswag = DuringTraining(cfg.eval, task.model_cfg, tokenizer, task.eval_rows_per_batch,
-                                            layout.batch_sharding(mesh, 2))
+        self.benchmark_rows = layout.batch_sharding(mesh, 2) if hasattr(task, "benchmarks") else None
 
     @staticmethod
     def _global(shardings: dict, rows: dict[str, np.ndarray], n_rows: int, leading: tuple = ()) -> dict:
@@ -209,14 +206,14 @@ class Feed:
         self._use_weights(params)
         metrics = self.task.summarize({split: jax.device_get([self.prog.eval_step(params, b) for b in batches])
                                        for split, batches in self.evals.items()})
-        return metrics | (self.hellaswag(params) if self.hellaswag is not None else {})
+        return metrics | (self.task.benchmarks(params, self.benchmark_rows) if self.benchmark_rows else {})
 
 
 class Meter:
     """What the run reports while it trains: metrics.jsonl/TensorBoard rows, the progress bar (or plain lines in
     a log file), tokens/s and MFU. Step metrics are queued and fetched from the devices once per log interval."""
 
-    def __init__(self, cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, start: int,
+    def __init__(self, cfg: TrainConfig, task: Task, workdir: storage.Location, start: int,
                  is_main: bool) -> None:
         self.cfg, self.task, self.is_main = cfg, task, is_main
         self.log = MetricsLog(workdir, start, cfg.settings, cfg.wandb.project, cfg.wandb.name)
@@ -312,7 +309,7 @@ def _check_space(ckpt: Checkpointer, abstract_state: dict[str, Any]) -> None:
                         f"{need / 2**20:,.1f} MiB: free space there or choose another --config.workdir")
 
 
-def _finished(cfg: TrainConfig, task: tasks.Task, workdir: storage.Location, state: dict, start: int
+def _finished(cfg: TrainConfig, task: Task, workdir: storage.Location, state: dict, start: int
               ) -> dict[str, Any]:
     """A resumed run with nothing left to do says so (no throughput of zero steps) and returns its state."""
     if jax.process_index() == 0:
@@ -332,7 +329,7 @@ def _outputs_report(cfg: TrainConfig, workdir: storage.Location) -> str:
     return "\n".join(lines)
 
 
-def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog: layout.Program, key: jax.Array,
+def _initial_state(cfg: TrainConfig, task: Task, ckpt: Checkpointer, prog: layout.Program, key: jax.Array,
                    pretrained: Any = None, trajectory: dict[str, Any] | None = None) -> tuple[dict, int]:
     """Resume from the latest checkpoint, or initialize (from scratch or from pretrained weights) directly sharded.
 
@@ -366,12 +363,12 @@ def _initial_state(cfg: TrainConfig, task: tasks.Task, ckpt: Checkpointer, prog:
             "step": jax.device_put(jnp.zeros((), jnp.int32), prog.state_sh["step"])}, 0
 
 
-def _model_flops(task: tasks.Task, tok_s: float) -> float:
+def _model_flops(task: Task, tok_s: float) -> float:
     """Model FLOP/s at `tok_s` tokens/s (6N + attention per token, `jaxgpt.train.flops`)."""
     return tok_s * flops_per_token(task.model_cfg, task.tokens_per_row)
 
 
-def _throughput(task: tasks.Task, batch_size: int, n_steps: int, seconds: float, compile_s: float,
+def _throughput(task: Task, batch_size: int, n_steps: int, seconds: float, compile_s: float,
                 published_peak: float | None) -> dict[str, Any]:
     """Tokens/s and MFU of the run: against the chips' published bf16 peak on TPUs and GPUs (comparable with
     other trainers' MFU), against a matmul measured here on CPUs (fake CPU devices share the same cores)."""

@@ -208,7 +208,7 @@ def abstract_opt_state(tx: optax.GradientTransformation, abstract: Any, param_sh
 
 
 def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum: int = 1) -> Program:
-    """The sharded train/eval program of a task (`jaxgpt.tasks.Task`) on `mesh` (real or a TPU topology's)."""
+    """The sharded train/eval program of a task (`jaxgpt.train.task.Task`) on `mesh` (real or a TPU topology's)."""
     cfg = model_sizes(task.model_cfg)
     platform = mesh.devices.flat[0].platform
     if cfg.attention_impl == "cudnn" and platform != "gpu":
