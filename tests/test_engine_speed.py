@@ -20,7 +20,7 @@ pytest.importorskip("jinja2")
 from test_serve import CFG, TOKENIZER, Server  # noqa: E402
 from test_workflows import random_params  # noqa: E402
 
-from jaxgpt.serve.chat import ChatTemplate  # noqa: E402
+from jaxgpt.data.conversations import ChatTemplate  # noqa: E402
 
 PARAMS = random_params(CFG)
 PROMPTS = [TOKENIZER.encode(p) for p in ("def f(", "a", "x = (a, b)\nprint(x", "import os\n")]

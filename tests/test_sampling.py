@@ -23,9 +23,9 @@ from jaxgpt.commands import sample as cli
 from jaxgpt.data.tokenizer import CharTokenizer, WordTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling, strategies
-from jaxgpt.generate.chat import Decodes
 from jaxgpt.generate.sampling import generate, stream
 from jaxgpt.generate.strategies import filter_logits, pick_tokens
+from jaxgpt.generate.text_stream import Decodes, StreamDecoder
 from jaxgpt.io import weights
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig
@@ -527,7 +527,7 @@ def test_stream_decoder_holds_back_partial_utf8() -> None:
     tok = bpe_or_skip()
     text = "naïve café 🙂 done"
     ids = tok.encode(text)
-    out = cli.StreamDecoder(tok)
+    out = StreamDecoder(tok)
     pieces = [out.push([i]) for i in ids] + [out.push([], final=True)]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
 
@@ -551,7 +551,7 @@ def test_stream_decoder_decodes_each_id_a_few_times_and_gives_the_whole_text() -
     words = WordTokenizer.from_texts(["the cat sat on the mat"], 10)
     for tok, prompt, text in [(bpe, "Once: ", "naïve café 🙂 done. " * 100), (words, "mat", "the cat sat on " * 100)]:
         counting, ids = CountingDecodes(tok), tok.encode(text)
-        out = cli.StreamDecoder(counting, tok.encode(prompt))
+        out = StreamDecoder(counting, tok.encode(prompt))
         pieces, at = [], 0
         while at < len(ids):  # pieces of 1 to 3 ids
             pieces.append(out.push(ids[at:at + 1 + at % 3]))

@@ -22,12 +22,12 @@ uvicorn = pytest.importorskip("uvicorn")
 from test_workflows import random_params, save_run  # noqa: E402
 from tests_helpers import free_port, serving  # noqa: E402
 
+from jaxgpt.data.conversations import ChatTemplate  # noqa: E402
 from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxgpt.generate import sampling  # noqa: E402
 from jaxgpt.generate.engine import Engine, generate_many  # noqa: E402
 from jaxgpt.model.config import ModelConfig  # noqa: E402
 from jaxgpt.serve.app import Served, create_app  # noqa: E402
-from jaxgpt.serve.chat import ChatTemplate  # noqa: E402
 from jaxgpt.serve.client import EngineClient  # noqa: E402
 from jaxgpt.serve.core import Core  # noqa: E402
 

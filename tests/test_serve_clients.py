@@ -15,10 +15,10 @@ pytest.importorskip("jinja2")
 
 from test_serve import CFG, TOKENIZER, Server  # noqa: E402
 
+from jaxgpt.data.conversations import ChatTemplate, load_template  # noqa: E402
 from jaxgpt.errors import UserError  # noqa: E402
 from jaxgpt.evals.loglik import Scorer  # noqa: E402
 from jaxgpt.generate.engine import Engine, Request, generate_many  # noqa: E402
-from jaxgpt.serve.chat import ChatTemplate, load_template  # noqa: E402
 
 KEY = "sekret-key"
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -19,7 +19,7 @@ from schemathesis import GenerationMode  # noqa: E402
 from test_serve import Server  # noqa: E402
 from test_serve_clients import KEY, TEMPLATE  # noqa: E402
 
-from jaxgpt.serve.chat import ChatTemplate  # noqa: E402
+from jaxgpt.data.conversations import ChatTemplate  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = 15  # per operation and mode: the whole run stays within a few seconds

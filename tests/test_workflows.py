@@ -29,6 +29,7 @@ from jaxgpt.data.dataset import load_dataset
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, CharTokenizer, configured_bpe_file, load_bpe
 from jaxgpt.errors import UserError
 from jaxgpt.evals import text
+from jaxgpt.generate.text_stream import StopFilter
 from jaxgpt.io import weights
 from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.model.config import ModelConfig
@@ -268,7 +269,7 @@ def test_stop_ends_samples_at_the_first_occurrence(char_run: Path, capsys) -> No
 
 
 def test_stop_filter_holds_back_a_stop_string_split_over_chunks() -> None:
-    cut = sample_command.StopFilter(["END"])
+    cut = StopFilter(["END"])
     pieces = [cut.push(p) for p in ("abcE", "N", "Dxyz")]
     assert "".join(pieces) == "abc" and cut.stopped and cut.push("more", final=True) == ""
 

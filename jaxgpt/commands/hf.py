@@ -26,12 +26,11 @@ from flax import traverse_util
 from jaxgpt import storage
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data import hf_tokenizer
-from jaxgpt.data.conversations import END
+from jaxgpt.data.conversations import END, load_template
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import weights
 from jaxgpt.io.hf import export_family, load_hf, save_hf
-from jaxgpt.serve.chat import load_template
 from jaxgpt.tools.summary import count_params
 
 SUBCOMMANDS = ("inspect", "export")

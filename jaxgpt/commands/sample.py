@@ -62,16 +62,16 @@ from absl import flags
 from jaxgpt import storage
 from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data import pairs
-from jaxgpt.data.conversations import load_jsonl
+from jaxgpt.data.conversations import load_jsonl, load_template
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling
 from jaxgpt.generate import seq2seq as seq2seq_decoding
-from jaxgpt.generate.chat import ChatModel, StreamDecoder, converse
+from jaxgpt.generate.chat import ChatModel, converse
 from jaxgpt.generate.engine import check_request, generate_many
+from jaxgpt.generate.text_stream import first_stop, print_stream, until_eot
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.serve.chat import load_template
 
 SEPARATOR = "-" * 40
 
@@ -177,51 +177,6 @@ def continuation(tokenizer: Tokenizer, prompt: Sequence[int], ids: Sequence[int]
     """The text `ids` add after `prompt`: for BPE and characters their own decoding, for words also the space
     that joins them to the prompt's last word."""
     return tokenizer.decode([*prompt, *ids])[len(tokenizer.decode(prompt)):]
-
-
-def until_eot(ids: Iterable[int], eot: int | None) -> list[int]:
-    ids = [int(i) for i in ids]
-    return ids[: ids.index(eot)] if eot is not None and eot in ids else ids
-
-
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest occurrence of any stop string begins in `text`, or None."""
-    found = [i for stop in stops if (i := text.find(stop)) >= 0]
-    return min(found) if found else None
-
-
-class StopFilter:
-    """Streamed text cut just before the first stop string.
-
-    A stop string may straddle two chunks, so the last len(longest stop) - 1 characters are held back
-    until the next chunk shows whether they begin one.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops, self.text, self.shown, self.stopped = list(stops), "", 0, False
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-
-    def push(self, new: str, final: bool = False) -> str:
-        if self.stopped:
-            return ""
-        self.text += new
-        cut = first_stop(self.text, self.stops)
-        self.stopped = cut is not None
-        end = cut if cut is not None else len(self.text) if final else max(self.shown, len(self.text) - self.hold)
-        out, self.shown = self.text[self.shown:end], max(self.shown, end)
-        return out
-
-
-def print_stream(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, text: str, stops: Sequence[str],
-                 prompt: Sequence[int] = ()) -> None:
-    """One sample, printed as its chunks of tokens arrive; stops generating at a stop string."""
-    out, cut = StreamDecoder(tokenizer, prompt), StopFilter(stops)
-    print(text, end="", flush=True)
-    for chunk_BN in tokens:
-        print(cut.push(out.push(until_eot(chunk_BN[0], tokenizer.eot_token))), end="", flush=True)
-        if cut.stopped:
-            break
-    print(cut.push(out.push([], final=True), final=True))
 
 
 def collect(tokens: Iterable[np.ndarray], tokenizer: Tokenizer, stops: Sequence[str],

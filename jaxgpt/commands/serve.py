@@ -77,9 +77,9 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     optional_import("fastapi", "jaxgpt serve", package="jaxgpt[serve]")
     optional_import("prometheus_client", "jaxgpt serve", package="jaxgpt[serve]")
     optional_import("jinja2", "jaxgpt serve", package="jaxgpt[serve]")
+    from jaxgpt.data.conversations import load_template
     from jaxgpt.generate.engine import Engine
     from jaxgpt.serve.app import Served
-    from jaxgpt.serve.chat import load_template
     from jaxgpt.serve.core import Core
     from jaxgpt.serve.follow import Follower, version
     from jaxgpt.serve.launch import listen, start_front_ends

@@ -22,9 +22,9 @@ def print_sample(cfg: Any, result: dict) -> None:
     """A taste of the trained language model: config.sample's prompt continued with the KV-cache sampler."""
     import jax
 
-    from jaxgpt.commands.sample import print_stream
     from jaxgpt.data.tokenizer import tokenizer_from_meta
     from jaxgpt.generate.sampling import stream
+    from jaxgpt.generate.text_stream import print_stream
 
     s = cfg.sample
     if cfg.task != "lm" or s.max_new_tokens <= 0 or not result["steps"] or jax.process_index() != 0:
@@ -38,7 +38,7 @@ def print_sample(cfg: Any, result: dict) -> None:
     chunks = stream(params, result["model_cfg"], prompt, max_new_tokens=s.max_new_tokens, key=cfg.seed,
                     temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p, eot_token=tokenizer.eot_token,
                     vocab_limit=tokenizer.vocab_size)
-    print_stream(chunks, tokenizer, s.prompt, stops=(), prompt=prompt)  # the sample command's printing
+    print_stream(chunks, tokenizer, s.prompt, stops=(), prompt=prompt)  # as the sample command prints
     print("---")
 
 

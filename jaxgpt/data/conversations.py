@@ -17,7 +17,8 @@ The system message is a turn of its own at the start (the format's place for it)
 `<|assistant|>` and ends at `<|end|>`, the stop token. The same format is written as a Hugging Face-style Jinja2
 chat template (`CHAT_TEMPLATE`, saved as `chat_template.jinja` in the run), which `jaxgpt serve` renders to text
 and encodes with the run's tokenizer; `encode_conversation` builds the same ids message by message so that it
-also knows which tokens are the assistant's (the loss mask), and tests check the two agree.
+also knows which tokens are the assistant's (the loss mask), and tests check the two agree. `load_template` reads
+a run's template back, or the file `--chat_template` gives instead.
 
 Built-in conversations (`builtin_conversations`) need no download: a seeded generator of small tasks with one
 checkable answer each (adding or subtracting numbers, spelling a random string backwards, counting a letter in one,
@@ -29,12 +30,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 
+from jaxgpt import storage
 from jaxgpt.data.batches import held_out_split
 from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens
 from jaxgpt.errors import UserError
@@ -89,6 +92,25 @@ class ChatTemplate:
                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except self._errors as e:
             raise UserError(f"the chat template failed on these messages: {e}") from None
+
+
+def load_template(workdir: str | os.PathLike[str] | None, override: str | os.PathLike[str] | None
+                  ) -> str | None:
+    """The template text of `override` (a file: `--chat_template`), else the run's `chat_template.jinja` (in its
+    workdir, a local directory or a bucket), else None (no chat)."""
+    if override is not None:
+        path = storage.location(override, "--chat_template")
+    elif workdir is not None:
+        path = storage.location(workdir, "--workdir") / TEMPLATE_FILE
+        with storage.guard(path, "looking for the run's chat template"):
+            if not path.exists():
+                return None
+    else:
+        return None
+    with storage.guard(path, "reading the chat template"):
+        if not path.exists():
+            raise UserError(f"--chat_template={override}: no such file")
+        return path.read_text(encoding="utf-8")
 
 
 def chat_tokenizer(base: Tokenizer) -> WithSpecialTokens:

@@ -3,60 +3,24 @@ until the chat format's end token, streamed for a terminal (`jaxgpt sample --cha
 
 A reply gets at most the context the conversation leaves (block_size less the prompt), as `jaxgpt serve` gives a
 chat request without max_tokens, so the sampled text never slides past the start of the conversation and a
-greedy reply here is the server's greedy reply. `StreamDecoder`, which turns streamed ids into printable text, is
-here for these replies, `jaxgpt sample`'s streamed samples and the server's choices alike.
+greedy reply here is the server's greedy reply. Replies are decoded as they stream by `text_stream.StreamDecoder`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from jaxgpt.data.conversations import ChatTemplate, Conversation, conversation_error
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.generate import sampling
 from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.text_stream import StreamDecoder
 from jaxgpt.model.config import ModelConfig
 
 NEW, SYSTEM = "/new", "/system "  # the terminal's commands: forget the conversation; start one with a system message
-
-
-class Decodes(Protocol):
-    """What `StreamDecoder` needs of a tokenizer (a GPT's, or an encoder-decoder's target text: `PairText`)."""
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class StreamDecoder:
-    """Turns token ids arriving in pieces into text that can be printed at once, decoding only what is new.
-
-    A BPE token can end in the middle of a UTF-8 character, which decodes to U+FFFD until the rest arrives, so
-    trailing replacement characters are held back until the next piece (or the end). A push decodes the ids from
-    a point where those before it ended on a whole character (later ids cannot change their text), not all the
-    ids, so a long stream costs linear time rather than quadratic. That point stays one such push behind the new
-    ids because a word tokenizer puts a space between words: the space is new text, which only decoding the word
-    before it shows.
-    """
-
-    def __init__(self, tokenizer: Decodes, prompt: Sequence[int] = ()) -> None:
-        """`prompt`: ids whose text is already printed; new ids are decoded after them."""
-        self.tokenizer, self.ids = tokenizer, list(prompt)
-        text = tokenizer.decode(self.ids)
-        # ids[start:] are decoded at each push, `shown` characters of their text are given; `whole`: where the
-        # last push that ended on a whole character ended (or 0), the next window's start
-        self.start, self.shown, self.whole = 0, len(text), 0 if text.endswith("\ufffd") else len(self.ids)
-
-    def push(self, ids: Iterable[int], final: bool = False) -> str:
-        self.ids.extend(int(i) for i in ids)
-        text = self.tokenizer.decode(self.ids[self.start:])
-        stable = text if final else text.rstrip("\ufffd")
-        new, self.shown = stable[self.shown:], max(self.shown, len(stable))
-        if len(self.ids) > self.whole and not text.endswith("\ufffd"):  # all given: start the window further on
-            self.start, self.whole = self.whole, len(self.ids)
-            self.shown = len(self.tokenizer.decode(self.ids[self.start:]))
-        return new
 
 
 @dataclasses.dataclass(frozen=True)

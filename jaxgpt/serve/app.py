@@ -4,7 +4,7 @@ Endpoints: `POST /v1/completions` (prompts as text or token ids, one or many; ma
 stop, n, seed, logit_bias, vLLM's ignore_eos; echo; logprobs up to 5, of the prompt's tokens too with echo;
 stream as server-sent events, with usage in a last chunk when stream_options.include_usage asks, and in every
 chunk with vLLM's continuous_usage_stats too),
-`POST /v1/chat/completions` (messages rendered with the run's chat template, `jaxgpt.serve.chat`), vLLM's
+`POST /v1/chat/completions` (messages rendered with the run's chat template, `jaxgpt.data.conversations`), vLLM's
 `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` (what lm-evaluation-harness's local-completions
 uses), `GET /v1/models`, `GET /metrics` (Prometheus), `GET /health`, and `GET /`, a chat page for a browser
 (`chat.html` beside this module) that streams from /v1/chat/completions.
@@ -43,11 +43,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from jaxgpt.data.conversations import ChatTemplate
 from jaxgpt.data.pairs import PairText
 from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import check_request
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.serve.chat import ChatTemplate
 from jaxgpt.serve.choices import Choice, Codec, collect, stream, usage
 from jaxgpt.serve.client import EngineClient
 from jaxgpt.serve.guard import OPEN_PATHS, Guard

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from jaxgpt.data.pairs import PairText
 from jaxgpt.data.tokenizer import Tokenizer
-from jaxgpt.generate.chat import StreamDecoder
+from jaxgpt.generate.text_stream import StreamDecoder, first_stop, held_back
 from jaxgpt.serve.client import EngineClient
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import Sampling, error_body
@@ -92,18 +92,16 @@ class Choice:
         """`new` text onto the choice's, cut where a stop string first appears, which ends the choice. The text
         before held no stop string, so only a match reaching into `new` is looked for."""
         before, self.text = len(self.text), self.text + new
-        for stop in self.stops:
-            if (cut := self.text.find(stop, max(before - len(stop) + 1, 0))) >= 0:
-                self.text, self.finish_reason = self.text[:cut], "stop"
-                self.cancel()
+        if (cut := first_stop(self.text, self.stops, new_from=before)) is not None:
+            self.text, self.finish_reason = self.text[:cut], "stop"
+            self.cancel()
 
     def ready(self) -> str:
         """Text that can be streamed now: none that a stop string could still claim (the decoder already holds
         back a partial character)."""
         if self.finish_reason is not None:
             return self.text[self.sent:]
-        hold = max((len(s) - 1 for s in self.stops), default=0)
-        return self.text[self.sent:max(len(self.text) - hold, self.sent)]
+        return self.text[self.sent:max(len(self.text) - held_back(self.stops), self.sent)]
 
     def kept(self) -> int:
         """How many generated tokens the answer's text holds (a stop string cuts the rest)."""
