@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxgpt.data.batches import eval_batches
+from jaxgpt.data.batches import eval_batches, fixed_batches
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
@@ -109,12 +109,10 @@ def _summed_nats(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array, *, cf
 
 
 def _batches(rows: Rows, batch_size: int) -> Iterable[Rows]:
-    """Rows in batches of one shape (the last padded with masked rows): one compilation serves them all."""
+    """Rows in batches of one shape (the last completed by masked filler rows): one compilation serves them all."""
     x, y, mask = rows
-    for start in range(0, len(x), batch_size):
-        chunk = [a[start:start + batch_size] for a in (x, y, mask)]
-        short = batch_size - len(chunk[0])
-        yield tuple(np.pad(a, ((0, short), (0, 0))) for a in chunk)
+    for idx, n_real in fixed_batches(np.arange(len(x)), batch_size):
+        yield x[idx], y[idx], mask[idx] & (np.arange(batch_size) < n_real)[:, None]
 
 
 def evaluate(params: Any, cfg: ModelConfig, rows: Rows, characters: int, batch_size: int = 8,
