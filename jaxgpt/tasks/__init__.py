@@ -4,7 +4,7 @@ A task is the model, its data and its objective; the loop owns everything else (
 resume, evaluation cadence, checkpoints, logs). Language modelling (`lm`), seed 001's classification
 fine-tuning (`classify`), the encoder-decoder on text pairs (`seq2seq`) and supervised fine-tuning on
 conversations (`chat`) and reinforcement learning on checkable rewards (`rl`) are tasks; a new one implements
-`Task` and is added to `build`. A task may also have `run_files` ({name: text}), files the loop writes into the work
+`Task` and is listed in `TASKS`. A task may also have `run_files` ({name: text}), files the loop writes into the work
 directory when the run starts (the chat task's template), and `use_weights(params)`, which the loop calls with the
 weights before it reads a step's rows and before it evaluates: a task whose rows or metrics are sampled from the
 model being trained (`rl`'s rollouts) takes them there, and its rows of step i are then a pure function of (seed, i)
@@ -13,6 +13,7 @@ and those weights.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -20,7 +21,16 @@ import jax
 import numpy as np
 
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.train.config import TrainConfig
+
+# What the one loop trains (config.task): each task's line for `jaxgpt train --help`, the guide that covers it
+# (tests/test_docs.py holds the guides to this list) and what `build` calls with the run's config.
+TASKS = {
+    "lm": ("language modelling on a token dataset (the default)", "docs/training.md", "jaxgpt.tasks.lm.from_config"),
+    "classify": ("seed 001's classification fine-tuning", "docs/training.md", "jaxgpt.tasks.classify.Classification"),
+    "seq2seq": ("the encoder-decoder on source/target pairs", "docs/seq2seq.md", "jaxgpt.tasks.seq2seq.Seq2Seq"),
+    "chat": ("supervised fine-tuning on conversations", "docs/chat.md", "jaxgpt.tasks.chat.Chat"),
+    "rl": ("reinforcement learning (GRPO) on rewards a program checks", "docs/rl.md", "jaxgpt.tasks.rl.RL"),
+}
 
 Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf has the rows first
 
@@ -71,24 +81,9 @@ class Task(Protocol):
         """An extra closing line after the throughput report, or None."""
 
 
-def build(cfg: TrainConfig) -> Task:
-    """The task `cfg.task` names, with its data opened and checked (before anything is compiled)."""
-    if cfg.task == "classify":
-        from jaxgpt.tasks.classify import Classification
+def build(cfg: Any) -> Task:
+    """The task `cfg.task` names (`TASKS`), with its data opened and checked (before anything is compiled).
 
-        return Classification(cfg)
-    if cfg.task == "seq2seq":
-        from jaxgpt.tasks.seq2seq import Seq2Seq
-
-        return Seq2Seq(cfg)
-    if cfg.task == "chat":
-        from jaxgpt.tasks.chat import Chat
-
-        return Chat(cfg)
-    if cfg.task == "rl":
-        from jaxgpt.tasks.rl import RL
-
-        return RL(cfg)
-    from jaxgpt.tasks.lm import LanguageModelling, open_dataset
-
-    return LanguageModelling(cfg, open_dataset(cfg.data))
+    `cfg` is a `jaxgpt.train.config.TrainConfig`, not imported: that schema checks `task` against `TASKS`."""
+    module, _, name = TASKS[cfg.task][2].rpartition(".")
+    return getattr(importlib.import_module(module), name)(cfg)

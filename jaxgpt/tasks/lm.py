@@ -71,6 +71,11 @@ def open_dataset(data: DataConfig) -> Dataset:
     return load_dataset(data.dir, bpe_file=bpe_file)
 
 
+def from_config(cfg: TrainConfig) -> LanguageModelling:
+    """The `lm` task of a run (`jaxgpt.tasks.build`): its prepared dataset opened, a built-in one prepared first."""
+    return LanguageModelling(cfg, open_dataset(cfg.data))
+
+
 def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:
     """The model to train: the config's, or with `init_from` the weights' architecture (`weights.fit_architecture`).
 

@@ -24,9 +24,9 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import storage
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
 from jaxgpt.model.presets import get_preset
+from jaxgpt.tasks import TASKS
 from jaxgpt.train.optim import OptimConfig
 
-TASKS = ("lm", "classify", "seq2seq", "chat", "rl")
 # Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
 _UNSET_TYPES = {"head_dim": int, "d_ff": int, "n_kv_head": int, "pad_id": int, "vocab_size": int, "rope_theta": float,
                 "logit_softcap": float}
@@ -228,11 +228,7 @@ def _default_model() -> ModelConfig:
 class TrainConfig:
     """A whole run: every key of the ConfigDict, in its order, typed and checked; what the loop and tasks read."""
 
-    # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify);
-    # "seq2seq": the encoder-decoder on source/target pairs (c.seq2seq; model.n_layer is the decoder's layers)
-    # "chat": supervised fine-tuning on conversations (c.chat; model and tokenizer from init_from)
-    # "rl": reinforcement learning on checkable rewards (c.rl; prompts from c.chat's data; from init_from)
-    task: str = "lm"
+    task: str = "lm"  # a key of jaxgpt.tasks.TASKS; a task's settings are the group of its name (c.classify, ...)
     workdir: str = ""  # where checkpoints, logs and the resolved config go (required): a path, gs:// or s3:// URL
     seed: int = 0  # data order, init and dropout all derive from it
     # GPT-2's shape; vocab_size unset in the ConfigDict: the dataset's (`vocab_from_data`)
@@ -278,7 +274,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
-            raise UserError(f"config.task={self.task!r} is unknown: choose one of {TASKS}")
+            raise UserError(f"config.task={self.task!r} is unknown: choose one of {', '.join(TASKS)}")
         if not self.workdir:
             raise UserError("config.workdir is empty: pass --config.workdir=DIR (where checkpoints and logs go)")
         for key, kind in LOCATION_KEYS.items():
