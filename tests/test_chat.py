@@ -305,7 +305,8 @@ def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, bas
     ({"init_from": ""}, "init_from is empty"),
     ({"chat.data": "chat.txt"}, "neither 'builtin' nor a .jsonl"),
     ({"chat.data": "hf:HuggingFaceTB/smoltalk"}, "to_json"),
-    ({"chat.tasks": "arithmetic,poetry"}, "unknown built-in task"),
+    ({"chat.datasets": "arithmetic,poetry"}, "unknown built-in dataset"),
+    ({"chat.tasks": "arithmetic,poetry"}, "unknown built-in dataset"),  # the key's old name
     ({"model.block_size": 8}, "no conversation's first assistant turn fits"),
     ({"chat.pack": True, "model.attention_impl": "splash"}, "splash sees padding, not documents"),
 ])

@@ -57,6 +57,7 @@ from jaxgpt.tasks.rl_rollouts import (
     request_seed,
     token_rows,
 )
+from jaxgpt.train import renamed
 from jaxgpt.train.checkpoint import checkpoint_dir
 from jaxgpt.train.config import TrainConfig, base_config
 
@@ -95,12 +96,12 @@ class RL:
         rl = cfg.rl
         self.cfg, self.rl = cfg, rl
         self.rewards = parse_rewards(rl.reward)
-        prompts, description = load_prompts(cfg.chat, cfg.seed)
+        prompts, description = load_prompts(rl, cfg.seed)
         self.base_cfg, self.tokenizer, self.model_cfg = chat_architecture(cfg, "to write prompts with")
         self.model = GPT(self.model_cfg)
         self.tokenizer_meta = self.tokenizer.to_meta()
         self.end_id = self.tokenizer.special_ids[END]
-        train, held = split_prompts(prompts, cfg.chat.val_fraction)
+        train, held = split_prompts(prompts, rl.val_fraction)
         block_size = self.model_cfg.block_size
         self.train, dropped = encode_prompts(train, self.tokenizer, block_size, rl.max_new_tokens)
         held_set, _ = encode_prompts(held, self.tokenizer, block_size, rl.max_new_tokens)
@@ -167,7 +168,7 @@ class RL:
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         Chat.check_resume(self, saved_meta, workdir)  # the same model and tokenizer
-        saved = saved_meta.get("rl", {}).get("settings", {})
+        saved = renamed.saved_rl_settings(saved_meta)
         default = base_config().rl.to_dict()  # a setting newer than the run was its default there
         changed = sorted(k for k in set(saved) | set(self.settings)
                          if saved.get(k, default.get(k)) != self.settings.get(k, default.get(k)))

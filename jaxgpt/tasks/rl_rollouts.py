@@ -123,7 +123,7 @@ def mask_truncated(rows: dict[str, np.ndarray], completions: Sequence[list[int]]
 
 def pass_rates(sampler: Sampler, params: Any, held: PromptSet, k: int, seed: int) -> dict[str, Any]:
     """Held-out pass@1 of greedy completions, pass@k and pass@1 of k sampled ones (a completion passes when its
-    reward reaches PASS), the mean greedy reward, and greedy pass@1 per kind of prompt (the built-in tasks)."""
+    reward reaches PASS), the mean greedy reward, and greedy pass@1 per kind of prompt (the built-in datasets)."""
     N = len(held.prompts)
     greedy = sampler.score(held.prompts, sampler.sample(params, held.ids, held.room, [0] * N, greedy=True))
     rows = [(i, j) for i in range(N) for j in range(k)]
