@@ -174,7 +174,7 @@ def test_the_reward_rises_on_a_toy_task_and_the_run_is_a_chat_run(tmp_path: Path
     assert passes[-1] == 1.0 and result["val_pass_at_k"] == 1.0
     answer_loss = [v for _, v in logged_eval(workdir, "val_answer_loss")]  # the held-out answers: digits, not 'a'
     assert len(answer_loss) == 2 and answer_loss[1] > answer_loss[0] > 0, answer_loss
-    assert result["val_answer_loss_by_task"] == {"arithmetic": result["val_answer_loss"]}
+    assert result["val_answer_loss_by_dataset"] == {"arithmetic": result["val_answer_loss"]}
     last = rows[-2] if "val_loss" in rows[-1] else rows[-1]
     for key in ("train_group_spread", "train_no_signal", "train_clip_fraction",
                 "train_completion_tokens", "train_rollout_tokens_per_sec", "train_update_tokens_per_sec"):

@@ -315,16 +315,16 @@ class Chat:
             per_kind: dict[str, list[bool]] = defaultdict(list)
             for kind, ok in zip(kinds.tolist(), exact.tolist(), strict=True):
                 per_kind[kind].append(ok)
-            result[f"{split}_exact_match_by_task"] = {k: float(np.mean(v)) for k, v in sorted(per_kind.items())}
+            result[f"{split}_exact_match_by_dataset"] = {k: float(np.mean(v)) for k, v in sorted(per_kind.items())}
         return result
 
     def describe(self) -> str:
         return self._description
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        by_task = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_exact_match_by_task"].items())
+        by_dataset = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_exact_match_by_dataset"].items())
         return (f"step {step}: val loss {metrics['val_loss']:.4f}, exact match {metrics['val_exact_match']:.3f} "
-                f"({by_task}; {metrics['val_conversations']} held-out conversations); train loss "
+                f"({by_dataset}; {metrics['val_conversations']} held-out conversations); train loss "
                 f"{metrics['train_loss']:.4f}, exact match {metrics['train_exact_match']:.3f}")
 
     def final_line(self, metrics: dict[str, Any]) -> str | None:

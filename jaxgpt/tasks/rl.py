@@ -217,7 +217,7 @@ class RL:
             nll, tokens = (np.concatenate([np.asarray(o[k]) for o in outputs["val"]])[:len(kinds)]
                            for k in ("nll_B", "tokens_B"))
             metrics["val_answer_loss"] = float(nll.sum() / tokens.sum())
-            metrics["val_answer_loss_by_task"] = {kind: float(nll[kinds == kind].sum() / tokens[kinds == kind].sum())
+            metrics["val_answer_loss_by_dataset"] = {kind: float(nll[kinds == kind].sum() / tokens[kinds == kind].sum())
                                                   for kind in sorted(set(kinds.tolist()))}
         return {**metrics, "val_loss": -metrics["val_reward"]}
 
@@ -225,8 +225,8 @@ class RL:
         return self._description
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        by_task = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_pass_at_1_by_task"].items())
-        return (f"step {step}: held-out pass@1 {metrics['val_pass_at_1']:.3f} (greedy; {by_task}), "
+        by_dataset = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_pass_at_1_by_dataset"].items())
+        return (f"step {step}: held-out pass@1 {metrics['val_pass_at_1']:.3f} (greedy; {by_dataset}), "
                 f"pass@{metrics['pass_k']} {metrics['val_pass_at_k']:.3f}, sampled pass@1 "
                 f"{metrics['val_sampled_pass_at_1']:.3f}, mean reward {metrics['val_reward']:.3f} "
                 f"({metrics['val_prompts']} prompts)" + (f"; reference answers' loss {metrics['val_answer_loss']:.4f}"

@@ -134,5 +134,5 @@ def pass_rates(sampler: Sampler, params: Any, held: PromptSet, k: int, seed: int
     return {"val_reward": float(greedy.mean()), "val_pass_at_1": float(np.mean(greedy >= PASS)),
             "val_pass_at_k": float(np.mean((sampled >= PASS).any(axis=1))),
             "val_sampled_pass_at_1": float(np.mean(sampled >= PASS)), "val_prompts": N, "pass_k": k,
-            "val_pass_at_1_by_task": {kind: float(np.mean(greedy[kinds == kind] >= PASS))
+            "val_pass_at_1_by_dataset": {kind: float(np.mean(greedy[kinds == kind] >= PASS))
                                       for kind in sorted(set(kinds.tolist()))}}
