@@ -1,4 +1,4 @@
-"""RL after SFT, measured: held-out pass@1 of the SFT model and of the RL model it becomes, on every built-in task,
+"""RL after SFT, measured: held-out pass@1 of the SFT model and of the RL model it becomes, on every built-in dataset,
 and the rollouts' speed against the engine's own on the same requests, in one run.
 
     python benchmarks/bench_rl.py                              # base and early SFT trained here if missing
@@ -10,7 +10,7 @@ leaves room: the quick start's base model (configs/stdlib_char.py, trained into 
 fine-tuned by configs/chat_sft.py for only --sft_steps steps (into --sft if it holds no run), where the full 2000
 steps leave almost nothing to gain (175: from 150 RL finds few right samples to learn from, from 200 the target task
 is near its pass@8 already; docs/rl.md "Measured"). Both models then answer the distinct held-out prompts of each
-built-in task (those the SFT split holds out, up to --prompts per task): pass@1 of the greedy reply, pass@8 and
+built-in dataset (those the SFT split holds out, up to --prompts per task): pass@1 of the greedy reply, pass@8 and
 pass@1 of 8 replies sampled at temperature 1. The task the gain is measured on (--target) is, unless named, the one
 of those RL trains on where the SFT model leaves the most room (its pass@8 less its sampled pass@1: what sampling
 finds but does not find reliably yet), chosen from the SFT model's scores alone. The RL run is timed whole
@@ -37,7 +37,7 @@ from pathlib import Path
 import jax
 from ml_collections import ConfigDict
 
-from jaxgpt.data.conversations import BUILTIN_TASKS
+from jaxgpt.data.conversations import BUILTIN_DATASETS
 from jaxgpt.generate.engine import generate_many
 from jaxgpt.io import weights
 from jaxgpt.io.checkpoint import Checkpointer
@@ -46,7 +46,7 @@ from jaxgpt.tasks.rl.prompts import Prompt, load_prompts, split_prompts
 from jaxgpt.tasks.rl.rewards import parse_rewards
 from jaxgpt.tasks.rl.rollouts import PromptSet, Sampler, encode_prompts, pass_rates
 from jaxgpt.tasks.rl.task import local_weights
-from jaxgpt.train.config import ChatConfig, RLConfig, from_config_dict
+from jaxgpt.train.config import RLConfig, from_config_dict
 from jaxgpt.train.loop import train
 
 K = 8  # pass@K for the RL task
@@ -75,10 +75,10 @@ def trained(workdir: Path, config_file: str, **overrides: object) -> float:
 
 
 def held_out(task: str, n: int, tokenizer, block_size: int) -> PromptSet:
-    """Up to `n` distinct held-out prompts of a built-in task (SFT's split: a hash of the prompt). Each counts
+    """Up to `n` distinct held-out prompts of a built-in dataset (SFT's split: a hash of the prompt). Each counts
     once: drawn with repeats, a prompt of a task with few distinct ones weighs more than others (with operands up
     to 19 arithmetic held out 30, one of them up to 31 times in 500, and moved pass@1 by 0.06 alone)."""
-    prompts, _ = load_prompts(ChatConfig(tasks=task, examples=40 * n), seed=0)
+    prompts, _ = load_prompts(RLConfig(datasets=task, examples=40 * n), seed=0)
     distinct: dict[str, Prompt] = {}
     for p in split_prompts(prompts, 0.05)[1]:
         distinct.setdefault(json.dumps(p.messages, sort_keys=True), p)
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data_dir", default="data/stdlib_char")
-    parser.add_argument("--target", default="", choices=("", *BUILTIN_TASKS),
+    parser.add_argument("--target", default="", choices=("", *BUILTIN_DATASETS),
                         help="the task the gain is measured on (default: where the SFT model leaves the most room)")
     args = parser.parse_args()
     if Checkpointer(args.out).latest_step() is not None:
@@ -143,27 +143,27 @@ def main() -> None:
                               init_from=f"workdir:{args.base}", eval_interval=args.sft_steps)}
     rl = config(args.config, workdir=args.out, init_from=f"workdir:{args.sft}", **{"rl.slots": args.slots})
     rl.max_steps = args.rl_steps or rl.max_steps
-    before = scores(Path(args.sft), BUILTIN_TASKS, args.prompts, args.slots)
-    trained_on = [t.strip() for t in rl.chat.tasks.split(",")]
+    before = scores(Path(args.sft), BUILTIN_DATASETS, args.prompts, args.slots)
+    trained_on = [t.strip() for t in rl.rl.datasets.split(",")]
     room = {t: before[t]["val_pass_at_k"] - before[t]["val_sampled_pass_at_1"] for t in trained_on}
     target = args.target or max(room, key=room.get)
     speed = rollout_speed(rl, args.rounds)
     t = time.perf_counter()
     train(from_config_dict(rl), build)
     minutes["rl"] = (time.perf_counter() - t) / 60
-    after = scores(Path(args.out), BUILTIN_TASKS, args.prompts, args.slots)
+    after = scores(Path(args.out), BUILTIN_DATASETS, args.prompts, args.slots)
     print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps), "
           f"RL {minutes['rl']:.1f} ({rl.max_steps} steps, evaluations included)")
     print(f"\n| task (held-out prompts) | SFT pass@1 | RL pass@1 | change | SFT sampled pass@1 | RL sampled pass@1 | "
           f"SFT pass@{K} | RL pass@{K} |\n|---|---|---|---|---|---|---|---|")
-    for task in BUILTIN_TASKS:
+    for task in BUILTIN_DATASETS:
         b, a = before[task], after[task]
         print(f"| {task}{' (target)' if task == target else ''} ({b['val_prompts']}) | {b['val_pass_at_1']:.3f} | "
               f"{a['val_pass_at_1']:.3f} | {a['val_pass_at_1'] - b['val_pass_at_1']:+.3f} | "
               f"{b['val_sampled_pass_at_1']:.3f} | {a['val_sampled_pass_at_1']:.3f} | {b['val_pass_at_k']:.3f} | "
               f"{a['val_pass_at_k']:.3f} |")
     gain = after[target]["val_pass_at_1"] - before[target]["val_pass_at_1"]
-    worst = min(after[t]["val_pass_at_1"] - before[t]["val_pass_at_1"] for t in BUILTIN_TASKS if t != target)
+    worst = min(after[t]["val_pass_at_1"] - before[t]["val_pass_at_1"] for t in BUILTIN_DATASETS if t != target)
     why = "named" if args.target else f"the most room, pass@{K} - sampled pass@1: " + ", ".join(f"{t} {r:.3f}"
                                                                                   for t, r in room.items())
     print(f"\ntarget {target} ({why}): pass@1 {gain:+.3f} (target >= +0.15 within 30 min: "

@@ -1,10 +1,10 @@
-"""RL after SFT: GRPO on the four built-in tasks' prompts, rewarded for the exact answer (no download).
+"""RL after SFT: GRPO on the four built-in datasets' prompts, rewarded for the exact answer (no download).
 
 Continues runs/chat_sft (configs/chat_sft.py; train it first) with task rl (jaxgpt/tasks/rl/): each step samples 8
 completions for each of 32 training prompts through the serving engine, rewards each 1 when it equals the answer and
 0 otherwise, normalizes the rewards within each prompt's group and takes a clipped policy-gradient step on the
 completion tokens (GRPO's per-completion mean, so a 2-character sum weighs as much as a 20-character tally; no KL
-penalty, as current practice). All four tasks are in the mix: a task left out drifts (count, left out, fell by 0.09
+penalty, as current practice). All four datasets are in the mix: one left out drifts (count, left out, fell by 0.09
 while the others rose). Count's tallied replies are the longest, about 20 characters: 24 new tokens. Held-out
 prompts are split by SFT's hash of the prompt: a prompt SFT held out is held out here.
 
@@ -24,8 +24,8 @@ pass@8 and pass@1 of sampled ones, and scores the loss of their reference answer
 
 Your own reward: --config.rl.reward=my_rewards:brevity (a function of (prompt messages, completion text) -> float,
 docs/rl.md), several with weights: --config.rl.reward=exact=1,my_rewards:brevity=0.1. Your own prompts:
---config.chat.data=prompts.jsonl ({"messages": [...], "answer": "..."} per line).
-benchmarks/bench_rl.py measures what this gains over the SFT model it starts from, on every built-in task
+--config.rl.data=prompts.jsonl ({"messages": [...], "answer": "..."} per line).
+benchmarks/bench_rl.py measures what this gains over the SFT model it starts from, on every built-in dataset
 (docs/rl.md, "Measured").
 """
 
@@ -37,10 +37,10 @@ def get_config():
     c.task = "rl"
     c.workdir = "runs/chat_rl"
     c.init_from = "workdir:runs/chat_sft"
-    c.chat.data = "builtin"
-    c.chat.tasks = "arithmetic,reverse,count,fact"
-    c.chat.examples = 20000
-    c.chat.val_fraction = 0.05
+    c.rl.data = "builtin"
+    c.rl.datasets = "arithmetic,reverse,count,fact"
+    c.rl.examples = 20000
+    c.rl.val_fraction = 0.05
     c.rl.reward = "exact"
     c.rl.num_generations = 8
     c.rl.max_new_tokens = 24

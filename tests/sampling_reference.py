@@ -19,7 +19,7 @@ from jaxgpt.generate import seq2seq as seq2seq_decoding
 from jaxgpt.generate.sampling import KeyLike, PromptLike, SamplerSpec, finish_rows, request
 from jaxgpt.generate.strategies import gumbel_noise
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.model.encdec import EncoderDecoder
+from jaxgpt.model.encdec import Seq2SeqModel
 from jaxgpt.model.gpt import GPT
 
 Array = jax.Array
@@ -98,7 +98,7 @@ def _seq2seq_logits(params: Any, src_BS: Array, tgt_BN: Array, index: Array, *, 
 
     The decoder is causal, so what follows `index` cannot change them.
     """
-    logits_BNV = EncoderDecoder(cfg).apply({"params": params}, src_BS, tgt_BN)
+    logits_BNV = Seq2SeqModel(cfg).apply({"params": params}, src_BS, tgt_BN)
     return jax.lax.dynamic_index_in_dim(logits_BNV, index, axis=1, keepdims=False)
 
 

@@ -284,7 +284,7 @@ def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, bas
     evals = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
     val_losses = [row["val_loss"] for row in evals if "val_loss" in row]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0]
-    assert 0 <= whole["val_exact_match"] <= 1 and set(whole["val_exact_match_by_task"]) == {
+    assert 0 <= whole["val_exact_match"] <= 1 and set(whole["val_exact_match_by_dataset"]) == {
         "arithmetic", "reverse", "count", "fact"}
     assert (whole_dir / TEMPLATE_FILE).read_text() == CHAT_TEMPLATE
     loaded = weights.load(f"workdir:{whole_dir}")
@@ -305,7 +305,8 @@ def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, bas
     ({"init_from": ""}, "init_from is empty"),
     ({"chat.data": "chat.txt"}, "neither 'builtin' nor a .jsonl"),
     ({"chat.data": "hf:HuggingFaceTB/smoltalk"}, "to_json"),
-    ({"chat.tasks": "arithmetic,poetry"}, "unknown built-in task"),
+    ({"chat.datasets": "arithmetic,poetry"}, "unknown built-in dataset"),
+    ({"chat.tasks": "arithmetic,poetry"}, "unknown built-in dataset"),  # the key's old name
     ({"model.block_size": 8}, "no conversation's first assistant turn fits"),
     ({"chat.pack": True, "model.attention_impl": "splash"}, "splash sees padding, not documents"),
 ])

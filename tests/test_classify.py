@@ -328,6 +328,6 @@ def test_shipped_config_is_valid() -> None:
     spec.loader.exec_module(module)
     c = module.get_config()
     cfg = from_config_dict(c)
-    assert cfg.task == "classify" and c.classify.data in classify_data.BUILTIN_TASKS
+    assert cfg.task == "classify" and c.classify.data in classify_data.BUILTIN_DATASETS
     assert c.init_from.startswith("workdir:")
     assert cfg.optim.decay_steps == c.max_steps and c.max_steps % c.eval_interval == 0

@@ -172,7 +172,7 @@ LOCATION_FLAGS = [
     (["eval", "--workdir=w", f"--text={URL}"], "--text"),
     (["eval", "--workdir=w", "--text=a.txt", URL], "--text"),
     (["eval", "--workdir=w", f"--data_dir={URL}"], "--data_dir"),
-    (["eval", "--workdir=w", "--task=hellaswag", f"--data={URL}"], "--data"),
+    (["eval", "--workdir=w", "--benchmark=hellaswag", f"--data={URL}"], "--data"),
     (["eval", "--workdir=w", f"--bpe_file={URL}"], "--bpe_file"),
     (["bpe", "fetch", f"--dest={URL}"], "--dest"),
     (["plots", "curves", f"--workdir={URL}", "--out=c.png"], "--workdir"),

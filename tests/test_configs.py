@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxgpt.model.config import Seq2SeqConfig
-from jaxgpt.model.encdec import EncoderDecoder
+from jaxgpt.model.encdec import Seq2SeqModel
 from jaxgpt.model.gpt import GPT
 from jaxgpt.train.config import from_config_dict
 
@@ -31,7 +31,7 @@ def test_config_resolves_and_builds(path: Path) -> None:
     assert cfg.workdir and cfg.optim.decay_steps >= cfg.optim.warmup_steps
     idx = jnp.zeros((1, 4), jnp.int32)
     if cfg.task == "seq2seq":  # the encoder-decoder's sizes besides the model's come from config.seq2seq
-        model = EncoderDecoder(Seq2SeqConfig(cfg.model.replace(pad_id=0), n_encoder_layer=cfg.seq2seq.n_encoder_layer,
+        model = Seq2SeqModel(Seq2SeqConfig(cfg.model.replace(pad_id=0), n_encoder_layer=cfg.seq2seq.n_encoder_layer,
                                              share_embeddings=cfg.seq2seq.share_embeddings))
         shapes = jax.eval_shape(model.init, jax.random.key(0), idx, idx)
     else:
@@ -56,6 +56,25 @@ def test_the_config_dict_is_derived_from_the_dataclasses_and_converted_back() ->
     c.optim.lrr = 1.0  # a config file may add keys to its (unlocked) ConfigDict
     with pytest.raises(UserError, match=r"config.optim.lrr is not a config key: did you mean optim.lr\?"):
         from_config_dict(c)
+
+
+def test_renamed_keys_still_configure_what_they_did(capsys: pytest.CaptureFixture) -> None:
+    """chat.tasks is chat.datasets under its old name; an RL config that sets its prompts under chat (as before they
+    moved to config.rl) gets them under rl, with one warning; the typed config holds the new names only."""
+    from jaxgpt.train.config import base_config
+
+    c = base_config()
+    c.workdir, c.chat.tasks = "runs/x", "reverse"
+    cfg = from_config_dict(c)
+    assert cfg.chat.datasets == "reverse" and cfg.settings["chat"]["datasets"] == "reverse"
+    assert capsys.readouterr().err == ""
+    c.task, c.init_from, c.chat.examples, c.rl.val_fraction = "rl", "workdir:runs/sft", 300, 0.2
+    cfg = from_config_dict(c)
+    assert (cfg.rl.datasets, cfg.rl.examples, cfg.rl.val_fraction) == ("reverse", 300, 0.2)
+    assert cfg.settings["rl"]["examples"] == 300
+    assert capsys.readouterr().err == ("warning: RL's prompts are configured under config.rl now: read "
+                                       "config.chat.{datasets,examples} as config.rl.{datasets,examples} (set those "
+                                       "instead)\n")
 
 
 def test_seed_names_stay_aliases_of_the_descriptive_presets() -> None:

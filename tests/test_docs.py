@@ -6,6 +6,9 @@ Every relative link and #anchor resolves (GitHub's heading slugs), every `config
 `train.py` or `sample.py` exists in that command's own absl parser (`jaxgpt harness`: lm-evaluation-harness's
 parser, where it is installed), every Python block and `python -c` program compiles, every code fence closes and
 every table row has its header's columns. A problem names the file and line. Nothing here compiles JAX programs.
+The other way round, what exists is named (`undocumented`): every task in `TASKS`, every file in `configs/`, every
+subpackage of `jaxgpt/` (read from the file system) and every command in `COMMANDS` has its row in its table, and
+each task and command is shown in its guide; a row naming none of these fails too.
 Names in capitals (`configs/NAME.py`, `--config.KEY=VALUE`, `jaxgpt COMMAND`) are placeholders.
 """
 
@@ -15,6 +18,7 @@ import dataclasses
 import importlib
 import re
 import shlex
+import shutil
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -23,6 +27,7 @@ from absl import flags
 from ml_collections import ConfigDict
 
 from jaxgpt import commands
+from jaxgpt.train.task import TASKS
 from jaxgpt.train.config import base_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,6 +309,109 @@ class Checker:
         return problems
 
 
+# What must be named, and where: (the file, the first header cell of its table, what a row's first cell names).
+TABLES = {
+    "task": ("docs/training.md", "task", re.compile(r"`([a-z0-9_]+)`")),
+    "config": ("docs/training.md", "config", re.compile(r"`([\w.]+)`")),
+    "subpackage": ("README.md", "folder", re.compile(r"`jaxgpt/(\w+)/`")),
+    "command": ("README.md", "command", re.compile(r"`jaxgpt (\w+)\b")),
+}
+
+
+def table_names(doc: Doc, header: str, name: re.Pattern) -> dict[str, int]:
+    """The names in the first cells of the table whose header's first cell is `header`, with their lines."""
+    found, inside = {}, False
+    for number, line in doc.prose():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.lstrip().startswith("|"):
+            inside = False
+        elif cells[0] == header:
+            inside = True
+        elif inside:
+            found.update((n, number) for n in name.findall(cells[0]))
+    return found
+
+
+def existing(root: Path, tasks: dict, command_table: dict) -> dict[str, set[str]]:
+    """What the code has: tasks, config files, subpackages (read from the file system) and commands."""
+    return {"task": set(tasks), "config": {p.stem for p in (root / "configs").glob("*.py")},
+            "subpackage": {p.parent.name for p in (root / "jaxgpt").glob("*/__init__.py")},
+            "command": set(command_table)}
+
+
+def undocumented(root: Path, tasks: dict = TASKS, command_table: dict = commands.COMMANDS) -> list[str]:
+    """What exists but has no row in its table or is not shown in its guide, and rows that name nothing."""
+    problems = []
+    for kind, names in existing(root, tasks, command_table).items():
+        where, header, pattern = TABLES[kind]
+        rows = table_names(Doc.read(root / where), header, pattern)
+        problems += [f"{where}: {kind} {n!r} has no row in the table headed {header!r}"
+                     for n in sorted(names - set(rows))]
+        problems += [f"{where}:{rows[n]}: the {header!r} table names {kind} {n!r}, which does not exist"
+                     for n in sorted(set(rows) - names)]
+    for name, (_, guide, _) in tasks.items():
+        if not re.search(rf"task `{name}`|task = \"{name}\"", (root / guide).read_text()):
+            problems.append(f"{guide}: never names task {name!r} (as task `{name}` or config.task = \"{name}\")")
+    for name, (_, guide) in command_table.items():
+        text = (root / guide).read_text()
+        if f"jaxgpt {name}" not in text and f"{name}.py" not in text:
+            problems.append(f"{guide}: never shows `jaxgpt {name}`")
+    return problems
+
+
+def test_what_exists_is_in_the_readme_and_guides() -> None:
+    problems = undocumented(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_train_help_names_every_task_with_its_guide(capsys: pytest.CaptureFixture) -> None:
+    from jaxgpt.commands import train
+
+    assert train.main(["jaxgpt train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, (what, guide, _) in TASKS.items():
+        assert re.search(rf"^  {name} +{re.escape(what)} \({re.escape(guide)}\)$", out, re.M), (name, out)
+
+
+def test_a_planted_task_config_package_and_command_fail_until_documented(tmp_path: Path) -> None:
+    """A copy of the tree where each kind gains one thing the docs do not name, and the training guide one row
+    whose config is gone: each is reported; once the rows and the guide are written, nothing is."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "README.md", tmp_path)
+    for folder in ("configs", "jaxgpt"):
+        (tmp_path / folder).mkdir()
+        for path in (ROOT / folder).iterdir():
+            (tmp_path / folder / path.name).symlink_to(path)
+    (tmp_path / "configs" / "chat_dpo.py").write_text("")
+    (tmp_path / "configs" / "seq2seq_copy.py").unlink()
+    (tmp_path / "jaxgpt" / "adapters").mkdir()
+    (tmp_path / "jaxgpt" / "adapters" / "__init__.py").write_text("")
+    tasks = {**TASKS, "dpo": ("preference tuning", "docs/chat.md", "jaxgpt.tasks.dpo.DPO")}
+    command_table = {**commands.COMMANDS, "lint": ("check a config", "docs/training.md")}
+    config_rows = table_names(Doc.read(ROOT / "docs" / "training.md"), "config", TABLES["config"][2])
+    assert undocumented(tmp_path, tasks, command_table) == [
+        "docs/training.md: task 'dpo' has no row in the table headed 'task'",
+        "docs/training.md: config 'chat_dpo' has no row in the table headed 'config'",
+        f"docs/training.md:{config_rows['seq2seq_copy']}: the 'config' table names config 'seq2seq_copy', "
+        "which does not exist",
+        "README.md: subpackage 'adapters' has no row in the table headed 'folder'",
+        "README.md: command 'lint' has no row in the table headed 'command'",
+        "docs/chat.md: never names task 'dpo' (as task `dpo` or config.task = \"dpo\")",
+        "docs/training.md: never shows `jaxgpt lint`"]
+    (tmp_path / "configs" / "seq2seq_copy.py").symlink_to(ROOT / "configs" / "seq2seq_copy.py")
+    for where, row in (("docs/training.md", "| `dpo` | preference pairs | `chat_dpo` | [chat](chat.md) |"),
+                       ("docs/training.md", "| `chat_dpo` | preference tuning (task `dpo`; `jaxgpt lint`) |"),
+                       ("README.md", "| `jaxgpt/adapters/` | low-rank adapters |"),
+                       ("README.md", "| `jaxgpt lint` | check a config | [training](docs/training.md) |")):
+        text = (tmp_path / where).read_text()
+        header = {"`dpo`": "| `rl` |", "`chat_dpo`": "| `chat_rl` |", "`jaxgpt/adapters/`": "| `jaxgpt/ops/` |",
+                  "`jaxgpt lint`": "| `jaxgpt aot "}[row.split(" | ")[0][2:]]
+        at = text.index(header)
+        (tmp_path / where).write_text(text[:at] + row + "\n" + text[at:])
+    (tmp_path / "docs" / "chat.md").write_text((tmp_path / "docs" / "chat.md").read_text() + "\nAnd task `dpo`.\n")
+    assert undocumented(tmp_path, tasks, command_table) == []
+
+
 def test_readme_and_guides_hold() -> None:
     problems = Checker(ROOT).check()
     assert not problems, "\n".join(problems)
@@ -406,5 +514,3 @@ def test_jaxgpt_help_lists_every_command_with_its_guide(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     for name, (what, guide) in commands.COMMANDS.items():
         assert re.search(rf"^  {name} +{re.escape(guide)} +{re.escape(what)}$", out, re.M), (name, out)
-        text = (ROOT / guide).read_text()
-        assert f"jaxgpt {name}" in text or f"{name}.py" in text, f"{guide} never shows `jaxgpt {name}`"

@@ -195,9 +195,16 @@ def test_eval_and_harness_commands(exported: Path, task_dir: Path, tmp_path: Pat
     path = tmp_path / "hs.jsonl"
     path.write_text("".join(json.dumps({"ctx": sentence(rng, 4), "endings": ["cat", "dog sat"], "label": 1}) + "\n"
                             for _ in range(6)))
-    argv = ["jaxgpt eval", f"--init_from=hf:{exported}", "--task=hellaswag", f"--data={path}", "--limit=4"]
+    argv = ["jaxgpt eval", f"--init_from=hf:{exported}", "--benchmark=hellaswag", f"--data={path}", "--limit=4"]
     assert eval_command.main(argv) == 0
-    assert capsys.readouterr().out.startswith("hellaswag: 4 examples, acc ")
+    scored = capsys.readouterr().out
+    assert scored.startswith("hellaswag: 4 examples, acc ")
+    assert eval_command.main([argv[0], argv[1], "--task=hellaswag", *argv[3:]]) == 0  # the old name of the flag
+    out, err = capsys.readouterr()
+    assert out == scored and err.count("--task is deprecated") == 1
+    assert err.startswith("warning: --task is deprecated: use --benchmark hellaswag\n")  # then the progress bar
+    assert eval_command.main([*argv, "--task=lambada"]) == 2
+    assert "--task=lambada and --benchmark=hellaswag disagree" in capsys.readouterr().err
     assert eval_command.main([*argv[:3], f"--data={tmp_path / 'missing.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "missing.jsonl does not exist" in err

@@ -132,7 +132,7 @@ def test_seq2seq_attention_maps_are_the_sown_weights():
     L, H = ENCDEC.model.n_layer, ENCDEC.model.n_head
     assert maps["encoder"].shape == (3, H, 5, 5) and maps["decoder"].shape == (L, H, 4, 4)
     assert maps["cross"].shape == (L, H, 4, 5)
-    sown = jax.jit(lambda p, s, t: seq2seq.EncoderDecoder(ENCDEC).apply({"params": p}, s, t,
+    sown = jax.jit(lambda p, s, t: seq2seq.Seq2SeqModel(ENCDEC).apply({"params": p}, s, t,
                                                                         mutable=["intermediates"])[1])
     inter = sown(params, np.array([src]), np.array([tgt]))["intermediates"]
     for i in range(L):

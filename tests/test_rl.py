@@ -22,7 +22,7 @@ from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.loss import group_advantages, policy_loss, token_logprobs
 from jaxgpt.tasks.rl.prompts import load_prompts, split_prompts
 from jaxgpt.tasks.rl.rewards import RewardError, parse_rewards, total_reward
-from jaxgpt.train.config import ChatConfig, base_config
+from jaxgpt.train.config import RLConfig, base_config
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
@@ -105,23 +105,23 @@ def test_prompts_from_jsonl_take_three_forms_and_a_bad_line_names_its_file_and_l
              {"messages": [user]}]
     good = tmp_path / "p.jsonl"
     good.write_text("\n".join(map(json.dumps, lines)) + "\n")
-    prompts, _ = load_prompts(ChatConfig(data=str(good)), 0)
+    prompts, _ = load_prompts(RLConfig(data=str(good)), 0)
     assert [(p.messages, p.answer) for p in prompts] == [([user], "2"), ([user], "2"), ([user], None)]
     for n, bad in ((2, "{not json"), (2, json.dumps({"messages": [user], "answer": 2})),
                    (2, json.dumps({"messages": [{"role": "assistant", "content": "x"}]}))):
         path = tmp_path / "bad.jsonl"
         path.write_text(json.dumps(lines[0]) + "\n" + bad + "\n")
         with pytest.raises(UserError, match=rf"^{path}:{n}: "):
-            load_prompts(ChatConfig(data=str(path)), 0)
+            load_prompts(RLConfig(data=str(path)), 0)
 
 
 def test_held_out_prompts_are_those_sft_holds_out() -> None:
     from jaxgpt.data.conversations import builtin_conversations, split_held_out
 
-    c = ChatConfig(examples=400, val_fraction=0.1)
+    c = RLConfig(examples=400, val_fraction=0.1)
     prompts, _ = load_prompts(c, 3)
     train, held = split_prompts(prompts, c.val_fraction)
-    _, sft_held = split_held_out(builtin_conversations(3, 400, c.tasks.split(",")), c.val_fraction)
+    _, sft_held = split_held_out(builtin_conversations(3, 400, c.datasets.split(",")), c.val_fraction)
     assert [p.messages for p in held] == [conv[:-1] for conv in sft_held] and len(train) + len(held) == 400
 
 
@@ -145,7 +145,7 @@ def rl_config(workdir: Path, base: Path, reward: str, **overrides: object):
     """A bandit: completions of one token, rewarded by `reward` (a file's function)."""
     c = base_config()
     c.task, c.workdir, c.init_from = "rl", str(workdir), f"workdir:{base}"
-    c.chat.examples, c.chat.val_fraction, c.chat.tasks = 200, 0.1, "arithmetic"
+    c.rl.examples, c.rl.val_fraction, c.rl.datasets = 200, 0.1, "arithmetic"
     c.rl.reward, c.rl.num_generations, c.rl.max_new_tokens, c.rl.slots = reward, 4, 1, 32
     c.rl.eval_prompts, c.rl.pass_k = 8, 2
     c.batch_size, c.max_steps, c.eval_interval, c.log_interval, c.ckpt_interval = 32, 24, 12, 4, 12
@@ -174,7 +174,7 @@ def test_the_reward_rises_on_a_toy_task_and_the_run_is_a_chat_run(tmp_path: Path
     assert passes[-1] == 1.0 and result["val_pass_at_k"] == 1.0
     answer_loss = [v for _, v in logged_eval(workdir, "val_answer_loss")]  # the held-out answers: digits, not 'a'
     assert len(answer_loss) == 2 and answer_loss[1] > answer_loss[0] > 0, answer_loss
-    assert result["val_answer_loss_by_task"] == {"arithmetic": result["val_answer_loss"]}
+    assert result["val_answer_loss_by_dataset"] == {"arithmetic": result["val_answer_loss"]}
     last = rows[-2] if "val_loss" in rows[-1] else rows[-1]
     for key in ("train_group_spread", "train_no_signal", "train_clip_fraction",
                 "train_completion_tokens", "train_rollout_tokens_per_sec", "train_update_tokens_per_sec"):
@@ -256,8 +256,8 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run
     (tmp_path / "toy.py").write_text(A_REWARD)
     flags = lambda workdir: [
         sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'chat_rl.py'}",
-        f"--config.workdir={workdir}", f"--config.init_from=workdir:{base_run}", "--config.chat.examples=200",
-        "--config.chat.val_fraction=0.1", f"--config.rl.reward={tmp_path / 'toy.py'}:is_a", "--config.batch_size=16",
+        f"--config.workdir={workdir}", f"--config.init_from=workdir:{base_run}", "--config.rl.examples=200",
+        "--config.rl.val_fraction=0.1", f"--config.rl.reward={tmp_path / 'toy.py'}:is_a", "--config.batch_size=16",
         "--config.rl.num_generations=4", "--config.rl.max_new_tokens=3", "--config.rl.num_iterations=2",
         "--config.rl.eval_prompts=4", "--config.rl.pass_k=2", "--config.max_steps=16", "--config.ckpt_interval=3",
         "--config.eval_interval=16", "--config.log_interval=1", "--config.optim.lr=0.03", "--config.rl.beta=0.1",

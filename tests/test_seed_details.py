@@ -30,7 +30,7 @@ def small(name: str, **changes) -> ModelConfig:
     return PRESETS[name].replace(**{**SMALL, **changes})
 
 
-def small_encdec(name: str, **changes):
+def small_seq2seq(name: str, **changes):
     return SEQ2SEQ_PRESETS[name].replace(**{**SMALL, "n_layer": 1}, n_encoder_layer=1, src_vocab_size=None,
                                          src_block_size=None, **changes)
 
@@ -92,8 +92,8 @@ def test_token_site_drops_the_token_embedding_before_positions_are_added() -> No
 
 @pytest.mark.parametrize("site", ["tokens", "sum"])
 def test_encoder_decoder_uses_the_same_embedding_dropout_site(site: str) -> None:
-    cfg = small_encdec("seed002-encdec", embd_dropout=0.5, embd_dropout_site=site)
-    model, params = seq2seq.EncoderDecoder(cfg), seq2seq.init_params(cfg, jax.random.key(0))
+    cfg = small_seq2seq("seed002-encdec", embd_dropout=0.5, embd_dropout_site=site)
+    model, params = seq2seq.Seq2SeqModel(cfg), seq2seq.init_params(cfg, jax.random.key(0))
     src_BS = jax.random.randint(jax.random.key(1), (2, 10), 1, cfg.src_vocab_size)
     out = np.asarray(jax.jit(lambda p: model.apply({"params": p}, src_BS, method=lambda m, s: m._embed(
         m.src_wte, None, s, jnp.arange(10), cfg.src_block_size, False), rngs={"dropout": jax.random.key(2)}))(params))
@@ -133,8 +133,8 @@ def test_attention_residual_dropout_switch(name: str, attn_resid_dropout: bool) 
 @pytest.mark.parametrize("attn_resid_dropout", [True, False])
 def test_encoder_decoder_attention_residual_dropout_switch(attn_resid_dropout: bool) -> None:
     """The same in both stacks: self-attention and cross-attention outputs are dropped only when the switch is on."""
-    cfg = small_encdec("seed002-encdec", attn_dropout=0.0, resid_dropout=0.5, attn_resid_dropout=attn_resid_dropout)
-    model, params = seq2seq.EncoderDecoder(cfg), seq2seq.init_params(cfg, jax.random.key(0))
+    cfg = small_seq2seq("seed002-encdec", attn_dropout=0.0, resid_dropout=0.5, attn_resid_dropout=attn_resid_dropout)
+    model, params = seq2seq.Seq2SeqModel(cfg), seq2seq.init_params(cfg, jax.random.key(0))
     src_BS = jax.random.randint(jax.random.key(1), (2, 9), 1, cfg.src_vocab_size)
     tgt_BT = jax.random.randint(jax.random.key(2), (2, 7), 1, cfg.model.vocab_size)
 
@@ -228,7 +228,7 @@ def test_seed001_init_follows_its_explicit_inits_and_pytorch_defaults() -> None:
 def test_encoder_decoder_follows_the_same_init_rule() -> None:
     """The Annotated Transformer's full model: cross-attention and the source table get Xavier too, and
     every projection bias nn.Linear's default."""
-    cfg = small_encdec("seed000-encdec")
+    cfg = small_seq2seq("seed000-encdec")
     params = traverse_util.flatten_dict(seq2seq.init_params(cfg, jax.random.key(0)))
     C = cfg.model.n_embd
     assert_uniform(np.asarray(params["src_wte", "embedding"]), math.sqrt(6 / (cfg.src_vocab_size + C)), "src_wte")

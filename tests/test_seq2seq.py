@@ -15,7 +15,7 @@ from flax import traverse_util
 
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.model.encdec import EncoderDecoder, abstract_variables, init_params
+from jaxgpt.model.encdec import Seq2SeqModel, abstract_variables, init_params
 from jaxgpt.model.presets import SEQ2SEQ_PRESETS, get_seq2seq_preset
 from jaxgpt.train import sharding as layout
 
@@ -43,7 +43,7 @@ def to_jax(params: dict) -> dict:
 def _apply(cfg: Seq2SeqConfig):
     @jax.jit
     def run(params, src, tgt, src_mask, tgt_mask):
-        out, state = EncoderDecoder(cfg).apply({"params": params}, src, tgt, src_mask, tgt_mask,
+        out, state = Seq2SeqModel(cfg).apply({"params": params}, src, tgt, src_mask, tgt_mask,
                                                mutable=["intermediates"])
         return out, state.get("intermediates", {})
 
@@ -123,7 +123,7 @@ def test_long_source_is_not_causally_blocked() -> None:
 
 def _loss_and_grad(cfg: Seq2SeqConfig, params: dict, src: jax.Array, tgt: jax.Array):
     def loss(p):
-        logits = EncoderDecoder(cfg).apply({"params": p}, src, tgt[:, :-1])
+        logits = Seq2SeqModel(cfg).apply({"params": p}, src, tgt[:, :-1])
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tgt[:, 1:, None], -1))
 
     return jax.jit(jax.value_and_grad(loss))(params)
@@ -172,7 +172,7 @@ def test_dependencies_through_gradients() -> None:
 
     def outputs(wte):
         p = {**params, "wte": {"embedding": wte}}
-        logits, state = EncoderDecoder(cfg).apply({"params": p}, src, tgt, capture_intermediates=True,
+        logits, state = Seq2SeqModel(cfg).apply({"params": p}, src, tgt, capture_intermediates=True,
                                                   mutable=["intermediates"])
         memory = state["intermediates"][memory_module]["__call__"][0]
         return jnp.sum(memory * weights), logits[0, t].sum()
@@ -250,12 +250,12 @@ def test_runs_sharded_under_the_logical_rules() -> None:
     cfg = tiny(pad_id=0, n_layer=1, n_encoder_layer=1)
     params = init_params(cfg, jax.random.key(0))
     b = sample_batch(cfg, seed=0, padded=True)
-    want = jax.jit(EncoderDecoder(cfg).apply)({"params": params}, b["src"], b["tgt"])
+    want = jax.jit(Seq2SeqModel(cfg).apply)({"params": params}, b["src"], b["tgt"])
     mesh = layout.make_mesh((1, 1, -1))
     with jax.set_mesh(mesh), nn.logical_axis_rules(layout.LOGICAL_RULES):
         shardings = layout.logical_to_sharding(nn.get_partition_spec(abstract_variables(cfg))["params"], mesh)
         placed = jax.device_put(params, shardings)
-        got = jax.jit(lambda p, s, t: EncoderDecoder(cfg).apply({"params": p}, s, t))(placed, b["src"], b["tgt"])
+        got = jax.jit(lambda p, s, t: Seq2SeqModel(cfg).apply({"params": p}, s, t))(placed, b["src"], b["tgt"])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
@@ -266,9 +266,9 @@ def test_dropout_follows_only_the_rng() -> None:
     cfg = tiny(embd_dropout=0.1, attn_dropout=0.1, resid_dropout=0.1, ff_dropout=0.1, n_layer=1, n_encoder_layer=1)
     params = init_params(cfg, jax.random.key(0))
     b = sample_batch(cfg, seed=0, padded=False)
-    run = jax.jit(lambda key: EncoderDecoder(cfg).apply({"params": params}, b["src"], b["tgt"], deterministic=False,
+    run = jax.jit(lambda key: Seq2SeqModel(cfg).apply({"params": params}, b["src"], b["tgt"], deterministic=False,
                                                         rngs={"dropout": key}))
-    off = jax.jit(EncoderDecoder(cfg).apply)({"params": params}, b["src"], b["tgt"])
+    off = jax.jit(Seq2SeqModel(cfg).apply)({"params": params}, b["src"], b["tgt"])
     first = run(jax.random.key(1))
     assert not np.allclose(first, off) and not np.allclose(first, run(jax.random.key(2)))
     np.testing.assert_array_equal(first, run(jax.random.key(1)))
@@ -293,4 +293,4 @@ def test_too_long_a_source_is_a_user_error() -> None:
     cfg = tiny()
     src = jnp.ones((1, cfg.src_block_size + 1), jnp.int32)
     with pytest.raises(UserError, match="src_block_size"):
-        EncoderDecoder(cfg).init(jax.random.key(0), src, jnp.ones((1, 2), jnp.int32))
+        Seq2SeqModel(cfg).init(jax.random.key(0), src, jnp.ones((1, 2), jnp.int32))

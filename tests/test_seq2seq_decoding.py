@@ -19,7 +19,7 @@ from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import seq2seq as dec
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.model.encdec import EncoderDecoder
+from jaxgpt.model.encdec import Seq2SeqModel
 
 PAD, BOS = 0, 1
 TINY = dict(vocab_size=11, src_vocab_size=13, block_size=8, src_block_size=9, n_layer=2, n_encoder_layer=2,
@@ -120,7 +120,7 @@ def test_top_k_one_and_temperature_zero_are_greedy() -> None:
 
 @functools.cache
 def _forward(cfg: Seq2SeqConfig):
-    return jax.jit(lambda params, src, tgt: EncoderDecoder(cfg).apply({"params": params}, src, tgt))
+    return jax.jit(lambda params, src, tgt: Seq2SeqModel(cfg).apply({"params": params}, src, tgt))
 
 
 def sequence_log_probs(params: dict, cfg: Seq2SeqConfig, src_1S: jax.Array, seqs_HN: np.ndarray, eos: int

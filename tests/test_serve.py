@@ -316,12 +316,12 @@ def test_engine_decodes_encoder_decoder_sources_of_different_lengths_as_each_alo
     source alone (greedy and seeded)."""
     import jax
     from test_seq2seq_decoding import BOS, PAD, tiny
-    from test_seq2seq_decoding import random_params as encdec_params
+    from test_seq2seq_decoding import random_params as seq2seq_params
 
     from jaxgpt.generate import seq2seq as dec
 
     cfg = tiny()
-    params = encdec_params(cfg)
+    params = seq2seq_params(cfg)
     rng = np.random.default_rng(5)
     sources = [rng.integers(PAD + 1, cfg.src_vocab_size, int(n)).tolist() for n in rng.integers(1, 10, 6)]
     eos = 2
@@ -341,14 +341,14 @@ def test_engine_decodes_encoder_decoder_sources_of_different_lengths_as_each_alo
 
 
 def test_serving_an_encoder_decoder_takes_the_source_as_the_prompt():
-    from test_seq2seq_decoding import random_params as encdec_params
+    from test_seq2seq_decoding import random_params as seq2seq_params
     from test_seq2seq_decoding import tiny
 
     from jaxgpt.data.pairs import SPECIALS, PairText, decode_ids, encode_text
     from jaxgpt.generate import seq2seq as dec
 
     cfg, chars = tiny(), CharTokenizer("abcdefgh")
-    params = encdec_params(cfg)
+    params = seq2seq_params(cfg)
     served = Server(model=(params, cfg, PairText(chars, SPECIALS), SPECIALS))
     try:
         for source in ["abc", "hgfedcba", "d"]:

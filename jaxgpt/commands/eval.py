@@ -4,8 +4,8 @@
     jaxgpt eval --workdir runs/mine                                 # the run's dataset, whole validation split
     jaxgpt eval --workdir runs/mine --trainer_batches               # exactly the batches behind the logged val_loss
     jaxgpt eval --init_from hf:openai-community/gpt2 --text notes.txt
-    jaxgpt eval --workdir runs/mine --task hellaswag [--data hellaswag_val.jsonl] [--limit 1000]
-    jaxgpt eval --workdir runs/mine --task lambada [--data lambada_test.jsonl]
+    jaxgpt eval --workdir runs/mine --benchmark hellaswag [--data hellaswag_val.jsonl] [--limit 1000]
+    jaxgpt eval --workdir runs/mine --benchmark lambada [--data lambada_test.jsonl]
 
 Text files are tokenized with the model's tokenizer and joined as `jaxgpt data` joins them (end-of-text
 between files for GPT-2 BPE, which also starts the text, so that its first token is predicted). A text or
@@ -14,8 +14,9 @@ token is predicted exactly once. `--trainer_batches` instead rebuilds the traine
 batches from the run's saved config (seed, batch size, eval_batches), so its loss is the trainer's
 `val_loss` (or `train_loss` with --split train). A progress bar runs on stderr; the result is one line.
 
-`--task hellaswag` / `--task lambada` score a benchmark instead (`jaxgpt.evals.benchmarks`): its JSONL is
-downloaded once into ~/.cache/jaxgpt, or given with --data on an offline machine.
+`--benchmark hellaswag` / `--benchmark lambada` score a benchmark instead (`jaxgpt.evals.benchmarks`): its JSONL
+is downloaded once into ~/.cache/jaxgpt, or given with --data on an offline machine. `--task NAME`, this flag's
+old name, still works and says once that it is deprecated ("task" is what `jaxgpt train` trains).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_integer("batch_size", 8, "windows per forward pass", flag_values=flags_)
     flags.DEFINE_integer("block_size", None, "window length (default: the model's block_size; shorter windows "
                          "compare models of different contexts on equal terms)", flag_values=flags_)
-    flags.DEFINE_enum("task", "text", ("text", "hellaswag", "lambada"), "what to evaluate: loss on text or a "
-                      "dataset, or a benchmark", flag_values=flags_)
+    flags.DEFINE_enum("benchmark", None, benchmarks.BENCHMARKS, "score a benchmark instead of the loss on text or a "
+                      "dataset", flag_values=flags_)
+    flags.DEFINE_enum("task", None, ("text", *benchmarks.BENCHMARKS), "deprecated: --benchmark", flag_values=flags_)
     flags.DEFINE_string("data", None, "the benchmark's JSONL (default: downloaded into ~/.cache/jaxgpt)",
                         flag_values=flags_)
     flags.DEFINE_integer("limit", None, "score only the benchmark's first N examples", flag_values=flags_)
@@ -109,14 +111,26 @@ def dataset_rows(flags_: flags.FlagValues, loaded: weights.Weights,
     return rows, text.stream_characters(ids, tokenizer), f"{data_dir} ({flags_.split})"
 
 
-def run_benchmark(flags_: flags.FlagValues, source: str, paths: list[str]) -> None:
+def benchmark_name(flags_: flags.FlagValues) -> str | None:
+    """--benchmark, or the deprecated --task it replaced (saying so, once); None: the loss on text or a dataset."""
+    if flags_.task is None:
+        return flags_.benchmark
+    old = None if flags_.task == "text" else flags_.task
+    if flags_.benchmark is not None and flags_.benchmark != old:
+        raise UserError(f"--task={flags_.task} and --benchmark={flags_.benchmark} disagree: give --benchmark only")
+    print(f"warning: --task is deprecated: use {f'--benchmark {old}' if old else 'no flag (text is the default)'}",
+          file=sys.stderr)
+    return old
+
+
+def run_benchmark(flags_: flags.FlagValues, name: str, source: str, paths: list[str]) -> None:
     if paths or flags_.data_dir or flags_.trainer_batches:
-        raise UserError(f"--task {flags_.task} scores its own data: leave out --text, --data_dir and "
+        raise UserError(f"--benchmark {name} scores its own data: leave out --text, --data_dir and "
                         "--trainer_batches (give its JSONL with --data)")
-    data = benchmarks.data_file(flags_.task, flags_.data)  # before the model is read
+    data = benchmarks.data_file(name, flags_.data)  # before the model is read
     loaded = weights.load(source, which=flags_.which)
-    cfg = weights.require_gpt(source, loaded.model, f"be evaluated on {flags_.task}")
-    result = benchmarks.evaluate(flags_.task, loaded.params, cfg, loaded.tokenizer(flags_.bpe_file), data,
+    cfg = weights.require_gpt(source, loaded.model, f"be evaluated on {name}")
+    result = benchmarks.evaluate(name, loaded.params, cfg, loaded.tokenizer(flags_.bpe_file), data,
                                  flags_.batch_size, flags_.limit)
     print(result.report())
 
@@ -129,8 +143,8 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         raise UserError("--trainer_batches evaluates the run's own batches of a prepared dataset: leave out --text "
                         "and --block_size")
     source = f"workdir:{flags_.workdir}" if flags_.workdir is not None else flags_.init_from
-    if flags_.task != "text":
-        return run_benchmark(flags_, source, paths)
+    if name := benchmark_name(flags_):
+        return run_benchmark(flags_, name, source, paths)
     texts = read_texts(paths)  # a wrong path fails before a model is read
     loaded = weights.load(source, which=flags_.which)
     weights.require_gpt(source, loaded.model, "be evaluated as a language model")

@@ -128,17 +128,17 @@ def read_tokens(ids: str | None, text: str | None, tokenizer: Tokenizer | None, 
 def attention(flags_: flags.FlagValues) -> str:
     loaded, tokenizer = load(flags_)
     cfg = loaded.model
-    encdec = isinstance(cfg, Seq2SeqConfig)
-    gpt = cfg.model if encdec else cfg
-    if not encdec and (flags_.target is not None or flags_.target_ids is not None):
+    seq2seq = isinstance(cfg, Seq2SeqConfig)
+    gpt = cfg.model if seq2seq else cfg
+    if not seq2seq and (flags_.target is not None or flags_.target_ids is not None):
         raise UserError("--target / --target_ids are an encoder-decoder's decoder input: this model is a GPT")
     ids = read_tokens(flags_.ids, flags_.prompt, tokenizer, gpt.vocab_size, "--ids")
-    n_layer = min(gpt.n_layer, cfg.n_encoder_layer) if encdec else gpt.n_layer
+    n_layer = min(gpt.n_layer, cfg.n_encoder_layer) if seq2seq else gpt.n_layer
     if not -n_layer <= flags_.layer < n_layer:
         raise UserError(f"--layer {flags_.layer} does not exist: the model has layers 0..{n_layer - 1}")
     layer = flags_.layer % n_layer
     labels = lambda ids: [str(i) for i in ids] if tokenizer is None else plots.token_labels(tokenizer, ids)
-    if encdec:
+    if seq2seq:
         tgt = ids if flags_.target is None and flags_.target_ids is None else read_tokens(
             flags_.target_ids, flags_.target, tokenizer, gpt.vocab_size, "--target_ids")
         maps = plots.seq2seq_attention_maps(loaded.params, cfg, ids, tgt)

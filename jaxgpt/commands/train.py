@@ -1,8 +1,7 @@
 """Train (or resume) a model: jaxgpt train --config configs/NAME.py [--config.key=value ...]
 
-The config's `task` says what is trained on the one loop: "lm" (language modelling, then a sample of
-what the model writes) or "classify" (seed 001's fine-tuning, e.g. configs/classify_stdlib.py). Keys and
-types are defined in jaxgpt/train/config.py; docs/training.md lists the shipped configs.
+The config's `task` says what is trained on the one loop (a language model's run ends with a sample of what it
+writes). Keys and types are defined in jaxgpt/train/config.py; docs/training.md lists the shipped configs.
 """
 
 from __future__ import annotations
@@ -56,8 +55,16 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     print_sample(cfg, train(cfg, build))
 
 
+def usage() -> str:
+    """This docstring and the tasks (`jaxgpt.train.task.TASKS`), so that --help names every task there is."""
+    from jaxgpt.train.task import TASKS
+
+    listing = "\n".join(f"  {name:<9}{what} ({guide})" for name, (what, guide, _) in TASKS.items())
+    return f"{__doc__.strip()}\n\ntasks (--config.task=NAME):\n{listing}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(__doc__, define, run, argv)
+    return run_command(usage(), define, run, argv)
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def rows_sha256(rows: dict[str, np.ndarray], keys: tuple[str, ...]) -> str:
 
 def spread_indices(n: int, k: int) -> np.ndarray:
     """min(n, k) distinct indices evenly spaced over range(n): a sample of a class-ordered set that keeps
-    every class (the built-in task lists its examples class by class)."""
+    every class (the built-in dataset lists its examples class by class)."""
     return np.unique(np.linspace(0, n - 1, min(n, k)).round().astype(np.int64))
 
 

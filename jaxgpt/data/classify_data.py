@@ -1,4 +1,4 @@
-"""Labelled text for classification fine-tuning: files, the built-in task, tokens, batches.
+"""Labelled text for classification fine-tuning: files, the built-in dataset, tokens, batches.
 
 - Data: a CSV (header with `text` and `label` columns) or JSONL (`{"text": ..., "label": ...}` per line);
   labels are strings or integers, mapped to class ids in sorted order, and the mapping is saved with the
@@ -32,7 +32,7 @@ from jaxgpt.errors import UserError
 
 Label = int | str
 
-BUILTIN_TASKS = ("stdlib_packages",)
+BUILTIN_DATASETS = ("stdlib_packages",)
 STDLIB_PACKAGES = ("asyncio", "email", "unittest", "xml")
 SNIPPET_CHARS = 128
 SNIPPETS_PER_CLASS = 800
@@ -127,8 +127,8 @@ def read_labelled(path: str | Path) -> Examples:
     """(text, label) examples of a .csv or .jsonl file, chosen by extension."""
     path = Path(path)
     if path.suffix.lower() not in (".csv", ".jsonl"):
-        raise UserError(f"data={str(path)!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor a .csv or "
-                        ".jsonl file")
+        raise UserError(f"data={str(path)!r} is neither a built-in dataset ({', '.join(BUILTIN_DATASETS)}) nor a "
+                        ".csv or .jsonl file")
     if not path.is_file():
         raise UserError(f"data file {path} not found: check --config.classify.data")
     return read_csv(path) if path.suffix.lower() == ".csv" else read_jsonl(path)
@@ -169,7 +169,7 @@ def stratified_split(ids: np.ndarray, val_fraction: float, seed: int) -> tuple[n
 
 
 # ----------------------------------------------------------------------------------------------------
-# The built-in task: which standard-library package does a snippet of source come from?
+# The built-in dataset: which standard-library package does a snippet of source come from?
 
 
 def _snippets(text: str, length: int) -> list[str]:
@@ -229,7 +229,7 @@ def stdlib_packages_task(val_fraction: float = 0.2, root: Path | None = None, pa
             except UnicodeDecodeError:
                 continue
         if not texts:
-            raise UserError(f"the standard library at {root} has no package {package!r}: the built-in task "
+            raise UserError(f"the standard library at {root} has no package {package!r}: the built-in dataset "
                             "needs its sources; use a CSV or JSONL file instead")
         held = _held_out_files({rel: len(t) for rel, t in texts.items()}, val_fraction)
         snippets = {rel: _snippets(texts[rel], length) for rel in sorted(texts)}
@@ -238,7 +238,7 @@ def stdlib_packages_task(val_fraction: float = 0.2, root: Path | None = None, pa
     n_val = min(round(per_class * val_fraction), *(len(v) for _, v in pools.values()))
     n_train = min(per_class - n_val, *(len(t) for t, _ in pools.values()))
     if n_val < 1 or n_train < 1:
-        raise UserError(f"the standard library at {root} is too small for the built-in task at val_fraction "
+        raise UserError(f"the standard library at {root} is too small for the built-in dataset at val_fraction "
                         f"{val_fraction}: use a CSV or JSONL file")
     splits = [Examples([s for p in packages for s in _spread(pools[p][i], n)],
                        [p for p in packages for _ in range(n)], f"stdlib_packages ({name})")
@@ -251,8 +251,8 @@ def stdlib_packages_task(val_fraction: float = 0.2, root: Path | None = None, pa
 
 
 def load_task(data: str, val_fraction: float, seed: int) -> tuple[Examples, Examples, list[Label], str]:
-    """(train, val, label names, description) for config.classify.data: a built-in task or a file."""
-    if data in BUILTIN_TASKS:
+    """(train, val, label names, description) for config.classify.data: a built-in dataset or a file."""
+    if data in BUILTIN_DATASETS:
         train, val, description = stdlib_packages_task(val_fraction)
         return train, val, label_names(train.labels + val.labels), description
     examples = read_labelled(data)

@@ -1,4 +1,4 @@
-"""Conversations for chat fine-tuning: the OpenAI `messages` format, jaxgpt's chat format, and built-in tasks.
+"""Conversations for chat fine-tuning: the OpenAI `messages` format, jaxgpt's chat format, and built-in datasets.
 
 A conversation is a list of messages `{"role": ..., "content": ...}`: an optional system message first, then
 user and assistant turns alternating, starting with a user turn and ending with an assistant turn. Files are
@@ -20,9 +20,10 @@ and encodes with the run's tokenizer; `encode_conversation` builds the same ids 
 also knows which tokens are the assistant's (the loss mask), and tests check the two agree. `load_template` reads
 a run's template back, or the file `--chat_template` gives instead.
 
-Built-in conversations (`builtin_conversations`) need no download: a seeded generator of small tasks with one
-checkable answer each (adding or subtracting numbers, spelling a random string backwards, counting a letter in one,
-a fact about a random name from the system message): held-out prompts test the skill, not recall of training data.
+Built-in conversations (`builtin_conversations`) need no download: a seeded generator of four small datasets
+(`BUILTIN_DATASETS`: adding or subtracting numbers, spelling a random string backwards, counting a letter in one,
+a fact about a random name from the system message) with one checkable answer each: held-out prompts test the
+skill, not recall of training data.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import numpy as np
 
@@ -56,7 +57,28 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' 
 TEMPLATE_FILE = "chat_template.jinja"  # a run's own template, in its workdir (saved by task chat, read by serve)
 # Entropy appended to the seed of the built-in generator, apart from the batch streams of jaxgpt.data.batches.
 BUILTIN_STREAM = 5
-BUILTIN_TASKS = ("arithmetic", "reverse", "count", "fact")
+BUILTIN_DATASETS = ("arithmetic", "reverse", "count", "fact")
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversations:
+    """Which conversations a run reads: the settings config.chat (a chat run's data) and config.rl (an RL run's
+    prompts) share (jaxgpt.train.config); `group` names the config group in errors."""
+
+    group: ClassVar[str]
+    # "builtin" (seeded conversations with checkable answers), a .jsonl of {"messages": [...]}, or a Hugging Face Hub
+    # dataset with a messages column, "hf:NAME[:SUBSET[:SPLIT]]" (needs `datasets`; `load_hub`)
+    data: str = "builtin"
+    datasets: str = ",".join(BUILTIN_DATASETS)  # "builtin": which built-in datasets, comma-separated
+    examples: int = 20000  # "builtin": conversations generated (train + held-out)
+    val_fraction: float = 0.05  # conversations held out (by a hash of the prompt) for loss and exact match
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"config.{self.group}.val_fraction={self.val_fraction} must be between 0 and 1 "
+                            "(exclusive), e.g. 0.05")
+        if self.examples < 2:
+            raise UserError(f"config.{self.group}.examples={self.examples} must be >= 2")
 
 
 def _refuse(message: str) -> NoReturn:
@@ -389,12 +411,12 @@ def _fact(rng: np.random.Generator) -> Conversation:
 _GENERATORS = {"arithmetic": _arithmetic, "reverse": _reverse, "count": _count, "fact": _fact}
 
 
-def builtin_conversations(seed: int, n: int, tasks: Sequence[str] = BUILTIN_TASKS) -> list[Conversation]:
-    """`n` conversations, from each of `tasks` in turn (a pure function of (seed, n, tasks)); each has one right
-    answer, its assistant turn. Training batches are shuffled (`batch_indices`), so the order does not matter."""
-    unknown = [t for t in tasks if t not in _GENERATORS]
-    if unknown or not tasks:
-        raise UserError(f"config.chat.tasks: unknown built-in task(s) {unknown}: choose from "
-                        f"{', '.join(BUILTIN_TASKS)}")
+def builtin_conversations(seed: int, n: int, datasets: Sequence[str] = BUILTIN_DATASETS) -> list[Conversation]:
+    """`n` conversations, from each of `datasets` in turn (a pure function of (seed, n, datasets)); each has one
+    right answer, its assistant turn. Training batches are shuffled (`batch_indices`), so the order does not matter."""
+    unknown = [t for t in datasets if t not in _GENERATORS]
+    if unknown or not datasets:
+        raise UserError(f"config.chat.datasets (config.rl.datasets for RL): unknown built-in dataset(s) {unknown}: "
+                        f"choose from {', '.join(BUILTIN_DATASETS)}")
     rng = np.random.Generator(np.random.PCG64([seed, BUILTIN_STREAM]))
-    return [_GENERATORS[tasks[i % len(tasks)]](rng) for i in range(n)]
+    return [_GENERATORS[datasets[i % len(datasets)]](rng) for i in range(n)]

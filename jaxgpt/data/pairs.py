@@ -1,9 +1,9 @@
-"""Source/target text pairs for the encoder-decoder task: files, built-in tasks, model ids, batches.
+"""Source/target text pairs for the encoder-decoder task: files, built-in datasets, model ids, batches.
 
 - Files: TSV (`source<TAB>target`, further columns ignored, so Tatoeba/Anki's `source<TAB>target<TAB>
   attribution` lines work as they are) or JSONL (`{"source": ..., "target": ...}` per line); blank lines
   are skipped, and any other malformed line is a one-line error naming file:line.
-- Built-in tasks, no download: `copy` / `reverse` (the Annotated Transformer's synthetic task: random
+- Built-in datasets, no download: `copy` / `reverse` (the Annotated Transformer's synthetic task: random
   symbol strings, the target is the string or its reverse) and `stdlib_identifiers` (the running
   interpreter's snake_case identifiers, the target their words in reverse order; see `stdlib_pairs`).
 - Model ids: one text tokenizer for sources and targets, with three specials placed before the text ids
@@ -37,7 +37,7 @@ BUILTIN = (*SYNTHETIC, "stdlib_identifiers")
 FILE_SUFFIXES = (".tsv", ".txt", ".jsonl")
 TOKENIZERS = ("char", "word")
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-# A fixed stream (not the run seed): a built-in task is the same data for every run, like a file.
+# A fixed stream (not the run seed): a built-in dataset is the same data for every run, like a file.
 SYNTHETIC_STREAM = 5
 IDENTIFIER = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 
@@ -119,7 +119,7 @@ def read_pairs(path: str | Path) -> list[Pair]:
     """(source, target) pairs of a TSV (.tsv, .txt) or JSONL (.jsonl) file; empty sources or targets are errors."""
     path = Path(path)
     if path.suffix.lower() not in FILE_SUFFIXES:
-        raise UserError(f"config.seq2seq.data={str(path)!r} is neither a built-in task ({', '.join(BUILTIN)}) nor a "
+        raise UserError(f"config.seq2seq.data={str(path)!r} is neither a built-in dataset ({', '.join(BUILTIN)}) nor a "
                         f"{'/'.join(FILE_SUFFIXES)} file of source/target pairs")
     if not path.is_file():
         raise UserError(f"pair file {path} not found: check --config.seq2seq.data")
@@ -139,7 +139,7 @@ def read_pairs(path: str | Path) -> list[Pair]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Built-in tasks
+# Built-in datasets
 
 
 def synthetic_pairs(kind: str, n: int, symbols: int, length: int) -> list[Pair]:
@@ -189,7 +189,7 @@ def split(pairs: list[Pair], val_fraction: float) -> tuple[list[Pair], list[Pair
 
 def load_pairs(data: str, val_fraction: float, examples: int, symbols: int,
                length: int) -> tuple[list[Pair], list[Pair], str]:
-    """(train, val, description) for config.seq2seq.data: a built-in task or a file."""
+    """(train, val, description) for config.seq2seq.data: a built-in dataset or a file."""
     if not data:
         raise UserError("config.seq2seq.data is empty: pass --config.seq2seq.data=PATH, a file of source<TAB>target "
                         "lines (.tsv/.txt, e.g. Tatoeba/Anki's fra.txt) or of JSON objects (.jsonl)")

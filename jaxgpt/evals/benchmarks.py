@@ -35,11 +35,12 @@ SOURCES = {
     "hellaswag": "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl",
     "lambada": "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
 }
+BENCHMARKS = tuple(SOURCES)  # `jaxgpt eval --benchmark NAME`
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    task: str
+    benchmark: str
     examples: int
     accuracy: float
     accuracy_norm: float | None = None  # HellaSwag
@@ -48,17 +49,17 @@ class Result:
     def report(self) -> str:
         extra = (f", acc_norm {self.accuracy_norm:.4f}" if self.accuracy_norm is not None
                  else f", perplexity {self.perplexity:.3f}")
-        return f"{self.task}: {self.examples} examples, acc {self.accuracy:.4f}{extra}"
+        return f"{self.benchmark}: {self.examples} examples, acc {self.accuracy:.4f}{extra}"
 
 
-def data_file(task: str, path: str | None) -> Path:
-    """The task's JSONL: `path` when given, else the cached download (fetched once when online)."""
+def data_file(benchmark: str, path: str | None) -> Path:
+    """The benchmark's JSONL: `path` when given, else the cached download (fetched once when online)."""
     if path:
         if not Path(path).is_file():
-            raise UserError(f"--data {path} does not exist: give the {task} JSONL file ({SOURCES[task]})")
+            raise UserError(f"--data {path} does not exist: give the {benchmark} JSONL file ({SOURCES[benchmark]})")
         return Path(path)
-    name = SOURCES[task].rsplit("/", 1)[1]
-    return download(SOURCES[task], CACHE / name, f"offline, download {name} elsewhere and pass --data PATH "
+    name = SOURCES[benchmark].rsplit("/", 1)[1]
+    return download(SOURCES[benchmark], CACHE / name, f"offline, download {name} elsewhere and pass --data PATH "
                     f"(or put it at {CACHE / name})")
 
 
@@ -147,11 +148,11 @@ class DuringTraining:
         return {"hellaswag_acc": result.accuracy, "hellaswag_acc_norm": result.accuracy_norm}
 
 
-def evaluate(task: str, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, path: Path, batch_size: int = 8,
+def evaluate(benchmark: str, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, path: Path, batch_size: int = 8,
              limit: int | None = None, progress: bool = True) -> Result:
-    """Run `task` ("hellaswag" or "lambada") on the JSONL at `path`, optionally its first `limit` examples."""
+    """Run `benchmark` ("hellaswag" or "lambada") on the JSONL at `path`, optionally its first `limit` examples."""
     scorer = Scorer(params, cfg, batch_size, progress)
-    if task == "hellaswag":
+    if benchmark == "hellaswag":
         examples = read(path)[:limit]
         if not examples:
             raise UserError(f"{path} holds no HellaSwag example")

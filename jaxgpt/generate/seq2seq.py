@@ -1,8 +1,8 @@
-"""Decoding for the encoder-decoder Transformer (`jaxgpt.model.encdec`): greedy, sampling and beam search.
+"""Decoding for the seq2seq model (`jaxgpt.model.encdec`, an encoder-decoder): greedy, sampling and beam search.
 
 Every function runs the encoder once per source, projects its output into each decoder layer's
-cross-attention keys and values once (`EncoderDecoder.memory_kv`), then emits one token per step in a
-`lax.while_loop` through `EncoderDecoder.decode_step`, which reads and extends a self-attention KV cache
+cross-attention keys and values once (`Seq2SeqModel.memory_kv`), then emits one token per step in a
+`lax.while_loop` through `Seq2SeqModel.decode_step`, which reads and extends a self-attention KV cache
 (`attention.init_cache`). They are pure and jitted with static shapes, no host synchronization and no
 Python-side early exit, so they also trace inside another `jax.jit` (the seq2seq task's evaluation calls
 `greedy`); the loop stops on the device once every row has finished.
@@ -28,7 +28,7 @@ from jaxgpt.generate.sampling import SamplerSpec, finish_rows, validate_options
 from jaxgpt.generate.strategies import gumbel_noise
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import Seq2SeqConfig
-from jaxgpt.model.encdec import EncoderDecoder
+from jaxgpt.model.encdec import Seq2SeqModel
 
 Array = jax.Array
 GREEDY = SamplerSpec(greedy=True, top_k=None, use_top_p=False, eot_token=None, window_shift=1)
@@ -61,10 +61,10 @@ def encode(params: Any, cfg: Seq2SeqConfig, src_BS: Array, copies: int = 1) -> t
 
     Copies of a row are adjacent (row b * copies + j), as beam search lays out its beams.
     """
-    model = EncoderDecoder(cfg)
-    src_mask_BS = model.apply({"params": params}, src_BS, method=EncoderDecoder.source_mask)
-    memory_BSC = model.apply({"params": params}, src_BS, method=EncoderDecoder.encode)
-    memory_kv = model.apply({"params": params}, memory_BSC, method=EncoderDecoder.memory_kv)
+    model = Seq2SeqModel(cfg)
+    src_mask_BS = model.apply({"params": params}, src_BS, method=Seq2SeqModel.source_mask)
+    memory_BSC = model.apply({"params": params}, src_BS, method=Seq2SeqModel.encode)
+    memory_kv = model.apply({"params": params}, memory_BSC, method=Seq2SeqModel.memory_kv)
     repeat = lambda x: jnp.repeat(x, copies, axis=0)
     return repeat(src_mask_BS), jax.tree.map(repeat, memory_kv)
 
@@ -72,8 +72,8 @@ def encode(params: Any, cfg: Seq2SeqConfig, src_BS: Array, copies: int = 1) -> t
 def _step(params: Any, cfg: Seq2SeqConfig, tok_B: Array, cache: Any, index: Array, memory_kv: Any,
           src_mask_BS: Array) -> tuple[Array, Any]:
     """Logits (B, V) after feeding one token per row at position `index`, and the updated cache."""
-    logits_B1V, cache = EncoderDecoder(cfg).apply({"params": params}, tok_B[:, None], cache, index, memory_kv,
-                                                  src_mask_BS, method=EncoderDecoder.decode_step)
+    logits_B1V, cache = Seq2SeqModel(cfg).apply({"params": params}, tok_B[:, None], cache, index, memory_kv,
+                                                  src_mask_BS, method=Seq2SeqModel.decode_step)
     return logits_B1V[:, 0], cache
 
 

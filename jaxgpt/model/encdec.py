@@ -1,4 +1,5 @@
-"""The encoder-decoder Transformer (seed 002's Keras model, the Annotated Transformer's full model) in Flax.
+"""The seq2seq model (`Seq2SeqModel`), an encoder-decoder Transformer: seed 002's Keras model, the Annotated
+Transformer's full model, in Flax.
 
 Shapes are named in variable suffixes: B batch, S source length, T target length, C n_embd, H heads,
 D head_dim, V target vocabulary.
@@ -36,7 +37,7 @@ class DecoderBlock(nn.Module):
     """Causal self-attention (ln_1), cross-attention on the memory (ln_2), feed-forward (ln_3).
 
     The memory is the encoder's output (B, S, C), or every layer's cross-attention keys and values
-    (`EncoderDecoder.memory_kv`) when generating, which also passes the self-attention's KV cache.
+    (`Seq2SeqModel.memory_kv`) when generating, which also passes the self-attention's KV cache.
     """
 
     cfg: ModelConfig
@@ -61,7 +62,7 @@ class DecoderBlock(nn.Module):
         return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), written["cache"]
 
 
-class EncoderDecoder(nn.Module):
+class Seq2SeqModel(nn.Module):
     """Source tokens (B, S) and shifted target tokens (B, T) -> next-target-token logits (B, T, V) in float32.
 
     Parameters: `wte` the target's token table (also the source's with share_embeddings, else `src_wte`),
@@ -173,9 +174,9 @@ def dummy_batch(cfg: Seq2SeqConfig) -> tuple[Array, Array]:
 
 def init_params(cfg: Seq2SeqConfig, key: Array) -> dict:
     """Plain (unboxed) float parameters, built under jit."""
-    return nn.unbox(jax.jit(EncoderDecoder(cfg).init)(key, *dummy_batch(cfg))["params"])
+    return nn.unbox(jax.jit(Seq2SeqModel(cfg).init)(key, *dummy_batch(cfg))["params"])
 
 
 def abstract_variables(cfg: Seq2SeqConfig) -> dict:
     """`init`'s variables as boxed ShapeDtypeStructs: shapes and logical axis names, nothing allocated."""
-    return jax.eval_shape(EncoderDecoder(cfg).init, jax.random.key(0), *dummy_batch(cfg))
+    return jax.eval_shape(Seq2SeqModel(cfg).init, jax.random.key(0), *dummy_batch(cfg))

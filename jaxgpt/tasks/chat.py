@@ -41,6 +41,7 @@ from jaxgpt.data.conversations import (
     SPECIAL_TOKENS,
     TEMPLATE_FILE,
     Conversation,
+    Conversations,
     Encoded,
     builtin_conversations,
     chat_tokenizer,
@@ -96,14 +97,15 @@ def grow_vocab(params: dict[str, Any], vocab_size: int, key: jax.Array) -> dict[
     return grown
 
 
-def configured_conversations(c: ChatConfig, seed: int) -> tuple[list[Conversation], list[str], list[str], str]:
-    """(conversations, where each comes from, its kind for per-task accuracy, a description) of config.chat."""
+def configured_conversations(c: Conversations, seed: int) -> tuple[list[Conversation], list[str], list[str], str]:
+    """(conversations, where each comes from, its kind (its built-in dataset) for per-dataset accuracy, a
+    description) of config.chat, or of config.rl for RL's prompts."""
     if c.data == "builtin":
-        tasks = [t.strip() for t in c.tasks.split(",") if t.strip()]
-        conversations = builtin_conversations(seed, c.examples, tasks)
-        kinds = [tasks[i % len(tasks)] for i in range(len(conversations))]
+        datasets = [t.strip() for t in c.datasets.split(",") if t.strip()]
+        conversations = builtin_conversations(seed, c.examples, datasets)
+        kinds = [datasets[i % len(datasets)] for i in range(len(conversations))]
         return (conversations, [f"built-in conversation {i}" for i in range(len(conversations))], kinds,
-                f"built-in conversations: {c.examples} of {', '.join(tasks)} (seed {seed})")
+                f"built-in conversations: {c.examples} of {', '.join(datasets)} (seed {seed})")
     if c.data.startswith("hf:"):
         numbered = load_hub(c.data)
         origins = [f"{c.data} row {n}" for n, _ in numbered]
@@ -111,7 +113,7 @@ def configured_conversations(c: ChatConfig, seed: int) -> tuple[list[Conversatio
         numbered = load_jsonl(c.data)
         origins = [f"{c.data}:{n}" for n, _ in numbered]
     else:
-        raise UserError(f"config.chat.data={c.data!r} is neither 'builtin' nor a .jsonl file of "
+        raise UserError(f"config.{c.group}.data={c.data!r} is neither 'builtin' nor a .jsonl file of "
                         f"{{\"messages\": [...]}} objects (OpenAI's format) nor a Hub dataset, {HUB_SPEC}")
     return ([conv for _, conv in numbered], origins, ["conversations"] * len(numbered),
             f"{len(numbered)} conversations from {c.data}")
@@ -169,7 +171,7 @@ def _through_turn(messages: Conversation, n: int) -> Conversation:
 def held_out_conversations(c: ChatConfig, seed: int, tokenizer: WithSpecialTokens,
                            block_size: int) -> list[tuple[Conversation, str]]:
     """The held-out conversations a chat run of config.chat scores, as it scores them, each with its kind (its
-    built-in task): those that fit its context (`tokenizer` and `block_size`: the run's), each up to its last
+    built-in dataset): those that fit its context (`tokenizer` and `block_size`: the run's), each up to its last
     assistant turn that fits. For measuring a trained run elsewhere (through the server: benchmarks/bench_chat.py)."""
     conversations, origins, kinds, _ = configured_conversations(c, seed)
     kept, _, _ = _fit(conversations, origins, kinds, tokenizer, block_size)
@@ -299,7 +301,7 @@ class Chat:
 
     def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
         """Per split: loss over assistant tokens (val_loss: the best-checkpoint metric), token accuracy, exact
-        match, and exact match per kind of conversation (the built-in tasks)."""
+        match, and exact match per kind of conversation (the built-in datasets)."""
         result: dict[str, Any] = {}
         for split, outs in outputs.items():
             total = lambda key, outs=outs: sum(float(o[key]) for o in outs)
@@ -312,16 +314,16 @@ class Chat:
             per_kind: dict[str, list[bool]] = defaultdict(list)
             for kind, ok in zip(kinds.tolist(), exact.tolist(), strict=True):
                 per_kind[kind].append(ok)
-            result[f"{split}_exact_match_by_task"] = {k: float(np.mean(v)) for k, v in sorted(per_kind.items())}
+            result[f"{split}_exact_match_by_dataset"] = {k: float(np.mean(v)) for k, v in sorted(per_kind.items())}
         return result
 
     def describe(self) -> str:
         return self._description
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        by_task = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_exact_match_by_task"].items())
+        by_dataset = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_exact_match_by_dataset"].items())
         return (f"step {step}: val loss {metrics['val_loss']:.4f}, exact match {metrics['val_exact_match']:.3f} "
-                f"({by_task}; {metrics['val_conversations']} held-out conversations); train loss "
+                f"({by_dataset}; {metrics['val_conversations']} held-out conversations); train loss "
                 f"{metrics['train_loss']:.4f}, exact match {metrics['train_exact_match']:.3f}")
 
     def final_line(self, metrics: dict[str, Any]) -> str | None:

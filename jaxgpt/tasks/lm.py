@@ -16,7 +16,7 @@ from jaxgpt import storage
 from jaxgpt.data.batches import batch_for_step, check_shapes, document_starts, eval_batches
 from jaxgpt.data.corpora import prepare_builtin
 from jaxgpt.data.dataset import META_FILE, Dataset, load_dataset, unknown_summary
-from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer
+from jaxgpt.data.tokenizer import describe_tokenizer, same_tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
@@ -70,6 +70,19 @@ def open_dataset(data: DataConfig) -> Dataset:
         multihost_utils.sync_global_devices("jaxgpt-dataset-ready")
         prepare_if_missing()  # host-local disks: every host needs its own copy
     return load_dataset(data.dir, bpe_file=bpe_file)
+
+
+def from_config(cfg: TrainConfig) -> LanguageModelling:
+    """The `lm` task of a run (`jaxgpt.tasks.build`): its prepared dataset opened, a built-in one prepared first,
+    and HellaSwag scored at each evaluation (`Task.benchmarks`) when config.eval.hellaswag asks (its file is read
+    here, before training)."""
+    task = LanguageModelling(cfg, open_dataset(cfg.data))
+    if cfg.eval.hellaswag:
+        from jaxgpt.evals.benchmarks import DuringTraining  # the evals package loads only for runs that use it
+
+        tokenizer = tokenizer_from_meta(task.tokenizer_meta, cfg.data.bpe_file or None)
+        task.benchmarks = DuringTraining(cfg.eval, task.model_cfg, tokenizer, task.eval_rows_per_batch)
+    return task
 
 
 def model_for(cfg: TrainConfig, dataset: Dataset | None) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""Sequence to sequence: the encoder-decoder Transformer (`jaxgpt.model.encdec`) trained on source/target pairs.
+"""Task seq2seq: the seq2seq model (`jaxgpt.model.encdec`, an encoder-decoder) trained on source/target pairs.
 
 Teacher forcing: the decoder reads [bos] + target and is trained to predict target + [eos] at every position
 at once; the loss is the mean cross-entropy over real target tokens (padding and the filler rows of a short
@@ -40,7 +40,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.generate.seq2seq import greedy
 from jaxgpt.io import weights
 from jaxgpt.model.config import Seq2SeqConfig
-from jaxgpt.model.encdec import EncoderDecoder, dummy_batch
+from jaxgpt.model.encdec import Seq2SeqModel, dummy_batch
 from jaxgpt.ops.loss import token_cross_entropy
 from jaxgpt.train.config import TrainConfig
 
@@ -89,7 +89,7 @@ class Seq2Seq:
         self.cfg, self.tokenizer, self.val_pairs = cfg, tokenizer, [val[i] for i in val_kept]
         self.data = {split: encode_pairs([ids[split][i] for i in kept], src_len, tgt_len)
                      for split, kept in (("train", train_kept), ("val", val_kept))}
-        self.model = EncoderDecoder(self.model_cfg)
+        self.model = Seq2SeqModel(self.model_cfg)
         self.tokenizer_meta = tokenizer.to_meta()
         self.tokens_per_row = src_len + tgt_len
         self.eval_rows_per_batch = cfg.batch_size

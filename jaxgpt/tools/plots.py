@@ -182,11 +182,11 @@ def seq2seq_attention_maps(params: Any, cfg: Seq2SeqConfig, src_ids: Sequence[in
     import jax
     import jax.numpy as jnp
 
-    from jaxgpt.model.encdec import EncoderDecoder
+    from jaxgpt.model.encdec import Seq2SeqModel
 
     src = checked_ids(src_ids, cfg.src_vocab_size, cfg.src_block_size, "the source")
     tgt = checked_ids(tgt_ids, cfg.model.vocab_size, cfg.model.block_size, "the target")
-    model = EncoderDecoder(cfg.replace(attention_impl="einsum"))
+    model = Seq2SeqModel(cfg.replace(attention_impl="einsum"))
 
     @jax.jit
     def sown(p: Any, src_BS: jax.Array, tgt_BT: jax.Array) -> Any:

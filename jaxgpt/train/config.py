@@ -16,17 +16,19 @@ import functools
 import json
 import math
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
 from ml_collections import ConfigDict, config_dict
 
 from jaxgpt import storage
+from jaxgpt.data.conversations import Conversations
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
 from jaxgpt.model.presets import get_preset
+from jaxgpt.train import renamed
 from jaxgpt.train.optim import OptimConfig
+from jaxgpt.train.task import TASKS
 
-TASKS = ("lm", "classify", "seq2seq", "chat", "rl")
 # Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
 _UNSET_TYPES = {"head_dim": int, "d_ff": int, "n_kv_head": int, "pad_id": int, "vocab_size": int, "rope_theta": float,
                 "logit_softcap": float}
@@ -35,10 +37,11 @@ MAX_NEW_TOKENS = 1 << 20
 
 
 # The keys that name a file or directory, and what each takes (`storage.check`): all checked before anything
-# runs. workdir, data.dir and the cache may be bucket URLs; a built-in task name is no path and passes.
+# runs. workdir, data.dir and the cache may be bucket URLs; a built-in dataset's name is no path and passes.
 LOCATION_KEYS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "data.dir": storage.ANYWHERE,
                  "data.bpe_file": storage.LOCAL, "data.csv": storage.LOCAL, "classify.data": storage.LOCAL,
-                 "seq2seq.data": storage.LOCAL, "chat.data": storage.LOCAL, "eval.hellaswag_data": storage.LOCAL,
+                 "seq2seq.data": storage.LOCAL, "chat.data": storage.LOCAL, "rl.data": storage.LOCAL,
+                 "eval.hellaswag_data": storage.LOCAL,
                  "compilation_cache_dir": storage.ANYWHERE}
 
 
@@ -63,7 +66,7 @@ class DataConfig:
 class ClassifyConfig:
     """Task "classify": the model, tokenizer and body weights come from init_from."""
 
-    data: str = "stdlib_packages"  # a built-in task name, or a .csv / .jsonl file of (text, label)
+    data: str = "stdlib_packages"  # a built-in dataset name, or a .csv / .jsonl file of (text, label)
     val_fraction: float = 0.2  # held out for accuracy (stratified by class)
     max_len: int | None = None  # tokens per row incl. the classification token
     cls_token: str = ""  # "" = end-of-text for BPE models, "\n" for char models
@@ -105,32 +108,23 @@ class Seq2SeqTaskConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChatConfig:
+class ChatConfig(Conversations):
     """Task "chat": supervised fine-tuning on conversations (jaxgpt/tasks/chat.py); model and tokenizer from
     init_from, the chat format's special tokens added to that tokenizer."""
 
-    # "builtin" (seeded conversations with checkable answers), a .jsonl of {"messages": [...]}, or a Hugging Face Hub
-    # dataset with a messages column, "hf:NAME[:SUBSET[:SPLIT]]" (needs `datasets`; jaxgpt.data.conversations.load_hub)
-    data: str = "builtin"
-    tasks: str = "arithmetic,reverse,count,fact"  # "builtin": which generators, comma-separated
-    examples: int = 20000  # "builtin": conversations generated (train + held-out)
-    val_fraction: float = 0.05  # conversations held out (by a hash of the prompt) for loss and exact match
+    group: ClassVar[str] = "chat"
     # Training rows: False, one conversation per row, right-padded; True, several packed into each row, none seeing
     # another (document masks: GPT.hidden's segments). Held-out rows hold one each either way.
     pack: bool = False
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.val_fraction < 1.0:
-            raise UserError(f"config.chat.val_fraction={self.val_fraction} must be between 0 and 1 (exclusive), "
-                            "e.g. 0.05")
-        _at_least("chat.", {"examples": self.examples}, 2)
-
 
 @dataclasses.dataclass(frozen=True)
-class RLConfig:
-    """Task "rl": GRPO on rewards a program checks (jaxgpt/tasks/rl/task.py), from init_from; prompts are config.chat's
-    conversations less their last assistant turn (the answer); batch_size counts completions (prompts x groups)."""
+class RLConfig(Conversations):
+    """Task "rl": GRPO on rewards a program checks (jaxgpt/tasks/rl/task.py), from init_from; prompts are the
+    conversations of data/datasets less their last assistant turn (the answer); batch_size counts completions
+    (prompts x groups)."""
 
+    group: ClassVar[str] = "rl"
     # "exact" (the reply equals the answer), "module:function" or "path/file.py:function" taking (prompt messages,
     # completion text) -> float, or several comma-separated, each optionally weighted: "exact=1,my_rewards:brevity=0.1"
     reward: str = "exact"
@@ -150,6 +144,7 @@ class RLConfig:
     pass_k: int = 8  # k of pass@k: completions sampled per held-out prompt
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.loss_type not in ("grpo", "dr_grpo", "dapo"):
             raise UserError(f"config.rl.loss_type={self.loss_type!r} is unknown: choose grpo, dr_grpo or dapo")
         _at_least("rl.", {"num_generations": self.num_generations}, 2)  # a group of one has no baseline
@@ -228,11 +223,7 @@ def _default_model() -> ModelConfig:
 class TrainConfig:
     """A whole run: every key of the ConfigDict, in its order, typed and checked; what the loop and tasks read."""
 
-    # "lm": language modelling on a token dataset; "classify": seed 001's fine-tuning (c.classify);
-    # "seq2seq": the encoder-decoder on source/target pairs (c.seq2seq; model.n_layer is the decoder's layers)
-    # "chat": supervised fine-tuning on conversations (c.chat; model and tokenizer from init_from)
-    # "rl": reinforcement learning on checkable rewards (c.rl; prompts from c.chat's data; from init_from)
-    task: str = "lm"
+    task: str = "lm"  # a key of jaxgpt.train.task.TASKS; a task's settings are the group of its name (c.classify, ...)
     workdir: str = ""  # where checkpoints, logs and the resolved config go (required): a path, gs:// or s3:// URL
     seed: int = 0  # data order, init and dropout all derive from it
     # GPT-2's shape; vocab_size unset in the ConfigDict: the dataset's (`vocab_from_data`)
@@ -278,7 +269,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
-            raise UserError(f"config.task={self.task!r} is unknown: choose one of {TASKS}")
+            raise UserError(f"config.task={self.task!r} is unknown: choose one of {', '.join(TASKS)}")
         if not self.workdir:
             raise UserError("config.workdir is empty: pass --config.workdir=DIR (where checkpoints and logs go)")
         for key, kind in LOCATION_KEYS.items():
@@ -335,6 +326,7 @@ def base_config() -> ConfigDict:
     c.workdir = ""  # required: from_config_dict refuses it empty
     c.model = model_fields(get_preset("gpt2"), vocab_size=None)  # vocab_size None: the dataset's
     c.optim.decay_steps = config_dict.placeholder(int)  # None: max_steps
+    renamed.add_aliases(c)
     return c
 
 
@@ -388,7 +380,9 @@ def non_finite(values: dict[str, Any], prefix: str = "") -> list[str]:
 
 def from_config_dict(c: ConfigDict) -> TrainConfig:
     """Check a ConfigDict (a config file plus command-line overrides) and build the typed config."""
+    renamed.rl_prompts_from_chat(c, base_config())
     values = c.to_dict()
+    renamed.drop_aliases(values)
     if bad := non_finite(values):
         raise UserError(f"config values must be finite numbers: {', '.join(bad)}")
     if values.get("optim", {}).get("eps", 1.0) <= 0:

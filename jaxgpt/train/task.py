@@ -21,6 +21,17 @@ import numpy as np
 
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 
+# The objectives this loop trains (config.task): each one's line for `jaxgpt train --help`, the guide that covers it
+# (tests/test_docs.py holds the guides to this list) and what `jaxgpt.tasks.build` calls with the run's config. The
+# makers are named, not imported: they sit in the tasks layer above this one.
+TASKS = {
+    "lm": ("language modelling on a token dataset (the default)", "docs/training.md", "jaxgpt.tasks.lm.from_config"),
+    "classify": ("seed 001's classification fine-tuning", "docs/training.md", "jaxgpt.tasks.classify.Classification"),
+    "seq2seq": ("the encoder-decoder on source/target pairs", "docs/seq2seq.md", "jaxgpt.tasks.seq2seq.Seq2Seq"),
+    "chat": ("supervised fine-tuning on conversations", "docs/chat.md", "jaxgpt.tasks.chat.Chat"),
+    "rl": ("reinforcement learning (GRPO) on rewards a program checks", "docs/rl.md", "jaxgpt.tasks.rl.RL"),
+}
+
 Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf has the rows first
 
 

@@ -1,7 +1,7 @@
-"""Prompts of task rl: config.chat's conversations without their last assistant turn, which becomes the answer.
+"""Prompts of task rl: config.rl's conversations without their last assistant turn, which becomes the answer.
 
-From `config.chat.data`:
-* "builtin": the seeded built-in conversations of `config.chat.tasks` (`builtin_conversations`), so the prompts
+From `config.rl.data` (the same keys as config.chat's, `Conversations`):
+* "builtin": the seeded built-in conversations of `config.rl.datasets` (`builtin_conversations`), so the prompts
   and their held-out split are those an SFT run on the same settings saw and held out;
 * a `.jsonl` file, one object per line: SFT's `{"messages": [..., assistant]}` (the last assistant turn is the
   answer), or `{"messages": [..., user], "answer": "..."}`, or a prompt alone `{"messages": [..., user]}` for
@@ -18,20 +18,20 @@ import dataclasses
 
 from jaxgpt.data.conversations import (
     Conversation,
+    Conversations,
     conversation_error,
     jsonl_objects,
     split_held_out,
 )
 from jaxgpt.errors import UserError
 from jaxgpt.tasks.chat import configured_conversations
-from jaxgpt.train.config import ChatConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     messages: Conversation  # ends with the user's turn
     answer: str | None  # what the built-in checker compares with (None: no answer given)
-    kind: str  # the built-in task, or "conversations"
+    kind: str  # the built-in dataset, or "conversations"
     origin: str  # where it comes from, for one-line errors
 
 
@@ -57,8 +57,8 @@ def _load_jsonl(path: str) -> list[Prompt]:
     return prompts
 
 
-def load_prompts(c: ChatConfig, seed: int) -> tuple[list[Prompt], str]:
-    """(prompts, a description) of config.chat's data: a JSONL file of prompts read here (`_jsonl_prompt`'s three
+def load_prompts(c: Conversations, seed: int) -> tuple[list[Prompt], str]:
+    """(prompts, a description) of config.rl's data: a JSONL file of prompts read here (`_jsonl_prompt`'s three
     forms), else SFT's conversations (`chat.configured_conversations`: built-in or from the Hub), each without its
     last turn, which is the answer."""
     if c.data.endswith(".jsonl"):

@@ -2,7 +2,7 @@
 
 `config.rl.reward` names one or several, comma-separated, each optionally `=WEIGHT` (default 1):
 
-* `exact`: 1.0 when the completion, stripped, equals the prompt's answer (the built-in tasks' answers, a JSONL
+* `exact`: 1.0 when the completion, stripped, equals the prompt's answer (the built-in datasets' answers, a JSONL
   line's `answer` field or the conversation's last assistant turn), else 0.0: what SFT's exact match checks;
 * `module:function` (importable, e.g. a file beside train.py) or `path/to/file.py:function`: a function of
   (prompt messages, completion text) returning a number, e.g.

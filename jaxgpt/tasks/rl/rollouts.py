@@ -123,7 +123,7 @@ def mask_truncated(rows: dict[str, np.ndarray], completions: Sequence[list[int]]
 
 def pass_rates(sampler: Sampler, params: Any, held: PromptSet, k: int, seed: int) -> dict[str, Any]:
     """Held-out pass@1 of greedy completions, pass@k and pass@1 of k sampled ones (a completion passes when its
-    reward reaches PASS), the mean greedy reward, and greedy pass@1 per kind of prompt (the built-in tasks)."""
+    reward reaches PASS), the mean greedy reward, and greedy pass@1 per kind of prompt (the built-in datasets)."""
     N = len(held.prompts)
     greedy = sampler.score(held.prompts, sampler.sample(params, held.ids, held.room, [0] * N, greedy=True))
     rows = [(i, j) for i in range(N) for j in range(k)]
@@ -134,5 +134,5 @@ def pass_rates(sampler: Sampler, params: Any, held: PromptSet, k: int, seed: int
     return {"val_reward": float(greedy.mean()), "val_pass_at_1": float(np.mean(greedy >= PASS)),
             "val_pass_at_k": float(np.mean((sampled >= PASS).any(axis=1))),
             "val_sampled_pass_at_1": float(np.mean(sampled >= PASS)), "val_prompts": N, "pass_k": k,
-            "val_pass_at_1_by_task": {kind: float(np.mean(greedy[kinds == kind] >= PASS))
+            "val_pass_at_1_by_dataset": {kind: float(np.mean(greedy[kinds == kind] >= PASS))
                                       for kind in sorted(set(kinds.tolist()))}}

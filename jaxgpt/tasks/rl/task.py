@@ -57,6 +57,7 @@ from jaxgpt.tasks.rl.rollouts import (
     request_seed,
     token_rows,
 )
+from jaxgpt.train import renamed
 from jaxgpt.train.config import TrainConfig, base_config
 
 EVAL_ONLY = ("slots", "eval_prompts", "pass_k")  # config.rl keys that leave the training trajectory alone
@@ -94,12 +95,12 @@ class RL:
         rl = cfg.rl
         self.cfg, self.rl = cfg, rl
         self.rewards = parse_rewards(rl.reward)
-        prompts, description = load_prompts(cfg.chat, cfg.seed)
+        prompts, description = load_prompts(rl, cfg.seed)
         self.base_cfg, self.tokenizer, self.model_cfg = chat_architecture(cfg, "to write prompts with")
         self.model = GPT(self.model_cfg)
         self.tokenizer_meta = self.tokenizer.to_meta()
         self.end_id = self.tokenizer.special_ids[END]
-        train, held = split_prompts(prompts, cfg.chat.val_fraction)
+        train, held = split_prompts(prompts, rl.val_fraction)
         block_size = self.model_cfg.block_size
         self.train, dropped = encode_prompts(train, self.tokenizer, block_size, rl.max_new_tokens)
         held_set, _ = encode_prompts(held, self.tokenizer, block_size, rl.max_new_tokens)
@@ -166,7 +167,7 @@ class RL:
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         Chat.check_resume(self, saved_meta, workdir)  # the same model and tokenizer
-        saved = saved_meta.get("rl", {}).get("settings", {})
+        saved = renamed.saved_rl_settings(saved_meta)
         default = base_config().rl.to_dict()  # a setting newer than the run was its default there
         changed = sorted(k for k in set(saved) | set(self.settings)
                          if saved.get(k, default.get(k)) != self.settings.get(k, default.get(k)))
@@ -214,7 +215,7 @@ class RL:
             nll, tokens = (np.concatenate([np.asarray(o[k]) for o in outputs["val"]])[:len(kinds)]
                            for k in ("nll_B", "tokens_B"))
             metrics["val_answer_loss"] = float(nll.sum() / tokens.sum())
-            metrics["val_answer_loss_by_task"] = {kind: float(nll[kinds == kind].sum() / tokens[kinds == kind].sum())
+            metrics["val_answer_loss_by_dataset"] = {kind: float(nll[kinds == kind].sum() / tokens[kinds == kind].sum())
                                                   for kind in sorted(set(kinds.tolist()))}
         return {**metrics, "val_loss": -metrics["val_reward"]}
 
@@ -222,8 +223,8 @@ class RL:
         return self._description
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        by_task = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_pass_at_1_by_task"].items())
-        return (f"step {step}: held-out pass@1 {metrics['val_pass_at_1']:.3f} (greedy; {by_task}), "
+        by_dataset = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_pass_at_1_by_dataset"].items())
+        return (f"step {step}: held-out pass@1 {metrics['val_pass_at_1']:.3f} (greedy; {by_dataset}), "
                 f"pass@{metrics['pass_k']} {metrics['val_pass_at_k']:.3f}, sampled pass@1 "
                 f"{metrics['val_sampled_pass_at_1']:.3f}, mean reward {metrics['val_reward']:.3f} "
                 f"({metrics['val_prompts']} prompts)" + (f"; reference answers' loss {metrics['val_answer_loss']:.4f}"
