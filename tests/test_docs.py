@@ -27,8 +27,8 @@ from absl import flags
 from ml_collections import ConfigDict
 
 from jaxgpt import commands
-from jaxgpt.train.task import TASKS
 from jaxgpt.train.config import base_config
+from jaxgpt.train.task import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
