@@ -29,7 +29,7 @@ TASKS = {
     "classify": ("seed 001's classification fine-tuning", "docs/training.md", "jaxgpt.tasks.classify.Classification"),
     "seq2seq": ("the encoder-decoder on source/target pairs", "docs/seq2seq.md", "jaxgpt.tasks.seq2seq.Seq2Seq"),
     "chat": ("supervised fine-tuning on conversations", "docs/chat.md", "jaxgpt.tasks.chat.Chat"),
-    "rl": ("reinforcement learning (GRPO) on rewards a program checks", "docs/rl.md", "jaxgpt.tasks.rl.RL"),
+    "rl": ("reinforcement learning (GRPO) on rewards a program checks", "docs/rl.md", "jaxgpt.tasks.rl.task.RL"),
 }
 
 Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf has the rows first
