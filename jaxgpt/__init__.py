@@ -1,12 +1,13 @@
 """jaxgpt: GPT language models in JAX/Flax, from one CPU to TPU pods.
 
-The packages form layers: a module imports only from its own package and the layers below it (bottom to top;
-`check_layout.py` fails on any import that goes up).
+The packages form layers: a module imports only from its own package and the layers listed before it (listed
+bottom first; `check_layout.py` fails on any import that goes up).
 
-    errors, storage  user-facing errors, and where files live (local or a bucket): everything below reports and reads
-                     through them, so they import nothing of jaxgpt but errors
+    errors, storage  user-facing errors, and where files live (local or a bucket): every layer after them reports and
+                     reads through them, so they import nothing of jaxgpt but errors
     ops        the kernels and numerics models are built from (attention, projections, losses, platform checks):
-               pure functions of arrays, knowing no model
+               functions of arrays and the attention
+               kernels, importing nothing of model
     model      the Flax models (GPT, encoder-decoder) and their configs and presets, made of ops
     data       text to token ids: tokenizers and their files, datasets, conversations, text pairs, labelled text,
                batches; above model so a reader may size rows by a model's config, below io, which loads weights
