@@ -6,8 +6,7 @@ bottom first; `check_layout.py` fails on any import that goes up).
     errors, storage  user-facing errors, and where files live (local or a bucket): every layer after them reports and
                      reads through them, so they import nothing of jaxgpt but errors
     ops        the kernels and numerics models are built from (attention, projections, losses, platform checks):
-               functions of arrays and the attention
-               kernels, importing nothing of model
+               functions of arrays and the attention kernels, importing nothing of model
     model      the Flax models (GPT, encoder-decoder) and their configs and presets, made of ops
     data       text to token ids: tokenizers and their files, datasets, conversations, text pairs, labelled text,
                batches; above model so a reader may size rows by a model's config, below io, which loads weights
