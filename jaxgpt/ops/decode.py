@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import abstract_variables
-from jaxgpt.ops.platform import current_platform
+from jaxgpt.ops.platform import current_platform, on_gpu
 from jaxgpt.ops.projection import DECLARED, OUTPUT_MAJOR
 
 
@@ -37,7 +37,7 @@ def output_major_for(batch: int) -> bool:
     output-major kernel it is a row reduction, one kernel reading the weights once (tests/test_decode_program.py).
     TPUs choose their own layouts.
     """
-    return batch == 1 and current_platform() in ("cpu", "gpu", "cuda")
+    return batch == 1 and (current_platform() == "cpu" or on_gpu())
 
 
 def kernel_storage(output_major: bool) -> str:
