@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxgpt.data.batches import held_out_split
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
+from jaxgpt.data.streams import SYNTHETIC_STREAM
 from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.tasks.classify_data import spread_indices
@@ -38,8 +39,6 @@ BUILTIN = (*SYNTHETIC, "stdlib_identifiers")
 FILE_SUFFIXES = (".tsv", ".txt", ".jsonl")
 TOKENIZERS = ("char", "word")
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-# A fixed stream (not the run seed): a built-in task is the same data for every run, like a file.
-SYNTHETIC_STREAM = 5
 IDENTIFIER = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 
 

@@ -38,6 +38,7 @@ from jax.experimental import multihost_utils
 
 from jaxgpt.data.batches import batch_indices, process_share
 from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
+from jaxgpt.data.streams import ROLLOUT_STREAM
 from jaxgpt.errors import UserError
 from jaxgpt.io import storage
 from jaxgpt.model.gpt import GPT, dummy_tokens
@@ -47,7 +48,6 @@ from jaxgpt.tasks.rl_loss import policy_loss, token_logprobs
 from jaxgpt.tasks.rl_prompts import load_prompts, split_prompts
 from jaxgpt.tasks.rl_rewards import EXACT, parse_rewards
 from jaxgpt.tasks.rl_rollouts import (
-    ROLLOUT_STREAM,
     PromptSet,
     Sampler,
     encode_prompts,
