@@ -1,7 +1,7 @@
 """The weights as the sampler's decode loop reads them (cast to the decoding dtype, laid out for one row), and the
 loop of decode steps as each backend runs it fastest (`token_loop`).
 
-Batch-1 decoding reads every weight once per token, so their layout decides its speed on a CPU
+Batch-1 decoding reads every weight once per token, so their layout decides its speed on CPUs and GPUs
 (`output_major_for`, `jaxgpt.ops.projection`). The sampler asks here for the weights and for the kernel
 storage the model then declares (`kernel_storage`); the model itself has no decoding-only code. The
 prepared copy is kept while the caller holds the weights it came from, so generating again from the same
@@ -68,8 +68,8 @@ def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
 def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> dict:
     """Every projection kernel as one (outputs, inputs) matrix (PyTorch's order), after any layers axis.
 
-    The storage `projection.OUTPUT_MAJOR` names: XLA:CPU's one-row products stream it faster, so the
-    sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
+    The storage `projection.OUTPUT_MAJOR` names: one-row products read it faster on CPUs and GPUs
+    (`output_major_for`), so the sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
     """
     shapes = _kernel_shapes(cfg)
     return jax.tree_util.tree_map_with_path(
