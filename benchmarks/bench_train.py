@@ -54,6 +54,7 @@ from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
 from jaxgpt.model.presets import get_preset
 from jaxgpt.ops import attention
+from jaxgpt.ops.platform import on_gpu
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.chips import peak_flops_for
@@ -219,7 +220,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps (rounds) per row")
     parser.add_argument("--gpt2", action="store_true", help="GPT-2 124M at batch 4 x 1024 instead")
     args = parser.parse_args()
-    if jax.devices()[0].platform in ("tpu", "gpu"):
+    if jax.devices()[0].platform == "tpu" or on_gpu():
         accelerator_run(args.steps)
         return
     peak = measure_matmul_peak(2048, 10)

@@ -169,13 +169,15 @@ def batches_of(shapes: Shapes, args: argparse.Namespace) -> tuple[int, ...]:
 
 def accelerator_libraries(device: Any) -> dict[str, Any]:
     """The runtime's version string, and for NVIDIA GPUs the CUDA, cuDNN and driver versions of JAX's plugin."""
+    from jaxgpt.ops.platform import is_gpu
+
     info: dict[str, Any] = {"platform_version": getattr(device.client, "platform_version", None),
                             "compute_capability": getattr(device, "compute_capability", None)}
     try:
         from jax._src.lib import cuda_versions  # JAX keeps them here (private; absent without its CUDA plugin)
     except ImportError:
         cuda_versions = None
-    if cuda_versions is not None and device.platform == "gpu":
+    if cuda_versions is not None and is_gpu(device.platform):
         for name in ("cuda_runtime", "cuda_driver", "cudnn", "cublas", "cufft", "cusolver", "cusparse"):
             with contextlib.suppress(Exception):
                 info[name] = getattr(cuda_versions, f"{name}_get_version")()
@@ -194,6 +196,8 @@ def part_env(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
 
     import jax
 
+    from jaxgpt.ops.platform import is_gpu
+
     print(jax.print_environment_info(return_string=True), flush=True)  # nvidia-smi's table too, where there is one
     devices = jax.devices()
     versions = {}
@@ -211,7 +215,7 @@ def part_env(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
                         "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
                         "versions": versions, "libraries": accelerator_libraries(devices[0]), "memory": memory,
                         "missing_imports": missing,
-                        "target_config": gpu_target_config() if devices[0].platform == "gpu" else None}}
+                        "target_config": gpu_target_config() if is_gpu(devices[0].platform) else None}}
 
 
 def gpu_target_config() -> str | None:
@@ -316,12 +320,13 @@ PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
 def part_train(shapes: Shapes, args: argparse.Namespace) -> dict[str, Any]:
     """jaxgpt's GPT-2 124M recipe, data parallel over every device, at the largest batch that fits; then the
     profile of a few of its steps and the optimizer's update alone."""
-    import jax
     import profile_summary
+
+    from jaxgpt.ops.platform import on_gpu
 
     cfg, chunk = recipe(shapes, args.attention)
     steps = args.steps or shapes.steps
-    options = PROFILE_OPTIONS if jax.devices()[0].platform == "gpu" else None
+    options = PROFILE_OPTIONS if on_gpu() else None
     measured = measure_recipe(cfg, chunk, batches_of(shapes, args), steps, options)
     run, details, metrics = measured.pop("run"), measured["details"], measured["metrics"]
     print(f"{args.run_part}: {measured['summary']}", flush=True)  # in the log even if the extras run out of time
@@ -603,16 +608,16 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
 
     from jaxgpt.generate.decode_weights import TRITON_FUSION, WHILE_COMMAND_BUFFERS
     from jaxgpt.generate.sampling import generate
+    from jaxgpt.ops.platform import on_gpu
     from jaxgpt.train.chips import chip_for
 
     chip = chip_for(jax.devices()[0])
-    on_gpu = jax.default_backend() == "gpu"
     # name -> (model, compiler options): "xla_attention" decodes with XLA's attention instead of the one-kernel
     # cache write and attention (`ops.decode_attention`), which only `attention_impl` "cudnn" (auto) runs
     sweep = {"while_command_buffers": (cfg, {**WHILE_COMMAND_BUFFERS, "xla_enable_command_buffers_during_profiling":
                                              True}),
              "triton_fusion": (cfg, TRITON_FUSION),
-             "xla_attention": (cfg.replace(attention_impl="xla"), None)} if on_gpu else {"loop_alone": (cfg, None)}
+             "xla_attention": (cfg.replace(attention_impl="xla"), None)} if on_gpu() else {"loop_alone": (cfg, None)}
     lines, variants = [], {}
     for batch, prompt in prompts.items():
         got = metrics[f"batch{batch}_tokens_per_s"]

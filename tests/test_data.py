@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from jaxgpt import storage
 from jaxgpt.commands import data as data_command
 from jaxgpt.data import corpora as datasets
 from jaxgpt.data import dataset as data
+from jaxgpt.data import streams
 from jaxgpt.data import tokenizer as tok
 from jaxgpt.data.batches import batch_for_step, eval_batches
 from jaxgpt.data.corpora import prepare_builtin
@@ -381,6 +383,16 @@ def test_eval_batches_are_fixed_and_separate_from_training():
     assert not np.array_equal(first[0][0], train_x)
     halves = [eval_batches(TOKENS, process_index=p, process_count=2, **kw) for p in range(2)]
     assert np.array_equal(np.concatenate([halves[0][1][0], halves[1][1][0]]), first[1][0])
+
+
+def test_random_stream_ids_are_one_table_of_distinct_non_zero_numbers():
+    ids = {name: value for name, value in vars(streams).items() if name.endswith("_STREAM")}
+    assert all(isinstance(v, int) and v > 0 for v in ids.values()), ids
+    assert len(set(ids.values())) == len(ids), f"two streams share an id: {sorted(ids.items(), key=lambda x: x[1])}"
+    table = Path(streams.__file__)
+    elsewhere = [f"{path.name}: {line}" for path in sorted(table.parents[1].rglob("*.py")) if path != table
+                 for line in path.read_text().splitlines() if re.match(r"\w+_STREAM\b.*=", line)]
+    assert not elsewhere, f"stream ids defined outside jaxgpt/data/streams.py: {elsewhere}"
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -18,7 +18,7 @@ from flax import traverse_util
 
 from jaxgpt.errors import UserError
 from jaxgpt.model import encdec as seq2seq
-from jaxgpt.model.config import ModelConfig, model_config_from_dict
+from jaxgpt.model.config import DROPOUTS, ModelConfig, model_config_from_dict
 from jaxgpt.model.gpt import GPT, GPTClassifier, init_params
 from jaxgpt.model.layers import sinusoidal_table
 from jaxgpt.model.presets import PRESETS, SEQ2SEQ_PRESETS
@@ -48,6 +48,13 @@ def test_checkpoints_without_the_new_fields_load_with_todays_behaviour() -> None
     old = {k: v for k, v in ModelConfig().to_dict().items() if k not in ("embd_dropout_site", "attn_resid_dropout")}
     cfg = model_config_from_dict(old)
     assert (cfg.embd_dropout_site, cfg.attn_resid_dropout) == ("sum", True)
+
+
+def test_any_dropout_is_whether_some_rate_is_non_zero() -> None:
+    assert not ModelConfig().any_dropout  # every rate 0: training draws no masks
+    for name in DROPOUTS:
+        assert ModelConfig(**{name: 0.1}).any_dropout, name
+    assert not ModelConfig(attn_resid_dropout=False).any_dropout  # a switch, not a rate
 
 
 @pytest.mark.parametrize(("changes", "message"), [

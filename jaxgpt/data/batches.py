@@ -13,18 +13,13 @@ from typing import TypeVar
 
 import numpy as np
 
+from jaxgpt.data.streams import EVAL_STREAM, EXAMPLE_STREAM
 from jaxgpt.data.tokens import TokenStream
 from jaxgpt.errors import UserError
 
 Item = TypeVar("Item")
 
 Tokens = np.ndarray | TokenStream  # a split's ids: an array, or a stream over shard files
-
-# Appended to the (seed, index) entropy of evaluation batches. It must be non-zero: SeedSequence pads
-# short entropy with zeros, so (seed, step) and (seed, step, 0) would be the same stream.
-EVAL_STREAM = 1
-# The shuffles of a set of examples (classification, seq2seq pairs); 2 is their train/val split's.
-EXAMPLE_STREAM = 3
 
 
 def check_shapes(n_tokens: int, batch_size: int, block_size: int, split: str) -> None:

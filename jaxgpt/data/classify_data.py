@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxgpt.data.batches import fixed_batches, permutation
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
+from jaxgpt.data.streams import SPLIT_STREAM
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 
@@ -37,9 +38,6 @@ STDLIB_PACKAGES = ("asyncio", "email", "unittest", "xml")
 SNIPPET_CHARS = 128
 SNIPPETS_PER_CLASS = 800
 CHAR_CLS_TOKEN = "\n"
-# Tags appended to the seed so that the split and the batch streams never coincide (SeedSequence pads
-# short entropy with zeros, so the tags must be non-zero).
-SPLIT_STREAM = 2
 
 
 # ----------------------------------------------------------------------------------------------------

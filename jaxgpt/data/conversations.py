@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.batches import held_out_split
+from jaxgpt.data.streams import BUILTIN_STREAM
 from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens
 from jaxgpt.errors import UserError
 
@@ -55,8 +56,6 @@ SPECIAL_TOKENS = (*ROLE_TOKENS.values(), END)
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 TEMPLATE_FILE = "chat_template.jinja"  # a run's own template, in its workdir (saved by task chat, read by serve)
-# Entropy appended to the seed of the built-in generator, apart from the batch streams of jaxgpt.data.batches.
-BUILTIN_STREAM = 5
 BUILTIN_DATASETS = ("arithmetic", "reverse", "count", "fact")
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxgpt.data.batches import fixed_batches, held_out_split, spread_indices
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
+from jaxgpt.data.streams import BUILTIN_STREAM
 from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
 from jaxgpt.errors import UserError
 
@@ -37,8 +38,6 @@ BUILTIN = (*SYNTHETIC, "stdlib_identifiers")
 FILE_SUFFIXES = (".tsv", ".txt", ".jsonl")
 TOKENIZERS = ("char", "word")
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-# A fixed stream (not the run seed): a built-in dataset is the same data for every run, like a file.
-SYNTHETIC_STREAM = 5
 IDENTIFIER = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 
 
@@ -149,7 +148,7 @@ def synthetic_pairs(kind: str, n: int, symbols: int, length: int) -> list[Pair]:
     if not 2 <= symbols <= len(SYMBOLS) or length < 1:
         raise UserError(f"config.seq2seq.symbols={symbols} must be in [2, {len(SYMBOLS)}] and "
                         f"config.seq2seq.length={length} >= 1")
-    rng = np.random.Generator(np.random.PCG64([SYNTHETIC_STREAM, symbols, length]))
+    rng = np.random.Generator(np.random.PCG64([BUILTIN_STREAM, symbols, length]))
     lengths = rng.integers(1, length + 1, size=n)
     codes = rng.integers(0, symbols, size=(n, length))
     texts = ["".join(SYMBOLS[c] for c in row[:k]) for row, k in zip(codes, lengths, strict=True)]

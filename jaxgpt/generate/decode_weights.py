@@ -1,7 +1,7 @@
 """The weights as the sampler's decode loop reads them (cast to the decoding dtype, laid out for one row), and the
 loop of decode steps as each backend runs it fastest (`token_loop`).
 
-Batch-1 decoding reads every weight once per token, so their layout decides its speed on a CPU
+Batch-1 decoding reads every weight once per token, so their layout decides its speed on CPUs and GPUs
 (`output_major_for`, `jaxgpt.ops.projection`). The sampler asks here for the weights and for the kernel
 storage the model then declares (`kernel_storage`); the model itself has no decoding-only code. The
 prepared copy is kept while the caller holds the weights it came from, so generating again from the same
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import abstract_variables
-from jaxgpt.ops.platform import current_platform
+from jaxgpt.ops.platform import current_platform, on_gpu
 from jaxgpt.ops.projection import DECLARED, OUTPUT_MAJOR
 
 
@@ -37,7 +37,7 @@ def output_major_for(batch: int) -> bool:
     output-major kernel it is a row reduction, one kernel reading the weights once (tests/test_decode_program.py).
     TPUs choose their own layouts.
     """
-    return batch == 1 and current_platform() in ("cpu", "gpu", "cuda")
+    return batch == 1 and (current_platform() == "cpu" or on_gpu())
 
 
 def kernel_storage(output_major: bool) -> str:
@@ -68,8 +68,8 @@ def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
 def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> dict:
     """Every projection kernel as one (outputs, inputs) matrix (PyTorch's order), after any layers axis.
 
-    The storage `projection.OUTPUT_MAJOR` names: XLA:CPU's one-row products stream it faster, so the
-    sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
+    The storage `projection.OUTPUT_MAJOR` names: one-row products read it faster on CPUs and GPUs
+    (`output_major_for`), so the sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
     """
     shapes = _kernel_shapes(cfg)
     return jax.tree_util.tree_map_with_path(

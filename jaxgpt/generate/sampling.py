@@ -1,46 +1,46 @@
 """Text generation: a key/value cache and a compiled decode loop around the sampling strategies.
 
-`generate` is the one library call: prefill the prompt into a preallocated cache with one `GPT.decode`
-call, then run a `lax.while_loop` inside `jax.jit` that samples one token per step for the whole batch
-and feeds it back through the cache. Nothing returns to Python between tokens, so a token costs one
-small forward pass whatever the context length. `stream` runs the same loop in chunks and yields the
-tokens of each chunk as it finishes (the CLI prints them as they arrive); both give identical tokens.
-A token reads every weight and every cache slot, so both are laid out for that: the cache has only as
-many slots as the generation needs (`cache_slots`, at most block_size), and one row on a CPU decodes
-from output-major kernels (`decoding_weights`).
+`generate` is the one library call: prefill the prompt into a preallocated cache with one `GPT.decode` call, then run
+a `lax.while_loop` inside `jax.jit` that samples one token per step for the whole batch and feeds it back through the
+cache. Nothing returns to Python between tokens, so a token costs one small forward pass whatever the context length.
+`stream` runs the same loop in chunks and yields the tokens of each chunk as it finishes (the CLI prints them as they
+arrive); both give identical tokens. A token reads every weight and every cache slot, so both are laid out for that:
+the cache has only as many slots as the generation needs (`cache_slots`, at most block_size), and one row on a CPU or
+a GPU decodes from output-major kernels (`decoding_weights`).
 
-Tokens are chosen by `jaxgpt.generate.strategies` (greedy, temperature, top-k, top-p). The noise of step i
-depends only on the seed and i, so a seed gives the same tokens whether the loop runs in one call, in
-chunks, or without a cache (`sampling_reference.generate_uncached`).
+Tokens are chosen by `jaxgpt.generate.strategies` (greedy, temperature, top-k, top-p). The noise of step i depends
+only on the seed and i, so a seed gives the same tokens whether the loop runs in one call, in chunks, or without a
+cache (`sampling_reference.generate_uncached`).
 
 Contexts longer than `block_size` (the windowed rule)
 -----------------------------------------------------
-Seed 000 conditions each new token on the last `block_size` tokens. Positions are absolute (a learned
-or sinusoidal table indexed 0..block_size-1), so once the window slides, every kept token sits at a
-new position and its cached keys/values are stale; they cannot be reused. jaxgpt therefore moves the
-window in jumps:
+Seed 000 conditions each new token on the last `block_size` tokens. Positions are absolute (a learned or sinusoidal
+table indexed 0..block_size-1), so once the window slides, every kept token sits at a new position and its cached
+keys/values are stale; they cannot be reused. jaxgpt therefore moves the window in jumps. The window, `seq[start:]`,
+starts as the prompt's last `block_size` tokens (all of it if shorter) and grows by one token per step while it fits;
+when a new token would make it `block_size + 1` long, `start` advances by `window_shift`, and the `block_size + 1 -
+window_shift` tokens it keeps are re-prefilled into the cache at positions 0.. with one `decode` call.
+`window_shift=1` is seed 000's rule exactly, at the price of a re-prefill on every step once the context is full; a
+larger shift re-prefills every `window_shift` tokens, the window then holding between `block_size + 1 - window_shift`
+and `block_size` tokens. The default, `block_size // 2`, keeps at least half the context at about one prefilled token
+per new token (block_size // 4: three, measurably slower on small models). Whatever the shift, the cached result
+equals `generate_uncached`, which reruns the model on the same window at every step.
 
-* The window is `seq[start:]`. It starts as the last `block_size` tokens of the prompt (all of it if
-  shorter) and grows by one token per step while it fits in `block_size`.
-* When a new token would make it `block_size + 1` long, `start` advances by `window_shift`: the window
-  keeps its last `block_size + 1 - window_shift` tokens, which are re-prefilled into the cache at
-  positions 0.. with one `decode` call, and decoding continues from there.
-
-`window_shift=1` is seed 000's rule exactly (the window is always the last `block_size` tokens), at the
-price of a re-prefill on every step once the context is full. A larger shift re-prefills only every
-`window_shift` tokens; the window then holds between `block_size + 1 - window_shift` and `block_size`
-tokens. The default, `block_size // 2`, always keeps at least half the context and costs about one
-prefilled token per generated token in the long-context regime (a shift of block_size // 4 would keep
-three quarters, at three prefilled tokens per token: measurably slower on small models, see
-benchmarks/bench_sample.py). Whatever the shift, the cached result equals `generate_uncached`, which
-recomputes the model on the same window from scratch at every step.
+Two decoders, each for its inputs
+---------------------------------
+The continuous-batching engine (`engine`: the server, RL's rollouts, `jaxgpt sample` on a requests file) samples the
+same tokens for a seed, but its prompt and new tokens must fit in block_size (no window: the quick start samples 500
+tokens from a 256-token context) and it has no top-k, logits or bfloat16 decoding. One prompt tends to decode faster
+here (output-major kernels, no trip to the host every 8 tokens), ragged prompts there. Tokens/s here vs there
+(benchmarks/bench_decoders.py, two runs, a shared 2-core CPU): 4x4x128, one prompt 11,130 / 9,459 vs 5,264 / 2,491, 16
+ragged 4,092 / 3,804 vs 5,008 / 4,683; 6x6x384, one prompt 203 / 311 vs 229 / 205, 16 ragged 240 / 208 vs 477 / 544.
 
 End of text and padding ids
 ---------------------------
-With `eot_token` set, a row that samples it is finished: every later token of that row is `eot_token`
-too, and the loop stops as soon as every row has finished. A model whose config has a `pad_id` treats
-that id as padding in its full forward pass; the sampler never produces it and prompts may not contain
-it, so cached and uncached computations see the same tokens.
+With `eot_token` set, a row that samples it is finished: every later token of that row is `eot_token` too, and the
+loop stops as soon as every row has finished. A model whose config has a `pad_id` treats that id as padding in its
+full forward pass; the sampler never produces it and prompts may not contain it, so cached and uncached computations
+see the same tokens.
 """
 
 from __future__ import annotations

@@ -23,14 +23,14 @@ INITS = ("gpt2", "xavier", "xavier_torch", "gpt1_torch")
 # Where embd_dropout acts: on tokens + positions (GPT-2, seed 000), or on the token embedding alone, before the
 # positions are added (seed 001).
 EMBD_DROPOUT_SITES = ("sum", "tokens")
+DROPOUTS = ("embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout")  # the rates, each in [0, 1)
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "splash", "auto")  # jaxgpt.model.attention.attend
 REMATS = ("none", "full", "save_dots")
 # Settings that change neither parameter shapes nor their meaning: weights trained under one value load
 # under any other (fine-tuning, sampling, export).
-RUNTIME_FIELDS = frozenset({"embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout", "dtype", "param_dtype",
-                            "attention_impl", "scan_layers", "remat", "init", "embd_dropout_site",
-                            "attn_resid_dropout", "zero_init_proj"})
+RUNTIME_FIELDS = frozenset({*DROPOUTS, "dtype", "param_dtype", "attention_impl", "scan_layers", "remat", "init",
+                            "embd_dropout_site", "attn_resid_dropout", "zero_init_proj"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ class ModelConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise UserError(f"model.{name}={getattr(self, name)!r} is unknown: choose one of {allowed}")
-        for name in ("embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout"):
+        for name in DROPOUTS:
             rate = getattr(self, name)
             if not 0.0 <= rate < 1.0:
                 raise UserError(f"model.{name}={rate} must be in [0, 1)")
@@ -165,6 +165,11 @@ class ModelConfig:
                                 "rotary positions replace position embeddings, set position='none'")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise UserError(f"model.logit_softcap={self.logit_softcap} must be positive (None: no soft-cap)")
+
+    @property
+    def any_dropout(self) -> bool:
+        """Whether any dropout rate is non-zero: training then draws masks (a key per step); else it needs none."""
+        return any(getattr(self, name) > 0 for name in DROPOUTS)
 
     @property
     def rotary(self) -> bool:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.ops import decode_attention, splash
-from jaxgpt.ops.platform import current_platform, on_gpu
+from jaxgpt.ops.platform import current_platform, is_gpu, on_gpu
 
 Array = jax.Array
 Cache = dict[str, Array]  # one layer's {"k", "v"}: (B, K, S, D); (L, B, K, S, D) when layers are scanned
@@ -96,7 +96,7 @@ def resolve_impl(impl: str, dtype: str) -> str:
     platform = current_platform()
     if platform == "tpu":
         return "splash"
-    if platform in ("gpu", "cuda"):
+    if is_gpu(platform):
         return "cudnn" if dtype in ("bfloat16", "float16") else "xla"
     return "einsum"
 

@@ -19,9 +19,14 @@ def current_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+def is_gpu(platform: str) -> bool:
+    """Whether `platform` (a device's or `current_platform`) is NVIDIA GPUs: jax names them "gpu", some tools "cuda"."""
+    return platform in ("gpu", "cuda")
+
+
 def on_gpu() -> bool:
-    """Whether a traced program is for NVIDIA GPUs (`current_platform`; jax names them "gpu", some tools "cuda")."""
-    return current_platform() in ("gpu", "cuda")
+    """Whether a traced program is for NVIDIA GPUs (`current_platform`)."""
+    return is_gpu(current_platform())
 
 
 def keep_freed_memory() -> bool:

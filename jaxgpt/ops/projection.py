@@ -5,9 +5,9 @@ the kernel's storage:
 * float32, or any accelerator: one `lax.dot_general` contracting in the kernel's own axis order.
 * bfloat16 on XLA:CPU: the same product as a custom VJP whose forward and backward products XLA:CPU runs
   natively in bf16 (`projection_dot_general`), and a bias gradient written as a product (`add_bias`).
-* output-major kernels (`OUTPUT_MAJOR`): every kernel stored as one (outputs, inputs) matrix, which
-  XLA:CPU's one-row products stream faster; the sampler stores them so for batch-1 decoding on CPUs
-  (`jaxgpt.generate.decode_weights`).
+* output-major kernels (`OUTPUT_MAJOR`): every kernel stored as one (outputs, inputs) matrix, which one-row
+  products read faster on CPUs and GPUs; the sampler stores them so for batch-1 decoding there
+  (`jaxgpt.generate.decode_weights.output_major_for` says why).
 
 Why the storage is a module attribute (`EinsumDense.kernel_storage`) rather than something the product
 infers: flax checks a stored parameter's shape against the shape its module declares, so a module that

@@ -228,7 +228,7 @@ class Chat:
                          "train": spread_indices(n_train, min(n_val, cfg.eval_batches * cfg.batch_size))}
         self.tokens_per_row = self.width
         self.eval_rows_per_batch = cfg.batch_size
-        self._dropout = any(getattr(self.model_cfg, f"{n}_dropout") > 0 for n in ("embd", "attn", "resid", "ff"))
+        self._dropout = self.model_cfg.any_dropout
         grown = self.model_cfg.vocab_size - self.base_cfg.vocab_size
         self._description = (
             f"{description}: {n_train} train / {n_val} held-out conversations, rows of {self.width} tokens; "

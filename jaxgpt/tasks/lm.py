@@ -142,7 +142,7 @@ class LanguageModelling:
         self.tokens_per_row = model_cfg.block_size
         self.eval_rows_per_batch = cfg.batch_size // cfg.grad_accum
         self.starts = _document_starts(dataset, model_cfg.block_size) if cfg.data.align_documents else {}
-        self._dropout = any(getattr(model_cfg, f"{name}_dropout") > 0 for name in ("embd", "attn", "resid", "ff"))
+        self._dropout = model_cfg.any_dropout
 
     def example_inputs(self) -> tuple[jax.Array]:
         return (dummy_tokens(self.model_cfg),)

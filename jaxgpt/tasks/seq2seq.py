@@ -93,7 +93,7 @@ class Seq2Seq:
         self.tokenizer_meta = tokenizer.to_meta()
         self.tokens_per_row = src_len + tgt_len
         self.eval_rows_per_batch = cfg.batch_size
-        self._dropout = any(getattr(cfg.model, f"{name}_dropout") > 0 for name in ("embd", "attn", "resid", "ff"))
+        self._dropout = cfg.model.any_dropout
         self._evals = {split: eval_rows(self.data[split], cfg.batch_size, cfg.eval_batches) for split in self.data}
         skipped = len(train) + len(val) - len(train_kept) - len(val_kept)
         self._description = (f"{description}\n{tokenizer.name} vocabulary of {tokenizer.vocab_size} tokens + "

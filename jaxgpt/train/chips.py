@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxgpt.ops.platform import is_gpu
+
 GiB = 2**30
 
 
@@ -59,7 +61,7 @@ def chip_for(device: Any) -> Chip | None:
     for chip in TPUS.values():
         if kind == chip.device_kind:
             return chip
-    if getattr(device, "platform", "") == "gpu":
+    if is_gpu(getattr(device, "platform", "")):
         return next((chip for chip in GPUS if chip.device_kind in kind), None)
     return None
 

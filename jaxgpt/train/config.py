@@ -23,6 +23,7 @@ from ml_collections import ConfigDict, config_dict
 from jaxgpt import storage
 from jaxgpt.data.conversations import Conversations
 from jaxgpt.errors import UserError
+from jaxgpt.generate.sampling import MAX_NEW_TOKENS
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
 from jaxgpt.model.presets import get_preset
 from jaxgpt.train import renamed
@@ -32,8 +33,6 @@ from jaxgpt.train.task import TASKS
 # Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
 _UNSET_TYPES = {"head_dim": int, "d_ff": int, "n_kv_head": int, "pad_id": int, "vocab_size": int, "rope_theta": float,
                 "logit_softcap": float}
-# The closing sample's length: its tokens are int32 positions and a (1, n) buffer; beyond this it is a typo.
-MAX_NEW_TOKENS = 1 << 20
 
 
 # The keys that name a file or directory, and what each takes (`storage.check`): all checked before anything

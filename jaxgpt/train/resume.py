@@ -53,12 +53,14 @@ def trajectory(cfg: TrainConfig, model: dict[str, Any], task_meta: dict[str, Any
     return flatten(json.loads(json.dumps(values)))  # as a checkpoint's JSON gives it back (tuples as lists)
 
 
-def changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Keys whose values differ. A model or optimizer key that a saved run predates counts as its default:
-    a setting added later, at its default, trains the same run as before it existed."""
-    defaults = flatten(json.loads(json.dumps({"model": ModelConfig().to_dict(),
-                                              "optim": dataclasses.asdict(OptimConfig())})))
-    return sorted(k for k in saved.keys() | now.keys() if saved.get(k, defaults.get(k)) != now.get(k))
+def changed_keys(saved: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """Whether a run's settings changed: the keys whose values differ, sorted. A key that one side lacks counts
+    as its default: a setting added later, at its default, trains the same run as before it existed. `defaults`
+    are the trajectory's (`trajectory`: the model's and optimizer's keys) unless given (RL's settings)."""
+    if defaults is None:
+        defaults = flatten(json.loads(json.dumps({"model": ModelConfig().to_dict(),
+                                                  "optim": dataclasses.asdict(OptimConfig())})))
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k, defaults.get(k)) != now.get(k, defaults.get(k)))
 
 
 def check_same_run(saved_meta: dict[str, Any], now: dict[str, Any], cfg: TrainConfig) -> None:

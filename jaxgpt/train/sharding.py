@@ -30,6 +30,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.ops.platform import is_gpu
 from jaxgpt.train.optim import make_optimizer
 from jaxgpt.train.step import make_train_step
 
@@ -83,7 +84,7 @@ def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mes
     devices = list(devices) if devices is not None else jax.devices()
     resolved = resolve_mesh_shape(shape, len(devices))
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
-    if devices and devices[0].platform in ("tpu", "gpu"):
+    if devices and (devices[0].platform == "tpu" or is_gpu(devices[0].platform)):
         for split in (False, True):
             try:
                 grid = mesh_utils.create_device_mesh(resolved, devices, allow_split_physical_axes=split)
@@ -211,10 +212,10 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
     """The sharded train/eval program of a task (`jaxgpt.train.task.Task`) on `mesh` (real or a TPU topology's)."""
     cfg = model_sizes(task.model_cfg)
     platform = mesh.devices.flat[0].platform
-    if cfg.attention_impl == "cudnn" and platform != "gpu":
+    if cfg.attention_impl == "cudnn" and not is_gpu(platform):
         raise UserError(f"model.attention_impl='cudnn' needs NVIDIA GPUs, but the devices are {platform}: "
                         "use 'xla' (or 'einsum')")
-    if cfg.attention_impl == "splash" and platform == "gpu":
+    if cfg.attention_impl == "splash" and is_gpu(platform):
         raise UserError("model.attention_impl='splash' is TPU flash attention (CPUs run it in Pallas interpret mode, "
                         "for tests): on GPUs use 'cudnn' or 'auto'")
     check_divisibility(cfg, mesh, batch_size, grad_accum)

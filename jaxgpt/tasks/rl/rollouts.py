@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.data.conversations import encode_conversation
+from jaxgpt.data.streams import RL_EVAL_STREAM
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import generate_many
@@ -29,7 +30,6 @@ from jaxgpt.tasks.rl.prompts import Prompt
 from jaxgpt.tasks.rl.rewards import Reward, total_reward
 from jaxgpt.train.config import RLConfig
 
-ROLLOUT_STREAM, EVAL_STREAM = 7, 8  # entropy beside the seed: training rollouts, evaluation samples
 PASS = 1.0  # a completion passes when its reward reaches this (the built-in checker's right answer)
 
 
@@ -129,7 +129,7 @@ def pass_rates(sampler: Sampler, params: Any, held: PromptSet, k: int, seed: int
     rows = [(i, j) for i in range(N) for j in range(k)]
     sampled = sampler.score([held.prompts[i] for i, _ in rows], sampler.sample(
         params, [held.ids[i] for i, _ in rows], [held.room[i] for i, _ in rows],
-        [request_seed(seed, EVAL_STREAM, i, j) for i, j in rows])).reshape(N, k)
+        [request_seed(seed, RL_EVAL_STREAM, i, j) for i, j in rows])).reshape(N, k)
     kinds = np.array([p.kind for p in held.prompts])
     return {"val_reward": float(greedy.mean()), "val_pass_at_1": float(np.mean(greedy >= PASS)),
             "val_pass_at_k": float(np.mean((sampled >= PASS).any(axis=1))),

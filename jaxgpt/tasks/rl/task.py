@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, spread_indices
 from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
+from jaxgpt.data.streams import ROLLOUT_STREAM
 from jaxgpt.errors import UserError
 from jaxgpt.io.checkpoint import checkpoint_dir
 from jaxgpt.model.gpt import GPT, dummy_tokens
@@ -47,7 +48,6 @@ from jaxgpt.tasks.rl.loss import policy_loss, token_logprobs
 from jaxgpt.tasks.rl.prompts import load_prompts, split_prompts
 from jaxgpt.tasks.rl.rewards import EXACT, parse_rewards
 from jaxgpt.tasks.rl.rollouts import (
-    ROLLOUT_STREAM,
     PromptSet,
     Sampler,
     encode_prompts,
@@ -59,6 +59,7 @@ from jaxgpt.tasks.rl.rollouts import (
 )
 from jaxgpt.train import renamed
 from jaxgpt.train.config import TrainConfig, base_config
+from jaxgpt.train.resume import changed_keys
 
 EVAL_ONLY = ("slots", "eval_prompts", "pass_k")  # config.rl keys that leave the training trajectory alone
 ROLLOUTS_DIR = "rollouts"  # in the work directory: each group's rollouts while num_iterations > 1
@@ -168,9 +169,7 @@ class RL:
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         Chat.check_resume(self, saved_meta, workdir)  # the same model and tokenizer
         saved = renamed.saved_rl_settings(saved_meta)
-        default = base_config().rl.to_dict()  # a setting newer than the run was its default there
-        changed = sorted(k for k in set(saved) | set(self.settings)
-                         if saved.get(k, default.get(k)) != self.settings.get(k, default.get(k)))
+        changed = changed_keys(saved, self.settings, base_config().rl.to_dict())
         if changed and not self.cfg.resume_changes:
             raise UserError(f"resuming {workdir} with other config.rl settings ({', '.join(changed)}): pass "
                             "--config.resume_changes=True to continue with them anyway, or use a new --config.workdir")
