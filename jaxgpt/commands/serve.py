@@ -27,7 +27,9 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from absl import flags
 
@@ -38,6 +40,11 @@ from jaxgpt.io import storage
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.ops.platform import keep_freed_memory
 from jaxgpt.tasks.pairs import PairText
+
+if TYPE_CHECKING:
+    from jaxgpt.generate.engine import Engine
+    from jaxgpt.serve.follow import Follower
+    from jaxgpt.serve.launch import FrontEnds
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -80,9 +87,8 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     from jaxgpt.generate.engine import Engine
     from jaxgpt.serve.app import Served
     from jaxgpt.serve.chat import load_template
-    from jaxgpt.serve.core import Core
     from jaxgpt.serve.follow import Follower, version
-    from jaxgpt.serve.launch import listen, start_front_ends
+    from jaxgpt.serve.launch import FrontEnds, listen
 
     if flags_.follow and flags_.workdir is None:
         raise UserError("--follow follows a training run's checkpoints: give it with --workdir")
@@ -107,30 +113,33 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     template = load_template(flags_.workdir, flags_.chat_template)
     served = Served(tokenizer, name, cfg, flags_.slots, chat_template=template, chat_stop_ids=chat_stop_ids,
                     api_key=api_key, open_paths=tuple(flags_.open_paths), **limit)
-    with listen(flags_.host, flags_.port) as sock:
-        procs, conns = start_front_ends(served, engine.version, sock, flags_.api_servers)
+    with listen(flags_.host, flags_.port) as sock:  # open while serving: a front end that dies is replaced
+        front_ends = FrontEnds(served, engine.version, sock)
+        serve(engine, front_ends, front_ends.start(flags_.api_servers), follower, flags_, name, api_key, template)
+
+
+def serve(engine: Engine, front_ends: FrontEnds, conns: list[Connection], follower: Follower | None,
+          flags_: flags.FlagValues, name: str, api_key: str | None, template: str | None) -> None:
+    """Serve until SIGTERM or Ctrl-C has had every front end finish its requests in flight."""
+    from jaxgpt.serve.core import Core
+
     print(f"serving {name!r} {engine.version or ''} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots; "
           f"{flags_.api_servers} HTTP process{'es' if flags_.api_servers > 1 else ''}; chat: "
           f"{'yes' if template else 'no template'}; API key: {'required' if api_key else 'none'}"
           f"{f'; following every {flags_.follow_interval:g} s' if follower else ''})", flush=True)
 
-    def finish(*_: object) -> None:  # each front end finishes its requests in flight, then closes its end
-        for proc in procs:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
-
+    finish = lambda *_: front_ends.stop()  # each front end finishes its requests in flight, then closes its end
     signal.signal(signal.SIGTERM, finish)
     signal.signal(signal.SIGINT, finish)
     if follower is not None:
         follower.start()
     try:
-        Core(engine, conns).run()  # until every front end has closed
+        Core(engine, conns, replace=front_ends.replace).run()  # until every front end has closed
     finally:
         finish()
         if follower is not None:
             follower.stop()  # (a checkpoint being loaded is loaded first)
-        for proc in procs:
-            proc.join()
+        front_ends.join()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
