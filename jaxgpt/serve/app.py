@@ -227,10 +227,10 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
                        metrics: Metrics, context: int, guarded: tuple[int, ...]) -> None:
     """/v1/completions and /v1/chat/completions: both check the request, start its choices and answer whole or
     as server-sent events; they differ in the prompt (given, or rendered from messages) and the answer's shape."""
-    tokenizer, model_name = served.tokenizer, served.model_name
+    tokenizer, model_name, declared = served.tokenizer, served.model_name, responses(400, 429, 500, 503, *guarded,
+                                                                                    streams=True)
 
-    @app.post("/v1/completions", response_model=None,
-              responses=responses(400, 429, 500, 503, *guarded, streams=True))
+    @app.post("/v1/completions", response_model=None, responses=declared)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         arrived = time.perf_counter()
         texts, encoded = _prompts(body, tokenizer, await engine.capacity())
@@ -240,9 +240,8 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
             raise UserError("echo: an encoder-decoder's prompt is its source, which it does not score")
         choices = await _start(body, encoded, body.max_tokens, engine, served, metrics, arrived,
                                score_prompt=body.echo and body.logprobs is not None)
-        if body.echo:
-            for c in choices:
-                c.prefix = texts[c.index // body.n]
+        for c in choices if body.echo else []:
+            c.prefix = texts[c.index // body.n]
         header = Header({"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion",
                          "created": int(time.time()), "model": model_name}, choices)
 
@@ -258,8 +257,7 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
                    for c in choices]
         return {**header, "choices": answers, "usage": usage(choices, encoded, body.n)}
 
-    @app.post("/v1/chat/completions", response_model=None,
-              responses=responses(400, 429, 500, 503, *guarded, streams=True))
+    @app.post("/v1/chat/completions", response_model=None, responses=declared)
     async def chat(body: ChatRequest, http: HTTPRequest) -> Any:
         arrived = time.perf_counter()
         if chat_template is None:

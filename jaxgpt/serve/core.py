@@ -12,7 +12,7 @@ front end -> core: ("submit", [(rid, fields, score_prompt), ...]), the engine re
 all or none (`Engine.submit`), where `fields` are `Request`'s plain fields (prompt, max_new_tokens, temperature,
 ...) and `score_prompt` asks for the prompt's log-probabilities; ("cancel", rid). Closing the connection cancels
 that front end's requests (a front end that exits ends its streams). A front end started to replace one that
-died first says ("ready",) (or ("failed", why)), as `jaxgpt.serve.launch` has every front end do.
+died says ("ready",) once it serves; ("built",) and ("failed", why) are `jaxgpt.serve.launch`'s start-up messages.
 core -> front end: (events, state): `events` maps a rid to its events in order, each (kind, value): "queued"
 (under a submit's first rid: whether the engine took its requests, answered at once), "version" (the weights it
 was admitted on, before its first other event), "token" ((token, logprob, top, end) as `Request.emit` gives them),
@@ -118,8 +118,10 @@ class Core:
         elif kind == "submit":
             self._submit(front, rest[0])
         elif kind == "ready":
+            if not front.ready:
+                print("the front end in place of the one that ended is serving", file=sys.stderr, flush=True)
             front.ready = True
-        else:  # ("failed", why): a replacement could not start (its process exits; it is not replaced again)
+        elif kind == "failed":  # a replacement could not start (its process exits; it is not replaced again)
             print(f"error: a front end could not start again: {rest[0]}", file=sys.stderr, flush=True)
 
     def _submit(self, front: _FrontEnd, batch: list[tuple[int, dict[str, Any], bool]]) -> None:

@@ -3,12 +3,13 @@
 new connection to one of them.
 
 A front end is a spawned process that never touches the accelerator (jax runs on the CPU there: the tokenizer and
-the HTTP work need no device). It answers over its connection once, ("ready",) or ("failed", message) when its
-app cannot be built (a UserError), before it serves. SIGTERM (uvicorn's graceful shutdown) makes it finish its
-requests in flight, then close its connection; the engine's side returns once every front end has closed. One
-that dies otherwise (a crash, SIGKILL, the kernel's OOM killer) is replaced within seconds (`FrontEnds.replace`,
-which `jaxgpt.serve.core.Core` calls), while the others keep serving; the connections it held are lost. One whose
-engine's process has ended answers 503 to what it had and shuts down, with exit status 1.
+the HTTP work need no device). It says ("built",) over its connection once it has built its app, or ("failed",
+message) when it cannot (a UserError); it serves once told ("serve",), and says ("ready",) then. SIGTERM
+(uvicorn's graceful shutdown) makes it finish its requests in flight, then close its connection; the engine's
+side returns once every front end has closed. One that dies otherwise (a crash, SIGKILL, the kernel's OOM killer)
+is replaced at once by a spare (`FrontEnds.replace`, which `jaxgpt.serve.core.Core` calls) while the others keep
+serving; the connections it held are lost. One whose engine's process has ended answers 503 to what it had and
+shuts down, with exit status 1.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class FrontEnds:
-    """The front ends' processes on `sock`, which stays open here so that one that dies can be replaced."""
+    """The front ends' processes on `sock`, which stays open here so that one that dies can be replaced, and a
+    spare, started like them but waiting to be told to serve: a replacement then serves at once, not after the
+    seconds a process takes to import jax and build its app."""
 
     def __init__(self, served: Served, version: str | None, sock: socket.socket) -> None:
         self.served, self.version, self.sock = served, version, sock
@@ -43,17 +46,21 @@ class FrontEnds:
         self.procs: dict[Connection, BaseProcess] = {}  # by the engine's end of each one's connection
         self.names = itertools.count()
         self.stopping = False
+        self.spare: Connection | None = None
 
     def start(self, n: int) -> list[Connection]:
-        """Spawn `n` front ends; the engine's ends of their connections, once each is ready. A front end that
-        cannot start is a UserError (the others are stopped)."""
-        conns = [self._spawn() for _ in range(n)]
+        """Spawn `n` front ends and the spare; the engine's ends of the front ends' connections, once each serves.
+        One that cannot build its app is a UserError (the others are stopped)."""
+        conns = [self._spawn() for _ in range(n + 1)]
         for conn in conns:
             answer = conn.recv() if conn.poll(600) else ("failed", "a front end did not start within 600 s")
-            if answer[0] != "ready":
+            if answer[0] != "built":
                 for proc in self.procs.values():
                     proc.terminate()
                 raise UserError(answer[1])
+        *conns, self.spare = conns
+        for conn in conns:
+            conn.send(("serve",))
         return conns
 
     def _spawn(self) -> Connection:
@@ -66,16 +73,22 @@ class FrontEnds:
         return ours
 
     def replace(self, conn: Connection) -> Connection | None:
-        """The front end at `conn` has closed it: unless the server is stopping, another takes its place (it says
-        ("ready",) once it serves); the engine's end of the new one's connection."""
+        """The front end at `conn` has closed it: unless the server is stopping, the spare takes its place (it says
+        ("ready",) once it serves) and another spare starts; the engine's end of the new front end's connection."""
         proc = self.procs.pop(conn)
         conn.close()
         if self.stopping:
             return None
         proc.join(timeout=1)  # it has closed its end: it is exiting, if not gone
-        print(f"front end {proc.name} (pid {proc.pid}) ended (exit status {proc.exitcode}): starting another",
-              file=sys.stderr, flush=True)
-        return self._spawn()
+        print(f"front end {proc.name} (pid {proc.pid}) ended (exit status {proc.exitcode}): its spare takes its "
+              "place", file=sys.stderr, flush=True)
+        new, self.spare = self.spare, self._spawn()
+        try:
+            new.send(("serve",))
+        except OSError:  # the spare has died too: the new one serves once it has started
+            new, self.spare = self.spare, self._spawn()
+            new.send(("serve",))
+        return new
 
     def stop(self) -> None:
         """Ask each front end to finish its requests in flight, then close its end (SIGTERM); none is replaced."""
@@ -105,6 +118,11 @@ def _front_end(conn: Connection, sock: socket.socket, served: Served, version: s
         app = create_app(engine, served)
     except UserError as e:
         conn.send(("failed", str(e)))
+        return
+    conn.send(("built",))
+    try:
+        conn.recv()  # ("serve",): at once, or when this spare replaces a front end that died
+    except EOFError:  # the engine's process has ended first
         return
     conn.send(("ready",))
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE_S)
