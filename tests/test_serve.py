@@ -247,12 +247,14 @@ def test_disconnect_mid_stream_frees_the_slot():
         one.close()
 
 
-def test_full_queue_is_a_429():
+def test_full_queue_is_a_429(monkeypatch):
     busy = Server(slots=1, max_waiting=0)
+    step = busy.engine._step
+    monkeypatch.setattr(busy.engine, "_step", lambda: (time.sleep(0.2), step()))  # the stream holds its slot 1.6 s
     try:
         with httpx.stream("POST", f"{busy.url}/completions", json={"prompt": "a", "max_tokens": 60, "stream": True},
                           timeout=60) as response:
-            next(response.iter_lines())
+            assert '"choices"' in next(response.iter_lines())  # taken: the one slot is free
             with pytest.raises(openai.RateLimitError):
                 busy.client.completions.create(model="tiny", prompt="b", max_tokens=5)
     finally:

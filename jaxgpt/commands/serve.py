@@ -10,11 +10,14 @@ else any; --open_paths=/tokenizer_info,/tokenize,/detokenize leaves those outsid
 lm-evaluation-harness's remote tokenizer that send none). /v1/chat/completions renders messages with the run's
 chat_template.jinja or --chat_template FILE; /metrics is Prometheus's text format. A request's prompt and
 max_tokens must fit in the model's context. An encoder-decoder run (task seq2seq) takes the source as the
-prompt. SIGTERM (or Ctrl-C) stops accepting requests, finishes those in flight, exits.
+prompt. A request is admitted whole or not at all: more completions (prompts x n) than --slots + --max_waiting
+is a 400, more than there is room for now a 429 (docs/serving.md's limits and refusals). SIGTERM (or Ctrl-C)
+stops accepting requests, finishes those in flight, exits.
 
 The engine runs in this process and the HTTP front ends (requests, tokenizing, detokenizing, streaming) in
 --api_servers processes of their own on the same port, as vLLM separates its engine core from its API servers:
-the engine's thread then never waits for the front ends' interpreter lock (jaxgpt.serve.core).
+the engine's thread then never waits for the front ends' interpreter lock (jaxgpt.serve.core). A spare front end
+waits to replace one that dies; if the engine's process dies, the front ends answer 503 and exit.
 
 --follow polls the run every --follow_interval seconds and serves its newest checkpoint (of --which) once the
 requests in flight have finished with the previous one; one that cannot be read, or whose model differs, is
@@ -58,8 +61,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_bool("warm_up", False, "compile the decode chunk of every row count and the prefill of every "
                       "prompt bucket before listening (else the first request to reach each stalls the busy ones "
                       "for that compile)", flag_values=flags_)
-    flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429", lower_bound=0,
-                         flag_values=flags_)
+    flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429; one HTTP request may ask "
+                         "for at most --slots + --max_waiting completions (prompts x n), else it is a 400",
+                         lower_bound=0, flag_values=flags_)
     flags.DEFINE_string("chat_template", None, "a Jinja2 chat template (Hugging Face format) for "
                         "/v1/chat/completions, instead of the run's chat_template.jinja", flag_values=flags_)
     flags.DEFINE_string("api_key", None, "the key clients must send (Authorization: Bearer KEY) on every path but "

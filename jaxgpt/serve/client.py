@@ -105,10 +105,10 @@ class EngineClient:
                      ) -> list[int] | None:
         """Send requests (`Request`'s plain fields, and the queue each one's events go to, each put a list of the
         events one tick brought), admitted all or none; their ids, or None when the engine has no room for all."""
-        if self.lost:
-            raise EngineLostError(LOST)
         assert self.loop is not None and self.drained is not None, "start() first"
         await self.drained.wait()
+        if self.lost:
+            raise EngineLostError(LOST)
         rids = [next(self.rids) for _ in requests]
         self.queues.update(zip(rids, (queue for _, queue in requests), strict=True))
         self.queued[rids[0]] = queued = self.loop.create_future()
@@ -186,6 +186,7 @@ class EngineClient:
             queue.put_nowait([("done", "lost")])
         self.queued.clear()
         self.queues.clear()
-        assert self.greeted is not None
-        self.greeted.set()
+        assert self.greeted is not None and self.drained is not None
+        self.greeted.set()  # (what waits on these sees `lost`)
+        self.drained.set()
         self.on_lost()
