@@ -62,7 +62,7 @@ from jaxgpt.model.gpt import init_params  # noqa: E402
 from jaxgpt.ops.platform import keep_freed_memory  # noqa: E402
 from jaxgpt.serve.app import Served  # noqa: E402
 from jaxgpt.serve.core import Core  # noqa: E402
-from jaxgpt.serve.launch import listen, start_front_ends  # noqa: E402
+from jaxgpt.serve.launch import FrontEnds, listen  # noqa: E402
 
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # a sorted character vocabulary of 96
 SAMPLED = Needs(bias=False, noise=True, nucleus=False, scores=False)  # what every request here asks for
@@ -104,16 +104,16 @@ def serving(engine: Engine, cfg: ModelConfig, tokenizer: Tokenizer, api_servers:
     """`jaxgpt serve`'s processes around `engine`: its side in a thread of this process, `api_servers` front ends
     on a free port of 127.0.0.1; (the port, the front ends' process ids)."""
     with listen("127.0.0.1", 0) as sock:
-        procs, conns = start_front_ends(Served(tokenizer, "m", cfg, engine.n_slots), None, sock, api_servers)
-        port = sock.getsockname()[1]
-    core = threading.Thread(target=Core(engine, conns).run, daemon=True)
-    core.start()
-    try:
-        yield port, [p.pid for p in procs]
-    finally:
-        for p in procs:
-            p.terminate()  # SIGTERM: each finishes its streams, closes its end, and the core returns
-        core.join()
+        front_ends = FrontEnds(Served(tokenizer, "m", cfg, engine.n_slots), None, sock)
+        conns = front_ends.start(api_servers)
+        core = threading.Thread(target=Core(engine, conns, replace=front_ends.replace).run, daemon=True)
+        core.start()
+        try:
+            yield sock.getsockname()[1], [p.pid for p in front_ends.procs.values()]
+        finally:
+            front_ends.stop()  # SIGTERM: each finishes its streams, closes its end, and the core returns
+            core.join()
+            front_ends.join()
 
 
 def engine_alone(engine: Engine, prompts: list[list[int]], at_once: int, new_tokens: int) -> float:

@@ -10,11 +10,14 @@ else any; --open_paths=/tokenizer_info,/tokenize,/detokenize leaves those outsid
 lm-evaluation-harness's remote tokenizer that send none). /v1/chat/completions renders messages with the run's
 chat_template.jinja or --chat_template FILE; /metrics is Prometheus's text format. A request's prompt and
 max_tokens must fit in the model's context. An encoder-decoder run (task seq2seq) takes the source as the
-prompt. SIGTERM (or Ctrl-C) stops accepting requests, finishes those in flight, exits.
+prompt. A request is admitted whole or not at all: more completions (prompts x n) than --slots + --max_waiting
+is a 400, more than there is room for now a 429 (docs/serving.md's limits and refusals). SIGTERM (or Ctrl-C)
+stops accepting requests, finishes those in flight, exits.
 
 The engine runs in this process and the HTTP front ends (requests, tokenizing, detokenizing, streaming) in
 --api_servers processes of their own on the same port, as vLLM separates its engine core from its API servers:
-the engine's thread then never waits for the front ends' interpreter lock (jaxgpt.serve.core).
+the engine's thread then never waits for the front ends' interpreter lock (jaxgpt.serve.core). A spare front end
+waits to replace one that dies; if the engine's process dies, the front ends answer 503 and exit.
 
 --follow polls the run every --follow_interval seconds and serves its newest checkpoint (of --which) once the
 requests in flight have finished with the previous one; one that cannot be read, or whose model differs, is
@@ -27,7 +30,9 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from absl import flags
 
@@ -38,6 +43,11 @@ from jaxgpt.data.pairs import PairText
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.ops.platform import keep_freed_memory
+
+if TYPE_CHECKING:
+    from jaxgpt.generate.engine import Engine
+    from jaxgpt.serve.follow import Follower
+    from jaxgpt.serve.launch import FrontEnds
 
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -51,8 +61,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_bool("warm_up", False, "compile the decode chunk of every row count and the prefill of every "
                       "prompt bucket before listening (else the first request to reach each stalls the busy ones "
                       "for that compile)", flag_values=flags_)
-    flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429", lower_bound=0,
-                         flag_values=flags_)
+    flags.DEFINE_integer("max_waiting", 64, "requests queued beyond the slots before a 429; one HTTP request may ask "
+                         "for at most --slots + --max_waiting completions (prompts x n), else it is a 400",
+                         lower_bound=0, flag_values=flags_)
     flags.DEFINE_string("chat_template", None, "a Jinja2 chat template (Hugging Face format) for "
                         "/v1/chat/completions, instead of the run's chat_template.jinja", flag_values=flags_)
     flags.DEFINE_string("api_key", None, "the key clients must send (Authorization: Bearer KEY) on every path but "
@@ -80,9 +91,8 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     from jaxgpt.data.conversations import load_template
     from jaxgpt.generate.engine import Engine
     from jaxgpt.serve.app import Served
-    from jaxgpt.serve.core import Core
     from jaxgpt.serve.follow import Follower, version
-    from jaxgpt.serve.launch import listen, start_front_ends
+    from jaxgpt.serve.launch import FrontEnds, listen
 
     if flags_.follow and flags_.workdir is None:
         raise UserError("--follow follows a training run's checkpoints: give it with --workdir")
@@ -107,30 +117,33 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     template = load_template(flags_.workdir, flags_.chat_template)
     served = Served(tokenizer, name, cfg, flags_.slots, chat_template=template, chat_stop_ids=chat_stop_ids,
                     api_key=api_key, open_paths=tuple(flags_.open_paths), **limit)
-    with listen(flags_.host, flags_.port) as sock:
-        procs, conns = start_front_ends(served, engine.version, sock, flags_.api_servers)
+    with listen(flags_.host, flags_.port) as sock:  # open while serving: a front end that dies is replaced
+        front_ends = FrontEnds(served, engine.version, sock)
+        serve(engine, front_ends, front_ends.start(flags_.api_servers), follower, flags_, name, api_key, template)
+
+
+def serve(engine: Engine, front_ends: FrontEnds, conns: list[Connection], follower: Follower | None,
+          flags_: flags.FlagValues, name: str, api_key: str | None, template: str | None) -> None:
+    """Serve until SIGTERM or Ctrl-C has had every front end finish its requests in flight."""
+    from jaxgpt.serve.core import Core
+
     print(f"serving {name!r} {engine.version or ''} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots; "
           f"{flags_.api_servers} HTTP process{'es' if flags_.api_servers > 1 else ''}; chat: "
           f"{'yes' if template else 'no template'}; API key: {'required' if api_key else 'none'}"
           f"{f'; following every {flags_.follow_interval:g} s' if follower else ''})", flush=True)
 
-    def finish(*_: object) -> None:  # each front end finishes its requests in flight, then closes its end
-        for proc in procs:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
-
+    finish = lambda *_: front_ends.stop()  # each front end finishes its requests in flight, then closes its end
     signal.signal(signal.SIGTERM, finish)
     signal.signal(signal.SIGINT, finish)
     if follower is not None:
         follower.start()
     try:
-        Core(engine, conns).run()  # until every front end has closed
+        Core(engine, conns, replace=front_ends.replace).run()  # until every front end has closed
     finally:
         finish()
         if follower is not None:
             follower.stop()  # (a checkpoint being loaded is loaded first)
-        for proc in procs:
-            proc.join()
+        front_ends.join()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

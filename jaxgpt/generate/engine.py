@@ -156,6 +156,8 @@ class Engine:
         if chunk < 1:
             raise UserError(f"chunk={chunk}: a decode chunk needs at least one step")
         self.n_slots, self.max_waiting, self.eot_token = slots, max_waiting, eot_token
+        self.capacity = slots + max_waiting  # requests held at once, busy or waiting: what `submit` admits
+        self.held = 0  # requests submitted and not yet done
         self.version, self.chunk = version, chunk
         self.pending: tuple[Any, str] | None = None  # weights `swap` gave, and their version
         if isinstance(cfg, Seq2SeqConfig):
@@ -212,12 +214,14 @@ class Engine:
     def check(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
         check_request(self.cfg, prompt, max_new_tokens, temperature, top_p)
 
-    def submit(self, request: Request) -> bool:
-        """Queue a checked request; False when the queue is full (the caller retries later)."""
+    def submit(self, *requests: Request) -> bool:
+        """Queue checked requests, all or none: False when they do not all fit beside those held (the free slots
+        and `max_waiting` more), so a server's request is refused whole, not left half queued."""
         with self.wake:
-            if len(self.waiting) >= self.max_waiting:
+            if self.held + len(requests) > self.capacity:
                 return False
-            self.waiting.append(request)
+            self.held += len(requests)
+            self.waiting.extend(requests)
             self.wake.notify()
         return True
 
@@ -260,12 +264,18 @@ class Engine:
 
     def _tick(self) -> None:
         """Take swapped weights once no slot is busy, else fill free slots from the queue unless a swap waits;
-        dispatch a chunk for the busy slots, then read what was dispatched before it."""
+        dispatch a chunk for the busy slots, then read what was dispatched before it. Waiting requests that were
+        cancelled leave the queue at once, not when they reach a slot."""
         with self.wake:
             if self.pending is not None and not any(self.active):
                 (self.params, self.version), self.pending = self.pending, None
+            dropped = [r for r in self.waiting if r.cancelled]
+            if dropped:
+                self.waiting = deque(r for r in self.waiting if not r.cancelled)
             free = self.active.count(None)
             admitted = [self.waiting.popleft() for _ in range(free) if self.waiting and self.pending is None]
+        for request in dropped:
+            self._end(request, "cancelled")
         for request in admitted:
             self._admit(request)
         busy = any(self.active)
@@ -282,7 +292,7 @@ class Engine:
     def _admit(self, r: Request) -> None:
         """Dispatch the request's prefill into the first free slot (its first token is read with the chunks)."""
         if r.cancelled:
-            r.done("cancelled")
+            self._end(r, "cancelled")
             return
         s = self.active.index(None)
         ends = frozenset(r.stop_ids) | ({self.eot_token} if self.eot_token is not None and not r.ignore_eos else set())
@@ -382,14 +392,20 @@ class Engine:
         moved, self.active[last] = self.active[last], None
         if moved is not busy:
             self.active[busy.slot], moved.slot = moved, busy.slot
-        busy.request.done(reason)
+        self._end(busy.request, reason)
+
+    def _end(self, request: Request, reason: str) -> None:
+        """A request is done: its place frees for `submit`."""
+        with self.wake:
+            self.held -= 1
+        request.done(reason)
 
     def _fail_all(self) -> None:
         with self.wake:
             failed, self.waiting = [*(b.request for b in self.active if b is not None), *self.waiting], deque()
         self.active, self.unread, self.state = [None] * self.n_slots, deque(), self._empty()
         for request in failed:
-            request.done("error")
+            self._end(request, "error")
 
 
 def _pairs(ids_K: np.ndarray, logprobs_K: np.ndarray) -> list[tuple[int, float]]:

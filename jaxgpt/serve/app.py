@@ -13,9 +13,12 @@ The app is a front end: the engine runs in a process of its own (`jaxgpt.serve.c
 an `EngineClient`; tokenizing, detokenizing, stop strings and server-sent events happen here, and `jaxgpt serve
 --api_servers N` runs N front ends on one port. Each choice of a request is one engine request whose events reach
 the handler through an asyncio queue. A bad request is a 400 with OpenAI's error body, a body over the limit a
-413, a missing or wrong API key a 401 (on every path but /health, the page and `Served.open_paths`) and a full
-queue a 429; none touches the engine. A client that disconnects cancels its choices, which free their slots
-before the next decode step. Choice j of a request with `seed` s samples with seed s + j, so choice 0 is
+413, a missing or wrong API key a 401 (on every path but /health, the page and `Served.open_paths`); none touches
+the engine. A request's choices are admitted whole or not at all: more than the engine holds at once (its
+capacity, /v1/models' `max_completions_per_request`: slots + waiting room) is a 400, more than it has room for
+now a 429. A client that disconnects, or a request that fails, cancels its choices, which leave the engine's
+queue or free their slots at its next tick; an engine whose process has ended is a 503.
+Choice j of a request with `seed` s samples with seed s + j, so choice 0 is
 `generate(..., key=s)`'s sample.
 
 Which weights answered: every answer (each streamed chunk too) has OpenAI's `system_fingerprint`, the engine's
@@ -26,7 +29,6 @@ steps), and /v1/models's entry has the version served now. They change when `jax
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -49,7 +51,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import check_request
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.serve.choices import Choice, Codec, collect, stream, usage
-from jaxgpt.serve.client import EngineClient
+from jaxgpt.serve.client import EngineClient, EngineLostError
 from jaxgpt.serve.guard import OPEN_PATHS, Guard
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import (
@@ -155,6 +157,7 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": 0,
                                             "owned_by": "jaxgpt", "max_model_len": context,
+                                            "max_completions_per_request": await engine.capacity(),
                                             "system_fingerprint": engine.version}]}
 
     _tokenizer_routes(app, tokenizer, context, chat_template, guarded)
@@ -192,6 +195,10 @@ def _error_handlers(app: FastAPI) -> None:
     async def user_error(_: HTTPRequest, exc: UserError) -> JSONResponse:
         return error(400, str(exc))
 
+    @app.exception_handler(EngineLostError)
+    async def engine_lost(_: HTTPRequest, exc: EngineLostError) -> JSONResponse:
+        return error(503, str(exc), "server_error")
+
 
 def _tokenizer_routes(app: FastAPI, tokenizer: Codec, context: int, chat_template: ChatTemplate | None,
                       guarded: tuple[int, ...]) -> None:
@@ -220,21 +227,21 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
                        metrics: Metrics, context: int, guarded: tuple[int, ...]) -> None:
     """/v1/completions and /v1/chat/completions: both check the request, start its choices and answer whole or
     as server-sent events; they differ in the prompt (given, or rendered from messages) and the answer's shape."""
-    tokenizer, model_name = served.tokenizer, served.model_name
+    tokenizer, model_name, declared = served.tokenizer, served.model_name, responses(400, 429, 500, 503, *guarded,
+                                                                                    streams=True)
 
-    @app.post("/v1/completions", response_model=None, responses=responses(400, 429, 500, *guarded, streams=True))
+    @app.post("/v1/completions", response_model=None, responses=declared)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         arrived = time.perf_counter()
-        texts, encoded = _prompts(body, tokenizer)
+        texts, encoded = _prompts(body, tokenizer, await engine.capacity())
         if body.max_tokens == 0 and not body.echo:
             raise UserError("max_tokens: 0 generates nothing; it is only meaningful with echo=true")
         if body.echo and isinstance(tokenizer, PairText):
             raise UserError("echo: an encoder-decoder's prompt is its source, which it does not score")
         choices = await _start(body, encoded, body.max_tokens, engine, served, metrics, arrived,
                                score_prompt=body.echo and body.logprobs is not None)
-        if body.echo:
-            for c in choices:
-                c.prefix = texts[c.index // body.n]
+        for c in choices if body.echo else []:
+            c.prefix = texts[c.index // body.n]
         header = Header({"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion",
                          "created": int(time.time()), "model": model_name}, choices)
 
@@ -250,7 +257,7 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
                    for c in choices]
         return {**header, "choices": answers, "usage": usage(choices, encoded, body.n)}
 
-    @app.post("/v1/chat/completions", response_model=None, responses=responses(400, 429, 500, *guarded, streams=True))
+    @app.post("/v1/chat/completions", response_model=None, responses=declared)
     async def chat(body: ChatRequest, http: HTTPRequest) -> Any:
         arrived = time.perf_counter()
         if chat_template is None:
@@ -278,13 +285,15 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
         return {**header, "object": "chat.completion", "choices": answers, "usage": usage(choices, encoded, body.n)}
 
 
-def _prompts(body: CompletionRequest, tokenizer: Codec) -> tuple[list[str], list[list[int]]]:
-    """Each prompt's text and ids (an empty GPT prompt starts from end-of-text); ids are checked by the engine."""
+def _prompts(body: CompletionRequest, tokenizer: Codec, capacity: int) -> tuple[list[str], list[list[int]]]:
+    """Each prompt's text and ids (an empty GPT prompt starts from end-of-text); ids are checked by the engine.
+    Prompts that, `n` each, could never fit in the engine's `capacity` are refused before any is tokenized."""
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]  # type: ignore[list-item]
     if not prompt:
         raise UserError("prompt: give at least one prompt")
+    _check_size(len(prompt), body.n, capacity)
     starts = [] if isinstance(tokenizer, PairText) or tokenizer.eot_token is None else [tokenizer.eot_token]
     texts, encoded = [], []
     for p in prompt:
@@ -311,12 +320,20 @@ def _logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
     return bias
 
 
+def _check_size(prompts: int, n: int, capacity: int) -> None:
+    """A UserError (a 400) for a request of more completions than the engine ever holds at once."""
+    if prompts * n > capacity:
+        raise UserError(f"prompt: {prompts} prompt(s) x n={n} is {prompts * n} completions, over this server's "
+                        f"limit of {capacity} per request (max_completions_per_request in /v1/models: its slots "
+                        f"and waiting room): send them in several requests")
+
+
 async def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_tokens: int,
                  engine: EngineClient, served: Served, metrics: Metrics, arrived: float, *,
                  score_prompt: bool = False, chat: bool = False) -> list[Choice]:
-    """Check the request, then submit `n` choices per prompt, each an engine request whose events feed it. A
-    UserError is a 400 and a full queue a 429 (the choices already queued are cancelled). A chat's replies also
-    end at `served.chat_stop_ids`."""
+    """Check the request, then submit `n` choices per prompt, each an engine request whose events feed it, all or
+    none. A UserError is a 400 (more choices than the engine ever holds too) and no room for them all now a 429.
+    A chat's replies also end at `served.chat_stop_ids`."""
     tokenizer = served.tokenizer
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if not all(stops):
@@ -327,19 +344,19 @@ async def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]]
     bias = _logit_bias(body, tokenizer.vocab_size)
     for ids in encoded:
         check_request(served.cfg, ids, max_tokens, body.temperature, body.top_p)
+    capacity = await engine.capacity()
+    _check_size(len(encoded), body.n, capacity)
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     choices = [Choice(i, tokenizer, stops, metrics, arrived, engine, prompt_ids=ids if score_prompt else [])
                for i, ids in enumerate(ids for ids in encoded for _ in range(body.n))]
     fields = [{"prompt": ids, "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                "seed": seed + j, "logit_bias": bias, "ignore_eos": body.ignore_eos, "logprobs": logprobs,
                "stop_ids": served.chat_stop_ids if chat else ()} for ids in encoded for j in range(body.n)]
-    rids = await asyncio.gather(*(engine.submit(f, score_prompt, c.queue) for f, c in zip(fields, choices,
-                                                                                          strict=True)))
+    rids = await engine.submit([(f, c.queue) for f, c in zip(fields, choices, strict=True)], score_prompt)
+    if rids is None:
+        raise HTTPException(429, f"the server is full: it has no room now for this request's {len(fields)} "
+                                 f"completion(s) (it holds {capacity} at once): retry later")
     for choice, rid in zip(choices, rids, strict=True):
         choice.rid = rid
-    if None in rids:
-        for choice in choices:
-            choice.cancel()
-        raise HTTPException(429, "the server's queue is full: retry later")
     metrics.prompt_tokens.inc(sum(len(ids) for ids in encoded) * body.n)
     return choices

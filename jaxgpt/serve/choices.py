@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from jaxgpt.data.pairs import PairText
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.generate.text_stream import StreamDecoder, first_stop, held_back
-from jaxgpt.serve.client import EngineClient
+from jaxgpt.serve.client import LOST, EngineClient, EngineLostError
 from jaxgpt.serve.metrics import Metrics
 from jaxgpt.serve.protocol import Sampling, error_body
 
@@ -165,30 +165,45 @@ def _take(choice: Choice, kind: str, value: Any) -> None:
         choice.prompt_logprobs = value
     elif value == "error":
         raise EngineFailedError("the engine failed while decoding this request (the server's log has the traceback)")
+    elif value == "lost":
+        raise EngineLostError(LOST)
     elif choice.finish_reason is None:
         choice.done(value)
 
 
-async def finish(choice: Choice, http: HTTPRequest) -> None:
-    """Wait for the choice's end; a disconnected client cancels it."""
+async def finish(choice: Choice) -> None:
+    """Wait for the choice's end (a stop string's cut ends it here, before the engine says so)."""
     while choice.finish_reason is None or not choice.queue.empty():
-        try:
-            await asyncio.wait_for(next_event(choice), timeout=0.5)
-        except TimeoutError:
-            if await http.is_disconnected():
-                choice.cancel()
-                return
+        await next_event(choice)
         if choice.finish_reason is not None and choice.cancelled:
             return
 
 
+async def disconnected(http: HTTPRequest) -> None:
+    """Return once the client has gone: once the body is read, the server's next message is the disconnect."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def collect(choices: list[Choice], http: HTTPRequest) -> None:
-    """Every choice to its end; an engine failure is a 500 (raised as an HTTPException)."""
+    """Every choice to its end. An engine failure is a 500, a lost engine a 503 and a client that went away a 499
+    (nginx's "client closed request", which nobody reads), each raised as an HTTPException; whatever ends it, no
+    choice is left running."""
+    work = asyncio.gather(*(finish(c) for c in choices))
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read, once it is cancelled)
+    gone = asyncio.ensure_future(disconnected(http))
     try:
-        await asyncio.gather(*(finish(c, http) for c in choices))
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise HTTPException(499, "the client closed the connection before the answer")
+        work.result()
     except EngineFailedError as e:
         raise HTTPException(500, str(e)) from None
+    except EngineLostError as e:
+        raise HTTPException(503, str(e)) from None
     finally:
+        gone.cancel()
+        work.cancel()
         for c in choices:
             if c.finish_reason is None:
                 c.cancel()
@@ -215,7 +230,7 @@ def stream(choices: list[Choice], header: dict[str, Any],
                     choice = pending.pop(task)
                     try:
                         task.result()
-                    except EngineFailedError as e:
+                    except (EngineFailedError, EngineLostError) as e:
                         yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
                         return
                     text = choice.ready()

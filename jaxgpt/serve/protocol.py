@@ -117,8 +117,9 @@ class ErrorBody(BaseModel):
 _WHY = {400: "the request is invalid (its message says which field and why)",
         401: "no valid API key: send Authorization: Bearer KEY",
         413: "the request body is larger than the server takes",
-        429: "the server's queue is full: retry later",
-        500: "the engine failed while decoding the request"}
+        429: "the server has no room now for all of the request's completions: retry later",
+        500: "the engine failed while decoding the request",
+        503: "the engine's process has ended: the server is shutting down to be restarted"}
 
 
 def responses(*statuses: int, streams: bool = False) -> dict[int | str, dict[str, Any]]:
