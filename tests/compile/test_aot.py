@@ -14,12 +14,10 @@ from pathlib import Path
 
 import jax
 import pytest
-from tests_helpers import aot_cli
+from helpers import ROOT, TINY, aot_cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "tests" / "tiny_config.py")
 GiB = 2**30
 
 

@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.cuda_plugin, pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins") is None
     or not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)),
-    reason="jax's CUDA plugin is not installed (pip install 'jax[cuda13]' compiles for GPUs on CPU-only hosts)")
+    reason="jax's CUDA plugin is not installed (pip install 'jax[cuda13]' compiles for GPUs on CPU-only hosts)")]
 
 from configs.gpt2_124m import get_config  # noqa: E402
 from jaxgpt.generate import sampling, slots  # noqa: E402

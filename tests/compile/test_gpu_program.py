@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests_helpers import aot_cli, load_tiny, train_run
+from helpers import ROOT, aot_cli, load_tiny, train_run
 
 from jaxgpt.errors import UserError
 from jaxgpt.ops.loss import chunked_cross_entropy
 from jaxgpt.tools import gpus, hlo
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.cuda_plugin
+
 needs_plugin = pytest.mark.skipif(not gpus.has_cuda_plugin(), reason='jax\'s CUDA plugin is not installed (pip install '
                                   '"jax[cuda13]": it compiles for GPUs on CPU-only hosts)')
 
@@ -102,8 +103,8 @@ def test_missing_cuda_plugin_and_bad_gpu_counts_are_one_line_errors(monkeypatch:
 
 
 def _h100_program(**overrides: int) -> tuple[Any, str]:
-    """(memory analysis, HLO text) of the trainer's step for one compile-only H100: tests/tiny_config.py with the
-    GPT-2 recipe's GPU settings (bf16, cuDNN attention, the loss 16 positions at a time) at 64 positions."""
+    """(memory analysis, HLO text) of the trainer's step for one compile-only H100: tests/helpers/tiny_config.py
+    with the GPT-2 recipe's GPU settings (bf16, cuDNN attention, the loss 16 positions at a time) at 64 positions."""
     from jaxgpt.tools import aot
     from jaxgpt.train.config import from_config_dict
 

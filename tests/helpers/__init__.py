@@ -17,12 +17,12 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = Path(__file__).resolve().parent / "tiny_config.py"
 
 
 def load_tiny(**overrides: object) -> ConfigDict:
-    """tests/tiny_config.py with overrides; `data_dir` sets config.data.dir."""
+    """tests/helpers/tiny_config.py with overrides; `data_dir` sets config.data.dir."""
     spec = importlib.util.spec_from_file_location("tiny_config", TINY)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -108,8 +108,8 @@ def device_check_smoke(out: Path, *options: str, timeout: float) -> tuple[subpro
 
 
 def aot_cli(out: Path, *options: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """`jaxgpt aot` with `options` (tests/tiny_config.py unless they name a config), its report's JSON written to
-    `out`: the finished process (its output captured) and the report, None where it wrote none."""
+    """`jaxgpt aot` with `options` (tests/helpers/tiny_config.py unless they name a config), its report's JSON
+    written to `out`: the finished process (its output captured) and the report, None where it wrote none."""
     config = [] if any(o.startswith("--config=") for o in options) else [f"--config={TINY}"]
     proc = subprocess.run(["timeout", "600", sys.executable, "-m", "jaxgpt", "aot", *config, *options,
                            f"--json={out}"], capture_output=True, text=True, cwd=ROOT, timeout=660)

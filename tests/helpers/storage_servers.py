@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests_helpers import free_port
+from helpers import free_port
 
 BUCKET = "jaxgpt-test"
 

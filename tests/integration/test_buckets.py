@@ -1,6 +1,6 @@
 """Runs, datasets and exports in gs:// and s3:// buckets, against real storage servers on 127.0.0.1.
 
-Each scheme's server (tests/storage_servers.py) runs for the module; trainers are subprocesses that reach
+Each scheme's server (tests/helpers/storage_servers.py) runs for the module; trainers are subprocesses that reach
 it through a proxy the tests can cut, as a storage server that goes away mid-run.
 """
 
@@ -17,12 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import storage_servers
 from flax import traverse_util
-from tests_helpers import one_line_error
+from helpers import ROOT, TINY, one_line_error, storage_servers
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "tests" / "tiny_config.py")
 STEPS = ["--config.max_steps=30", "--config.ckpt_interval=10", "--config.eval_interval=30",
          "--config.optim.decay_steps=1000"]
 
@@ -38,11 +35,6 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     srv = storage_servers.start(request.param, str(tmp_path_factory.mktemp(request.param)))
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("xla"))
 
 
 @pytest.fixture(autouse=True)
@@ -244,7 +236,7 @@ def test_bad_locations_are_one_line(server: storage_servers.Server, data_dir: Pa
 @pytest.fixture(scope="module")
 def four_devices(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """One process with four CPU devices, on local disk: what the two-process runs must equal."""
-    from test_multihost import MESH, finish, start
+    from helpers.multihost import MESH, finish, start
 
     logs = tmp_path_factory.mktemp("ref")
     assert finish([start(logs / "run", data_dir, 4, *MESH, log=logs / "ref")]) == [0], (logs / "ref.err").read_text()
@@ -255,7 +247,7 @@ def four_devices(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Pa
 def test_two_processes_write_one_sharded_checkpoint_that_one_device_restores(
         server: storage_servers.Server, data_dir: Path, four_devices: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_multihost import MESH, final_params, finish, start_pair
+    from helpers.multihost import MESH, final_params, finish, start_pair
 
     for key, value in server.env().items():
         monkeypatch.setenv(key, value)
@@ -269,6 +261,7 @@ def test_two_processes_write_one_sharded_checkpoint_that_one_device_restores(
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), atol=1e-4, err_msg=str(k))
 
 
+@pytest.mark.torch
 @pytest.mark.slow
 def test_hugging_face_export_to_a_bucket_and_back(server: storage_servers.Server, data_dir: Path, xla_cache: str,
                                                   straight: Path) -> None:

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_chat import ALPHABET, render, sft_config
-from test_classify import save_random_lm
-from test_workflows import random_params, save_run
-from tests_helpers import one_line_error, serving, train_run
+from helpers import ROOT, one_line_error, serving, train_run
+from helpers.chat import ALPHABET, render, sft_config
+from helpers.models import random_params, save_random_lm, save_run
 
 from jaxgpt.data.conversations import ChatTemplate, hub_conversations, load_hub
 from jaxgpt.data.tokenizer import CharTokenizer
@@ -32,6 +31,8 @@ from jaxgpt.generate import sampling
 from jaxgpt.generate.chat import ChatModel
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
+
+pytestmark = pytest.mark.browser
 
 BLOCK = 160  # context of the tiny chat run: room for a few turns of its nonsense replies
 KEY = "page-key"
@@ -162,7 +163,7 @@ def test_offline_hub_dataset_is_one_line_naming_the_local_file_route(chat_run: P
     proc = subprocess.run([sys.executable, "-m", "jaxgpt", "train", "--config=configs/chat_sft.py",
                            f"--config.workdir={tmp_path / 'w'}", f"--config.init_from=workdir:{chat_run}",
                            "--config.chat.data=hf:HuggingFaceTB/smoltalk:all"], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).resolve().parents[1], timeout=300)
+                          env=env, cwd=ROOT, timeout=300)
     line = one_line_error(proc)
     assert "cannot be reached" in line and "load_dataset('HuggingFaceTB/smoltalk', 'all', split='train')" in line
     assert line.endswith("--config.chat.data=chat.jsonl")

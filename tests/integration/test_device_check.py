@@ -1,7 +1,7 @@
 """benchmarks/device_check.py itself, on this CPU: its --smoke run (every part at tiny shapes) and what that cannot
-reach, so that the command an accelerator host gets minutes for cannot rot between such hosts. CI runs this file
-in its newest lane, the JAX that GPU and TPU images ship; tests/test_hf.py smokes the PyTorch parts where torch
-is installed.
+reach, so that the command an accelerator host gets minutes for cannot rot between such hosts. The whole smoke is
+in the slow tier; CI runs a smoke of two parts, on both ends of the JAX range (GPU and TPU images ship the newest);
+tests/unit/io/test_hf.py smokes the PyTorch parts where torch is installed.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from tests_helpers import device_check_smoke
+from helpers import ROOT, device_check_smoke
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.jax_release
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,20 @@ def test_device_check_falls_back_past_out_of_memory_and_counts_unfinished_pytest
                                                    "deselected": 40}
 
 
+def test_device_check_smoke_of_two_parts_writes_their_rows(tmp_path: Path, device_check: ModuleType) -> None:
+    """The whole smoke's cheap sibling: `--smoke --parts env,train` runs those parts, each in its process, in that
+    order, and writes their rows (passed, with their logs and the training part's measures) and no other."""
+    proc, result = device_check_smoke(tmp_path / "check.json", "--parts", "env,train", timeout=300)
+    assert result and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = result["parts"]
+    assert list(parts) == ["env", "train"]
+    for name, part in parts.items():
+        assert part["status"] == "ok", (name, part.get("error"), part["log_tail"][-15:])
+        assert Path(part["log"]).is_file()
+    assert parts["train"]["metrics"]["tokens_per_s"] > 0 and parts["train"]["metrics"]["optimizer_s"] > 0
+
+
+@pytest.mark.slow  # every part, the sweep and the server's loads: minutes of CPU (the sibling above runs two parts)
 def test_device_check_smoke_passes_every_part(tmp_path: Path, device_check: ModuleType) -> None:
     """`benchmarks/device_check.py --smoke`: a row for every part in its JSON, each passed; PyTorch's parts are
     skipped, with the reason, only where torch (or transformers) is not installed."""

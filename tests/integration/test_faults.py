@@ -24,26 +24,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests_helpers import one_line_error
+from helpers import ROOT, TINY, one_line_error
 
 from jaxgpt.train.checkpoint import Checkpointer
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "tests" / "tiny_config.py")
 # An explicit decay: changing max_steps then leaves the schedule (and so the run's trajectory) unchanged.
 FIXED = ["--config.optim.decay_steps=1000"]
 LIMIT = 64 * 1024  # bytes per file: more than logs need, less than a checkpoint of the tiny model
-XLA_CACHE: list[str] = []  # the module's persistent compile cache: the tiny model compiles once, not per test
-
-
-@pytest.fixture(scope="module", autouse=True)
-def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    XLA_CACHE[:] = [str(tmp_path_factory.mktemp("xla"))]
-
-
 def train_cmd(workdir: Path, data_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "train.py"), f"--config={TINY}", f"--config.workdir={workdir}",
-            f"--config.data.dir={data_dir}", f"--config.compilation_cache_dir={XLA_CACHE[0]}", *FIXED, *extra]
+            f"--config.data.dir={data_dir}", *FIXED, *extra]  # conftest's compile cache: the tiny model compiles once
 
 
 def data_cmd(*extra: str) -> list[str]:
@@ -65,7 +55,7 @@ def checksums(*dirs: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, xla_cache: None) -> Path:
+def trained(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, xla_cache: str) -> Path:
     """A finished 20-step run with checkpoints at steps 10 and 20 (copied by the tests that change it)."""
     workdir = tmp_path_factory.mktemp("trained") / "run"
     proc = run(train_cmd(workdir, data_dir, "--config.max_steps=20", "--config.ckpt_interval=10",
@@ -331,7 +321,7 @@ def test_full_disk_during_training_keeps_the_previous_checkpoint(run_copy: Path,
 
 def test_too_little_space_is_refused_before_compiling(tmp_path: Path, data_dir: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests_helpers import load_tiny, train_run
+    from helpers import load_tiny, train_run
 
     from jaxgpt.errors import UserError
     from jaxgpt.train import rundir
@@ -508,6 +498,6 @@ def test_sigkill_at_random_steps_ten_times_resumes_bitwise(tmp_path: Path, data_
 
     a, b = want.restore_params(200), got.restore_params(200)
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
-    from tests_helpers import logged_losses
+    from helpers import logged_losses
 
     assert logged_losses(killed) == logged_losses(straight)  # one row per step, none left by the kills

@@ -2,7 +2,7 @@
 
 Each knob is one short train.py run of the tiny model; the runs go concurrently (each under `timeout`).
 Knobs that must not change the math (remat, the attention implementation) give the baseline's losses;
-tests/test_model.py checks the same equivalences (and scan = unrolled) at the model level.
+tests/unit/model/test_model.py checks the same equivalences (and scan = unrolled) at the model level.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from tests_helpers import logged_losses
+from helpers import ROOT, TINY, logged_losses
 
 from jaxgpt.train.checkpoint import Checkpointer
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "tests" / "tiny_config.py")
+pytestmark = pytest.mark.jax_release
+
 STEPS = 8
 RUNS = {
     "base": [],
@@ -93,7 +93,7 @@ def test_bf16_compute_keeps_fp32_parameters_and_optimizer_state(runs: dict) -> N
 
 def test_bf16_matmuls_in_the_compiled_step() -> None:
     """The trainer's own train step, lowered: bf16 projection products, fp32 parameters in and out."""
-    from tests_helpers import load_tiny
+    from helpers import load_tiny
 
     from jaxgpt.ops.attention import work_dtype
     from jaxgpt.tasks.lm import LanguageModelling

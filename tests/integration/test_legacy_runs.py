@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LEGACY = ROOT / "tests" / "data" / "legacy_runs"
 # run -> the sample.py arguments of each recorded output (README.md; the LM greedy file holds 30 tokens, which
 # is what sample.py at the recording commit prints with --max_new_tokens 30)

@@ -16,42 +16,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
-from tests_helpers import logged_eval, logged_losses, write_hellaswag_fixture
+from helpers import ROOT, logged_eval, logged_losses, write_hellaswag_fixture
+from helpers.runs import final_params, run_train, train_cmd, train_losses
 
 from jaxgpt.train import optim
 from jaxgpt.train.checkpoint import Checkpointer
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "tests" / "tiny_config.py")
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("xla"))
-
-
-def train_cmd(workdir: Path, data_dir: Path, cache: str, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), f"--config={TINY}", f"--config.workdir={workdir}",
-            f"--config.data.dir={data_dir}", f"--config.compilation_cache_dir={cache}", *extra]
-
-
-def run_train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    if check and proc.returncode:
-        raise AssertionError(proc.stderr[-3000:])
-    return proc
-
-
-def final_params(workdir: Path) -> dict:
-    ckpt = Checkpointer(workdir, read_only=True)
-    step = ckpt.latest_step()
-    restored = ckpt.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
-    ckpt.close()
-    return traverse_util.flatten_dict(dict(restored["params"]))
-
-
-def train_losses(workdir: Path) -> dict[int, float]:
-    return dict(logged_losses(workdir))
 
 
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
@@ -118,7 +87,7 @@ def test_keeps_last_n_plus_best(tmp_path: Path) -> None:
 
 
 def test_wall_clock_cadence_saves_between_step_checkpoints(tmp_path: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny, train_run
+    from helpers import load_tiny, train_run
 
     c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=20, eval_interval=20,
                   ckpt_interval=1000, keep_checkpoints=100, ckpt_minutes=1e-9)  # due after every step
@@ -131,7 +100,7 @@ def test_wall_clock_cadence_saves_between_step_checkpoints(tmp_path: Path, data_
 
 
 def test_train_in_process_learns_and_writes_outputs(tmp_path: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny, train_run
+    from helpers import load_tiny, train_run
 
     c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=60, eval_interval=30)
     out = train_run(c)
@@ -149,7 +118,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, data_dir: Pa
     gradient, so the parameters show the gradient's scale: four micro-batches summed, not averaged, put them
     3e-3 apart (3e4 times the tolerance; rounding: 4e-9). At the usual eps, Adam divides the scale out (that bug
     went unseen) and magnifies the rounding of gradients that nearly cancel (4.6e-5 on Python 3.13's corpus)."""
-    from tests_helpers import load_tiny, train_run
+    from helpers import load_tiny, train_run
 
     runs = {}
     for accum in (1, 4):
@@ -164,7 +133,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, data_dir: Pa
 def test_one_micro_batch_steps_without_a_loop(data_dir: Path, accum: int) -> None:
     """A loop on a GPU costs a host round trip per trip: the step of one micro-batch (dense loss, unscanned
     layers) has none; accumulating over two keeps its scan."""
-    from tests_helpers import load_tiny
+    from helpers import load_tiny
 
     from jaxgpt.data.dataset import load_dataset
     from jaxgpt.tasks.lm import LanguageModelling
@@ -314,7 +283,7 @@ def test_schedule_warms_up_then_decays_to_min() -> None:
 
 
 def test_init_from_workdir_and_hf_start_from_those_weights(tmp_path: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny, train_run
+    from helpers import load_tiny, train_run
 
     from jaxgpt.io.hf import save_hf
     from jaxgpt.io.weights import load_for

@@ -12,12 +12,10 @@ import re
 import tarfile
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref
 import pytest
-from tests_helpers import train_run
+from helpers import ROOT, TINY, train_run
+from helpers.models import bpe_or_skip, random_params, save_run
 
 from jaxgpt.commands import bpe as bpe_command
 from jaxgpt.commands import eval as eval_command
@@ -25,31 +23,15 @@ from jaxgpt.commands import hf as hf_command
 from jaxgpt.commands import sample as sample_command
 from jaxgpt.commands import train as train_command
 from jaxgpt.data.dataset import load_dataset
-from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, CharTokenizer, load_bpe
+from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, CharTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.io import bpe_ranks, weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.tools import evaluate
-from jaxgpt.train.checkpoint import Checkpointer
 from jaxgpt.train.config import base_config
 
-ROOT = Path(__file__).resolve().parents[1]
 CHARS = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz ,.;:!?'\n(){}=+-*/0123456789ABCDEFGHIJ")))
 
-
-def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Weights large enough (std 0.3) that greedy choices are far from ties."""
-    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ref.random_params(cfg.to_dict(), seed=seed, std=0.3))
-
-
-def save_run(workdir: Path, cfg: ModelConfig, params: dict, tokenizer_meta: dict) -> Path:
-    """A work directory with one checkpoint, written with the trainer's checkpointer."""
-    ckpt = Checkpointer(workdir)
-    ckpt.save({"params": params, "opt_state": {"count": jnp.zeros((), jnp.int32)}, "step": 1},
-              {"model": cfg.to_dict(), "tokenizer": tokenizer_meta, "val_loss": 1.0})
-    ckpt.wait()
-    ckpt.close()
-    return workdir
 
 
 def run_cli(main, args: list[str], capsys) -> tuple[int, str, str]:
@@ -58,11 +40,6 @@ def run_cli(main, args: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def bpe_or_skip():
-    try:
-        return load_bpe()
-    except UserError as e:
-        pytest.skip(f"GPT-2 BPE ranks unavailable: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +67,7 @@ def export(run: Path, out: Path, capsys) -> Path:
 # Hugging Face out and back in
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(("run_fixture", "prompt"), [("char_run", "def f(x):"), ("bpe_run", "Hello world, it is")])
 def test_pipeline_writes_what_sample_writes(run_fixture: str, prompt: str, request, tmp_path: Path, capsys) -> None:
     pytest.importorskip("torch")
@@ -105,6 +83,7 @@ def test_pipeline_writes_what_sample_writes(run_fixture: str, prompt: str, reque
     assert theirs == ours.removesuffix("\n")
 
 
+@pytest.mark.torch
 def test_exported_tokenizers_come_back_into_jaxgpt(char_run: Path, tmp_path: Path, capsys) -> None:
     pytest.importorskip("transformers")
     loaded = weights.load(f"hf:{export(char_run, tmp_path / 'hf', capsys)}")
@@ -112,6 +91,7 @@ def test_exported_tokenizers_come_back_into_jaxgpt(char_run: Path, tmp_path: Pat
     assert loaded.tokenizer().encode("hello") == CharTokenizer(CHARS).encode("hello")
 
 
+@pytest.mark.torch
 def test_exported_gpt2_tokenizer_is_recognized(bpe_run: Path, tmp_path: Path, capsys) -> None:
     pytest.importorskip("transformers")
     out = export(bpe_run, tmp_path / "hf", capsys)
@@ -127,10 +107,11 @@ def test_push_to_hub_needs_a_repository_id(char_run: Path, tmp_path: Path, capsy
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.torch
 def test_an_offline_hub_id_is_one_line_and_writes_nothing(tmp_path: Path, data_dir: Path, capsys, monkeypatch) -> None:
     pytest.importorskip("huggingface_hub")  # (without it the same flag is one line naming the package)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # this machine is offline; be quick
-    args = ["train.py", f"--config={ROOT / 'tests' / 'tiny_config.py'}", f"--config.workdir={tmp_path / 'run'}",
+    args = ["train.py", f"--config={TINY}", f"--config.workdir={tmp_path / 'run'}",
             f"--config.data.dir={data_dir}", "--config.init_from=hf:jaxgpt-tests/no-such-model"]
     code, _, err = run_cli(train_command.main, args, capsys)
     assert code == 2 and err.count("\n") == 1 and "hf:/path/to/DIR" in err, err
@@ -225,7 +206,7 @@ def test_windows_predict_every_token_once() -> None:
 
 
 def test_eval_equals_the_trainers_val_loss(data_dir: Path, tmp_path: Path, capsys) -> None:
-    from tests_helpers import load_tiny
+    from helpers import load_tiny
 
     workdir = tmp_path / "run"
     train_run(load_tiny(workdir=str(workdir), data_dir=str(data_dir), max_steps=4, eval_interval=4, eval_batches=3))

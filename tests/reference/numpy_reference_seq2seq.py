@@ -39,7 +39,7 @@ import math
 from typing import Any
 
 import numpy as np
-import numpy_reference as ref
+from reference import numpy_reference as ref
 
 Params = ref.Params
 Config = ref.Config

@@ -7,7 +7,7 @@ cuDNN attention on NVIDIA GPUs, splash on TPUs, bf16 products on their matrix un
 float32 einsum path. Products of float32 operands run at precision "highest" (the `highest_precision`
 fixture): by default a GPU multiplies float32 in TF32 and a TPU in bf16 passes, which exact comparisons would
 read as errors. Checks that other files already make carry the marker there (see docs/accelerators.md).
-tests/test_device_check.py checks device_check itself on this CPU.
+tests/integration/test_device_check.py checks device_check itself on this CPU.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_kernels as kernels
-from test_model import assert_matches_reference, shrink
-from test_sampling import prompts, random_params
-from tests_helpers import load_tiny, logged_losses, train_run
+from helpers import load_tiny, logged_losses, train_run
+from helpers.attention import outputs_and_grads, qkv, visible_mask
+from helpers.models import assert_matches_reference, prompts, random_params, shrink
 
 from jaxgpt.data.dataset import load_dataset
 from jaxgpt.generate.sampling import generate
@@ -34,7 +33,8 @@ from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
 from jaxgpt.train.config import TrainConfig, from_config_dict
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.jax_release
+
 BF16_TOL = 0.05  # of the largest magnitude: bf16 keeps 8 bits, and its roundings compound over two layers
 
 
@@ -42,12 +42,6 @@ BF16_TOL = 0.05  # of the largest magnitude: bf16 keeps 8 bits, and its rounding
 def highest_precision() -> Iterator[None]:
     with jax.default_matmul_precision("highest"):
         yield
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One persistent compilation cache for this module's training runs: a resumed run compiles nothing new."""
-    return str(tmp_path_factory.mktemp("xla"))
 
 
 def needs(platform: str, what: str) -> None:
@@ -59,9 +53,9 @@ def needs(platform: str, what: str) -> None:
 @pytest.mark.accelerator
 @pytest.mark.parametrize("impl", ["xla", "splash"])
 def test_fused_attention_model_matches_the_float64_reference(impl: str) -> None:
-    """The whole model at 128 positions, padded rows included (the einsum path: tests/test_model.py)."""
+    """The whole model at 128 positions, padded rows included (the einsum path: tests/unit/model/test_model.py)."""
     if impl == "splash":
-        needs("tpu", "splash attention (tests/test_kernels.py checks its interpret mode on CPUs)")
+        needs("tpu", "splash attention (tests/unit/ops/test_kernels.py checks its interpret mode on CPUs)")
     assert_matches_reference(shrink(get_preset("gpt2")).replace(block_size=128, attention_impl=impl), seed=5,
                              padded=True)
 
@@ -72,7 +66,7 @@ def test_fused_attention_model_matches_the_float64_reference(impl: str) -> None:
 def test_attention_paths_equal_einsum_forward_and_gradients(impl: str, dtype: str, padded: bool) -> None:
     """Each fused path against the einsum path on the same inputs (cuDNN takes 16-bit ones only: the reference
     then gets the bf16-rounded values in float32). Padding queries' outputs are not compared (see
-    tests/test_kernels.py)."""
+    tests/unit/ops/test_kernels.py)."""
     if impl != "xla":
         needs({"cudnn": "gpu", "splash": "tpu"}[impl], f"{impl} attention")
     B, H, T, D = 2, 2, 128, 64
@@ -82,10 +76,10 @@ def test_attention_paths_equal_einsum_forward_and_gradients(impl: str, dtype: st
         pad[0, :37], pad[1, -50:] = True, True  # left padding, right padding
     real_BT = np.ones((B, T), bool) if pad is None else ~pad
     weight = jax.random.normal(jax.random.key(1), (B, T, H, D)) * jnp.asarray(real_BT)[:, :, None, None]
-    inputs = [x.astype(dtype) for x in (*kernels._qkv(B, H, T, D), weight)]
-    visible = kernels._visible(B, T, pad)
-    got_y, got_grads = kernels._outputs_and_grads(impl, *inputs[:3], visible, inputs[3])
-    want_y, want_grads = kernels._outputs_and_grads("einsum", *(x.astype(jnp.float32) for x in inputs[:3]), visible,
+    inputs = [x.astype(dtype) for x in (*qkv(B, H, T, D), weight)]
+    visible = visible_mask(B, T, pad)
+    got_y, got_grads = outputs_and_grads(impl, *inputs[:3], visible, inputs[3])
+    want_y, want_grads = outputs_and_grads("einsum", *(x.astype(jnp.float32) for x in inputs[:3]), visible,
                                                     inputs[3].astype(jnp.float32))
     tol = 1e-5 if dtype == "float32" else 2e-2
     for name, got, want in [("y", got_y, want_y), *zip(("dq", "dk", "dv"), got_grads, want_grads, strict=True)]:
@@ -146,7 +140,7 @@ def test_one_new_token_takes_no_fused_kernel_even_under_vmap() -> None:
 @pytest.mark.accelerator
 def test_bf16_recipe_tracks_float32_for_50_steps(tmp_path: Path, data_dir: Path, xla_cache: str) -> None:
     """configs/gpt2_124m.py's numerics (bf16 compute over float32 parameters, `auto` attention, the chunked
-    loss) against float32 einsum attention and the dense loss, by tests/test_bf16.py's tolerance: running
+    loss) against float32 einsum attention and the dense loss, by tests/unit/ops/test_bf16.py's tolerance: running
     means of five steps within 2%, and the final ones. 128 positions: splash tiles them on a TPU."""
     f32 = _run_losses(tmp_path / "f32", data_dir, xla_cache, 50, 0)
     bf16 = _run_losses(tmp_path / "bf16", data_dir, xla_cache, 50, 32, dtype="bfloat16", attention_impl="auto")
@@ -217,7 +211,8 @@ def one_device(tiny: tuple[TrainConfig, LanguageModelling, dict]) -> list[float]
 def test_two_devices_train_like_one(mesh: tuple[int, int, int], tiny: tuple[TrainConfig, LanguageModelling, dict],
                                     one_device: list[float]) -> None:
     """Data parallel, FSDP and tensor parallel over two devices: the losses of one device (as
-    tests/test_sharding.py checks on eight fake CPU devices), here on the backend's own devices and collectives."""
+    tests/unit/train/test_sharding.py checks on eight fake CPU devices), here on the backend's own devices and
+    collectives."""
     two = _sharded_losses(tiny, layout.make_mesh(mesh, jax.devices()[:2]))
     np.testing.assert_allclose(two, one_device, rtol=0, atol=1e-5)
     assert two[-1] < two[0]

@@ -8,14 +8,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import ROOT
 
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.model.encdec import EncoderDecoder
 from jaxgpt.model.gpt import GPT
 from jaxgpt.train.config import from_config_dict
 
-CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.py")
-                 if not p.stem.startswith("classify_"))  # classification configs: tests/test_classify.py
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py")
+                 if not p.stem.startswith("classify_"))  # classification configs: tests/unit/tasks/test_classify.py
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

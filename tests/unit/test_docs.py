@@ -20,12 +20,12 @@ from urllib.parse import unquote
 
 import pytest
 from absl import flags
+from helpers import ROOT
 from ml_collections import ConfigDict
 
 from jaxgpt import commands
 from jaxgpt.train.config import base_config
 
-ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)(?:\s+#+)?\s*$")
 HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")

@@ -7,10 +7,8 @@ import concurrent.futures
 import json
 import multiprocessing
 import signal
-import threading
 import time
 import types
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,61 +17,14 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_workflows import random_params, save_run  # noqa: E402
-from tests_helpers import free_port, serving  # noqa: E402
+from helpers import serving  # noqa: E402
+from helpers.models import CountingDecodes, bpe_or_skip, random_params, save_run  # noqa: E402
+from helpers.serving import CFG, CHARS, TOKENIZER, Server  # noqa: E402
 
 from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxgpt.generate import sampling  # noqa: E402
-from jaxgpt.generate.engine import Engine, generate_many  # noqa: E402
-from jaxgpt.model.config import ModelConfig  # noqa: E402
-from jaxgpt.serve.app import Served, create_app  # noqa: E402
-from jaxgpt.serve.chat import ChatTemplate  # noqa: E402
+from jaxgpt.generate.engine import generate_many  # noqa: E402
 from jaxgpt.serve.client import EngineClient  # noqa: E402
-from jaxgpt.serve.core import Core  # noqa: E402
-
-CHARS = "\n !(),.:=_abcdefghijklmnopqrstuvwxyz"
-CFG = ModelConfig(vocab_size=len(CHARS), block_size=64, n_layer=2, n_head=2, n_embd=32)
-TOKENIZER = CharTokenizer(CHARS)
-
-
-class Server:
-    """The app on a free port in a thread of this process (uvicorn, as `jaxgpt serve` runs it), its engine's side
-    (`Core`) in another, joined by a pipe as `jaxgpt serve` joins its processes."""
-
-    def __init__(self, slots: int = 4, max_waiting: int = 64, model: tuple | None = None,
-                 chat_template: ChatTemplate | None = None, **served: Any) -> None:
-        """`model`: (params, config, codec, specials) of another model than the tiny GPT; `served` are `Served`'s
-        options (`api_key` too, and the client sends it)."""
-        self.params, cfg, codec, specials = model or (random_params(CFG), CFG, TOKENIZER, None)
-        self.engine = Engine(self.params, cfg, slots=slots, max_waiting=max_waiting, specials=specials,
-                             eot_token=codec.eot_token)
-        ours, theirs = multiprocessing.Pipe()
-        self.core = threading.Thread(target=Core(self.engine, [ours]).run, daemon=True)
-        self.core.start()
-        self.port = free_port()
-        template = chat_template.source if chat_template is not None else None
-        app = create_app(EngineClient(theirs, None), Served(codec, "tiny", cfg, slots, template, **served))
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.client = openai.OpenAI(base_url=self.url, api_key=served.get("api_key") or "unused",
-                                    max_retries=0, timeout=60)
-
-    def expected(self, prompt: str, max_tokens: int, temperature: float, seed: int, top_p: float = 1.0) -> str:
-        tokens = sampling.generate(self.params, CFG, TOKENIZER.encode(prompt), max_new_tokens=max_tokens, key=seed,
-                                   temperature=temperature, top_p=top_p)[0]
-        return TOKENIZER.decode(tokens.tolist())
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.core.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +71,6 @@ def test_a_choice_decodes_only_what_is_new_and_cuts_stop_strings_across_split_ch
     """A choice's text grows by what each token adds (ids decoded a bounded number of times, not the whole reply
     again per token), leaves out what the engine marks as end tokens, streams no partial character, is cut at a
     stop string that spans characters split between tokens, and keeps a partial character at its end."""
-    from test_sampling import CountingDecodes, bpe_or_skip
 
     from jaxgpt.serve.choices import Choice
     from jaxgpt.serve.metrics import Metrics
@@ -315,8 +265,8 @@ def test_engine_decodes_encoder_decoder_sources_of_different_lengths_as_each_alo
     """The source is the prompt: each slot holds its source's encoding; every row equals seq2seq decoding of its
     source alone (greedy and seeded)."""
     import jax
-    from test_seq2seq_decoding import BOS, PAD, tiny
-    from test_seq2seq_decoding import random_params as encdec_params
+    from helpers.seq2seq import BOS, PAD, tiny
+    from helpers.seq2seq import random_params as encdec_params
 
     from jaxgpt.generate import seq2seq as dec
 
@@ -341,8 +291,8 @@ def test_engine_decodes_encoder_decoder_sources_of_different_lengths_as_each_alo
 
 
 def test_serving_an_encoder_decoder_takes_the_source_as_the_prompt():
-    from test_seq2seq_decoding import random_params as encdec_params
-    from test_seq2seq_decoding import tiny
+    from helpers.seq2seq import random_params as encdec_params
+    from helpers.seq2seq import tiny
 
     from jaxgpt.generate import seq2seq as dec
     from jaxgpt.tasks.pairs import SPECIALS, PairText, decode_ids, encode_text

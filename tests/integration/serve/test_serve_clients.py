@@ -13,16 +13,13 @@ pytest.importorskip("uvicorn")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 pytest.importorskip("jinja2")
 
-from test_serve import CFG, TOKENIZER, Server  # noqa: E402
+from helpers.serving import CFG, KEY, TEMPLATE, TOKENIZER, Server  # noqa: E402
 
 from jaxgpt.errors import UserError  # noqa: E402
 from jaxgpt.evals.loglik import Scorer  # noqa: E402
 from jaxgpt.generate.engine import Engine, Request, generate_many  # noqa: E402
 from jaxgpt.serve.chat import ChatTemplate, load_template  # noqa: E402
 
-KEY = "sekret-key"
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
 LIMIT = 16_384  # bytes of a request body
 
 
@@ -34,8 +31,8 @@ def server() -> Server:
 
 
 def alone(server: Server, prompt: str, max_tokens: int, temperature: float, seed: int) -> str:
-    """What the engine alone samples for the prompt (tests/test_serve.py shows it is `generate`'s sample); with the
-    server's slot count it reuses the server's compiled programs, so it costs no compile."""
+    """What the engine alone samples for the prompt (tests/integration/serve/test_serve.py shows it is `generate`'s
+    sample); with the server's slot count it reuses the server's compiled programs, so it costs no compile."""
     tokens = generate_many(server.params, CFG, [TOKENIZER.encode(prompt)], max_new_tokens=max_tokens, seeds=seed,
                            temperature=temperature, slots=server.engine.n_slots)[0]
     return TOKENIZER.decode(tokens)
@@ -233,6 +230,7 @@ def test_metrics_parse_with_prometheus_clients_parser(server):
     assert value("jaxgpt_slots") == 4 and value("jaxgpt_busy_slots") == 0 and value("jaxgpt_queue_depth") == 0
 
 
+@pytest.mark.torch
 def test_lm_eval_sees_the_tokenizer_endpoints(server):
     utils = pytest.importorskip("lm_eval.utils")
     assert utils.check_remote_tokenizer_support(server.url + "/completions", auth_token=KEY)

@@ -15,9 +15,9 @@ pytest.importorskip("httpx")  # serving waits for /health with it
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_serve import CFG, TOKENIZER  # noqa: E402
-from test_workflows import random_params, save_run  # noqa: E402
-from tests_helpers import serving  # noqa: E402
+from helpers import serving  # noqa: E402
+from helpers.models import random_params, save_run  # noqa: E402
+from helpers.serving import CFG, TOKENIZER  # noqa: E402
 
 from jaxgpt.generate import sampling  # noqa: E402
 from jaxgpt.generate.engine import Engine, Request  # noqa: E402

@@ -18,22 +18,23 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("jinja2")
 
-from test_evals import CFG, TOL, exported, responses, task_dir  # noqa: F401  (fixtures)
-from test_serve import Server
-from test_serve_clients import KEY
+from helpers.evals import CFG, TOL, responses
+from helpers.serving import KEY, Server
 
 from jaxgpt.io import weights
 
+pytestmark = pytest.mark.torch
+
 
 @pytest.fixture(scope="module")
-def served(exported: Path) -> Server:  # noqa: F811
+def served(exported: Path) -> Server:
     loaded = weights.load(f"hf:{exported}")
     s = Server(model=(loaded.params, CFG, loaded.tokenizer(None), None))
     yield s
     s.close()
 
 
-def evaluate(model: str, model_args: str, task_dir: Path) -> dict:  # noqa: F811
+def evaluate(model: str, model_args: str, task_dir: Path) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -52,7 +53,7 @@ def local_completions(served: Server) -> dict[str, str]:
 
 
 @pytest.mark.slow  # about 85 s on a loaded 2-core CPU: the harness runs the task twice
-def test_local_completions_scores_as_jaxgpt_harness(served: Server, exported: Path, task_dir: Path,  # noqa: F811
+def test_local_completions_scores_as_jaxgpt_harness(served: Server, exported: Path, task_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     theirs = evaluate("local-completions", ",".join(f"{k}={v}" for k, v in local_completions(served).items()),
@@ -64,7 +65,7 @@ def test_local_completions_scores_as_jaxgpt_harness(served: Server, exported: Pa
     assert theirs["results"]["tiny_mc"]["acc,none"] == ours["results"]["tiny_mc"]["acc,none"]
 
 
-def test_local_completions_generates_as_jaxgpt_harness(served: Server, exported: Path) -> None:  # noqa: F811
+def test_local_completions_generates_as_jaxgpt_harness(served: Server, exported: Path) -> None:
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
@@ -80,7 +81,7 @@ def test_local_completions_generates_as_jaxgpt_harness(served: Server, exported:
 
 
 @pytest.mark.slow  # about 35 s on a loaded 2-core CPU, most of it the harness's start
-def test_lm_eval_command_against_a_keyed_server_with_open_tokenizer_paths(exported: Path, task_dir: Path,  # noqa: F811
+def test_lm_eval_command_against_a_keyed_server_with_open_tokenizer_paths(exported: Path, task_dir: Path,
                                                                           tmp_path: Path) -> None:
     """The harness's remote tokenizer sends no key (unless model_args has auth_token): `--open_paths` leaves the
     tokenizer's paths open while completions still need the key, which the harness sends from OPENAI_API_KEY."""

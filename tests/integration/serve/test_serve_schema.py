@@ -14,10 +14,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("jinja2")
 
+from helpers.serving import KEY, TEMPLATE, Server  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from test_serve import Server  # noqa: E402
-from test_serve_clients import KEY, TEMPLATE  # noqa: E402
 
 from jaxgpt.serve.chat import ChatTemplate  # noqa: E402
 

@@ -12,12 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import ROOT, TINY
 
 from jaxgpt import commands
 from jaxgpt.commands import train as train_command
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "tests" / "tiny_config.py")
 
 
 @pytest.mark.parametrize("name", sorted(commands.COMMANDS))
@@ -115,7 +113,7 @@ class CopyTask:
 
 
 def test_a_new_task_trains_on_the_loop_unchanged(tmp_path: Path) -> None:
-    from tests_helpers import load_tiny
+    from helpers import load_tiny
 
     from jaxgpt.train.config import from_config_dict
     from jaxgpt.train.loop import train

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train import final_params, run_train, train_cmd, train_losses
+from helpers import ROOT
+from helpers.runs import final_params, run_train, train_cmd, train_losses
 
 from jaxgpt.data import prepare as prep
 from jaxgpt.data import sources
@@ -24,7 +25,6 @@ from jaxgpt.data.tokenizer import WordTokenizer, load_bpe
 from jaxgpt.data.tokens import LLMC_HEADER_INTS, LLMC_MAGIC
 from jaxgpt.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "é", "über", "—", "42"]
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_workflows import random_params, save_run
+from helpers import ROOT
+from helpers.models import random_params, save_run
 
 from jaxgpt.commands import data as data_command
 from jaxgpt.commands import hf as hf_command
@@ -36,7 +37,6 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 WINE_CSV = ROOT / "tests" / "data" / "wine_tiny.csv"
 PROMPT = "wine review : germany"
 # Unicode White_Space (each single one, and three of the range U+2000..U+200A): what standardization drops.
@@ -256,6 +256,7 @@ def test_sampling_prints_words_after_the_prompt(word_run: Path, wine_data: Path,
     assert code == 2 and err.count("\n") == 1 and "'narnia'" in err, err
 
 
+@pytest.mark.torch
 def test_export_loads_in_transformers_with_the_same_ids(word_run: Path, wine_data: Path, tmp_path: Path,
                                                         capsys) -> None:
     transformers = pytest.importorskip("transformers")

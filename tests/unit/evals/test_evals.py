@@ -20,55 +20,12 @@ pytest.importorskip("transformers")
 if not os.environ.get("JAXGPT_BPE_FILE"):
     pytest.skip("needs the GPT-2 ranks offline (JAXGPT_BPE_FILE, see .ci/provision_bpe.sh)", allow_module_level=True)
 
-import numpy_reference as ref
-from test_hf import random_params
+from helpers.evals import TOL, responses, sentence
+from reference import numpy_reference as ref
 
-from jaxgpt.data.tokenizer import load_bpe
 from jaxgpt.evals import benchmarks
-from jaxgpt.io import hf, hf_tokenizer
-from jaxgpt.model.config import ModelConfig
 
-CFG = ModelConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=32)
-WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "table", "quickly", "slowly", "red", "blue",
-         "house", "garden", "river"]
-TOL = 1e-4
-
-
-def sentence(rng: np.random.Generator, n: int) -> str:
-    return " ".join(rng.choice(WORDS, n))
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
-    params = random_params(CFG, seed=3)
-    hf.save_hf(params, CFG, out)
-    tokenizer = load_bpe()
-    hf_tokenizer.save_hf_tokenizer(tokenizer, out, CFG.block_size)
-    hf_tokenizer.save_generation_config(tokenizer.eot_token, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A multiple-choice task and a rolling-perplexity task, as the harness reads them from disk."""
-    root = tmp_path_factory.mktemp("tasks")
-    rng = np.random.default_rng(0)
-    mc = [{"question": sentence(rng, 6) + " ", "choices": [sentence(rng, int(rng.integers(1, 5))) for _ in range(4)],
-           "label": int(rng.integers(0, 4))} for _ in range(12)]
-    rolling = [{"text": sentence(rng, int(rng.integers(20, 140)))} for _ in range(5)]  # some exceed one window
-    for name, docs in (("mc", mc), ("rolling", rolling)):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    common = "dataset_path: json\ntest_split: train\n"
-    (root / "tiny_mc.yaml").write_text(
-        f"task: tiny_mc\n{common}dataset_kwargs:\n  data_files: {{train: {root / 'mc.jsonl'}}}\n"
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    (root / "tiny_rolling.yaml").write_text(
-        f"task: tiny_rolling\n{common}dataset_kwargs:\n  data_files: {{train: {root / 'rolling.jsonl'}}}\n"
-        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
-    return root
+pytestmark = pytest.mark.torch
 
 
 def run_harness(model: str, model_args: str, task_dir: Path) -> dict:
@@ -80,10 +37,6 @@ def run_harness(model: str, model_args: str, task_dir: Path) -> dict:
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["tiny_mc", "tiny_rolling"],
                                    task_manager=TaskManager(include_path=str(task_dir)), batch_size=4,
                                    device="cpu", log_samples=True)
-
-
-def responses(result: dict, task: str) -> list:
-    return [s["resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
 
 
 def test_harness_scores_equal_transformers(exported: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,8 +17,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("jinja2")
 
-from test_serve import CFG, TOKENIZER, Server  # noqa: E402
-from test_workflows import random_params  # noqa: E402
+from helpers.models import random_params  # noqa: E402
+from helpers.serving import CFG, TOKENIZER, Server  # noqa: E402
 
 from jaxgpt.serve.chat import ChatTemplate  # noqa: E402
 
@@ -112,8 +112,8 @@ def test_chunks_attend_over_the_span_their_rows_fill_and_a_reused_slot_sees_none
 def test_an_encoder_decoder_warms_up_the_spans_of_its_decoder_not_of_its_sources(monkeypatch):
     """An encoder-decoder's decoder starts from bos whatever its source's length: `warm_up` compiles the spans
     that max_new_tokens fill after that one position, not those after the longest source."""
-    from test_seq2seq_decoding import BOS, PAD, tiny
-    from test_seq2seq_decoding import random_params as encdec_params
+    from helpers.seq2seq import BOS, PAD, tiny
+    from helpers.seq2seq import random_params as encdec_params
 
     monkeypatch.setattr(sampling, "SHORTEST_CACHE", 2)
     calls = spy_on_chunks(monkeypatch)

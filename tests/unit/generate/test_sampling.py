@@ -13,48 +13,31 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref
 import optax
 import pytest
-from sampling_reference import generate_uncached
-from test_model import ACROSS_POSITIONS, MODERN, modern
+from helpers import ROOT
+from helpers.models import (
+    ACROSS_POSITIONS,
+    MODERN,
+    CountingDecodes,
+    bpe_or_skip,
+    modern,
+    prompts,
+    random_params,
+    shrink,
+)
+from reference.sampling_reference import generate_uncached
 
 from jaxgpt.commands import sample as cli
 from jaxgpt.data.tokenizer import CharTokenizer, WordTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling, strategies
-from jaxgpt.generate.chat import Decodes
 from jaxgpt.generate.sampling import generate, stream
 from jaxgpt.generate.strategies import filter_logits, pick_tokens
 from jaxgpt.io import weights
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import stack_layers
 from jaxgpt.model.presets import PRESETS
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=48)
-
-
-def shrink(cfg: ModelConfig, **changes) -> ModelConfig:
-    """A preset at test size, keeping every architectural choice (including head_dim = n_embd)."""
-    head_dim = TINY["n_embd"] if cfg.head_dim == cfg.n_embd else None
-    return cfg.replace(**{**TINY, "head_dim": head_dim, "pad_id": None if cfg.pad_id is None else 0, **changes})
-
-
-@functools.cache
-def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Weights large enough (std 0.3) that the logits are far from uniform and greedy choices are clear.
-
-    Committed to the device like restored checkpoints, so the CLI tests reuse the library tests' compilations.
-    """
-    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ref.random_params(cfg.to_dict(), seed=seed, std=0.3))
-    params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else params
-    return jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-
-
-def prompts(cfg: ModelConfig, length: int, batch: int = 2, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(1, cfg.vocab_size, size=(batch, length))  # 1..: never the pad id
 
 
 def assert_same_generation(cfg: ModelConfig, prompt: np.ndarray, **options) -> np.ndarray:
@@ -514,15 +497,6 @@ def test_cli_process_exit_code_and_no_traceback(char_workdir: Path) -> None:
     assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1 and "'Q'" in bad.stderr, bad.stderr
 
 
-def bpe_or_skip():
-    from jaxgpt.data.tokenizer import load_bpe
-
-    try:
-        return load_bpe()
-    except UserError as e:
-        pytest.skip(f"GPT-2 BPE ranks unavailable: {e}")
-
-
 def test_stream_decoder_holds_back_partial_utf8() -> None:
     tok = bpe_or_skip()
     text = "naïve café 🙂 done"
@@ -530,17 +504,6 @@ def test_stream_decoder_holds_back_partial_utf8() -> None:
     out = cli.StreamDecoder(tok)
     pieces = [out.push([i]) for i in ids] + [out.push([], final=True)]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
-
-
-class CountingDecodes:
-    """A tokenizer that counts the ids it is asked to decode."""
-
-    def __init__(self, tokenizer: Decodes) -> None:
-        self.tokenizer, self.decoded = tokenizer, 0
-
-    def decode(self, ids: list[int]) -> str:
-        self.decoded += len(ids)
-        return self.tokenizer.decode(ids)
 
 
 def test_stream_decoder_decodes_each_id_a_few_times_and_gives_the_whole_text() -> None:

@@ -9,9 +9,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference_seq2seq as ref2
 import pytest
-from sampling_reference import seq2seq_uncached
+from helpers import ROOT
+from helpers.seq2seq import BOS, PAD, random_params, tiny
+from reference.sampling_reference import seq2seq_uncached
 
 from jaxgpt.commands import sample as cli
 from jaxgpt.data.tokenizer import CharTokenizer
@@ -21,24 +22,12 @@ from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model.encdec import EncoderDecoder
 from jaxgpt.tasks import pairs
 
-PAD, BOS = 0, 1
-TINY = dict(vocab_size=11, src_vocab_size=13, block_size=8, src_block_size=9, n_layer=2, n_encoder_layer=2,
-            n_embd=16, n_head=2, d_ff=24, pad_id=PAD)
 VARIANTS = {  # the default tests share the first one's compilations
     "pre-learned-tied": {},
     "post-sinusoidal-untied": dict(norm_placement="post", final_norm=False, position="sinusoidal_concat",
                                    scale_embeddings=True, tie_embeddings=False, share_embeddings=True,
                                    src_vocab_size=11),
 }
-
-
-def tiny(**changes) -> Seq2SeqConfig:
-    return Seq2SeqConfig().replace(**{**TINY, **changes})
-
-
-def random_params(cfg: Seq2SeqConfig, seed: int = 0) -> dict:
-    """Weights large enough for peaked, seed-dependent distributions (random init is nearly uniform)."""
-    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ref2.random_params(cfg.to_dict(), seed=seed, std=0.4))
 
 
 def padded_sources(cfg: Seq2SeqConfig, seed: int = 0) -> jax.Array:
@@ -282,7 +271,7 @@ def test_train_copy_task_then_decode_from_the_command_line(tmp_path: Path, capsy
     """configs/seq2seq_copy.py, shrunk to seconds, trained by the train command; sample decodes its sources."""
     from jaxgpt.commands import train as train_command
 
-    config = Path(__file__).parents[1] / "configs" / "seq2seq_copy.py"
+    config = ROOT / "configs" / "seq2seq_copy.py"
     overrides = dict(workdir=tmp_path / "run", max_steps=30, eval_interval=30, ckpt_interval=30, eval_batches=1,
                      batch_size=16, cpu_devices=0, compilation_cache_dir="", **{"model.n_embd": 32,
                      "model.n_layer": 1, "model.block_size": 12, "seq2seq.n_encoder_layer": 1, "seq2seq.examples": 500})

@@ -20,15 +20,18 @@ from flax import linen as nn
 
 pytest.importorskip("safetensors")
 
+from helpers import device_check_smoke
+from helpers.models import assert_trees_equal, random_params
 from safetensors.numpy import load_file, save_file
-from tests_helpers import device_check_smoke
 
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.errors import UserError
 from jaxgpt.io import hf, weights
 from jaxgpt.io.hf_tensors import CONFIG_FILE, SAFETENSORS_FILE, TORCH_FILE
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import GPT, GPTClassifier, stack_layers, unstack_layers
+from jaxgpt.model.gpt import GPT, GPTClassifier, unstack_layers
+
+pytestmark = pytest.mark.torch
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers are not installed")
@@ -102,20 +105,6 @@ def hf_checkpoints(tmp_path_factory):
         model.save_pretrained(path)
         out[size] = (model, path)
     return out
-
-
-def random_params(cfg: ModelConfig, seed: int) -> dict:
-    """A GPT-2-shaped jaxgpt parameter tree of random numbers, built with numpy: jitting `init_params` for
-    every small test would cost seconds each."""
-    rng = np.random.default_rng(seed)
-    params: dict = {}
-    for spec in hf.gpt2_tensor_specs(cfg):
-        node = params
-        for key in spec.path[:-1]:
-            node = node.setdefault(key, {})
-        base = 1.0 if spec.path[-1] == "scale" else 0.0
-        node[spec.path[-1]] = jnp.asarray(base + 0.05 * rng.standard_normal(spec.our_shape), jnp.float32)
-    return params
 
 
 def random_ids(cfg: ModelConfig, batch: int, length: int, seed: int = 1) -> np.ndarray:
@@ -242,15 +231,6 @@ def test_untied_checkpoint_loads(tmp_path):
 # Round trips
 
 
-def assert_trees_equal(a: dict, b: dict) -> None:
-    flat_a = jax.tree_util.tree_leaves_with_path(a)
-    flat_b = jax.tree_util.tree_leaves_with_path(b)
-    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
-    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
-        assert x.shape == y.shape and x.dtype == y.dtype, path
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
-
-
 @needs_torch
 @pytest.mark.parametrize("size", ["head24", "gelu-ninner"])
 def test_export_roundtrip_through_transformers(hf_checkpoints, tmp_path, size):
@@ -274,7 +254,7 @@ def test_jaxgpt_model_exports_to_transformers(tmp_path):
     from transformers import GPT2LMHeadModel
 
     cfg = GPT2_SHAPED.replace(scan_layers=True, activation="gelu")
-    params = stack_layers(random_params(cfg, seed=0), cfg.n_layer)
+    params = random_params(cfg, seed=0, std=0.05)
     hf.save_hf(params, cfg, tmp_path)
     idx = random_ids(cfg, batch=2, length=24)
     theirs = hf_logits(GPT2LMHeadModel.from_pretrained(tmp_path).eval(), idx)
@@ -284,7 +264,7 @@ def test_jaxgpt_model_exports_to_transformers(tmp_path):
 def test_roundtrip_without_torch(tmp_path):
     """export -> import is exact, for unscanned and scanned trees, and needs only numpy + safetensors."""
     cfg = GPT2_SHAPED
-    params = random_params(cfg, seed=1)
+    params = random_params(cfg, seed=1, std=0.05)
     hf.save_hf(params, cfg, tmp_path / "a")
     loaded, loaded_cfg = hf.load_hf(tmp_path / "a", attn_dropout=0.0, embd_dropout=0.0, resid_dropout=0.0)
     assert loaded_cfg == cfg
@@ -297,7 +277,7 @@ def test_roundtrip_without_torch(tmp_path):
 
 def test_loaded_params_initialize_a_classifier(tmp_path):
     cfg = GPT2_SHAPED
-    hf.save_hf(random_params(cfg, seed=2), cfg, tmp_path)
+    hf.save_hf(random_params(cfg, seed=2, std=0.05), cfg, tmp_path)
     params, cfg = hf.load_hf(tmp_path)
     clf = GPTClassifier(cfg, n_class=3, cls_token_id=5)
     idx = random_ids(cfg, batch=2, length=10)
@@ -324,7 +304,7 @@ def one_line_error(fn, *args, **kwargs) -> str:
 @pytest.fixture()
 def good_checkpoint(tmp_path) -> Path:
     path = tmp_path / "ckpt"
-    hf.save_hf(random_params(GPT2_SHAPED, seed=4), GPT2_SHAPED, path)
+    hf.save_hf(random_params(GPT2_SHAPED, seed=4, std=0.05), GPT2_SHAPED, path)
     return path
 
 
@@ -406,7 +386,7 @@ def test_n_inner_follows_the_config_rule():
 ])
 def test_export_refuses_non_gpt2_configs(tmp_path, changes, named):
     cfg = GPT2_SHAPED.replace(**changes)
-    params = random_params(cfg, seed=0)
+    params = random_params(cfg, seed=0, std=0.05)
     message = one_line_error(hf.save_hf, params, cfg, tmp_path / "out")
     assert "cannot be exported as GPT-2" in message and named in message
     assert not (tmp_path / "out").exists()
@@ -414,7 +394,7 @@ def test_export_refuses_non_gpt2_configs(tmp_path, changes, named):
 
 def test_export_never_overwrites_by_default(good_checkpoint):
     before = (good_checkpoint / SAFETENSORS_FILE).read_bytes()
-    params = random_params(GPT2_SHAPED, seed=9)
+    params = random_params(GPT2_SHAPED, seed=9, std=0.05)
     assert "not empty" in one_line_error(hf.save_hf, params, GPT2_SHAPED, good_checkpoint)
     assert (good_checkpoint / SAFETENSORS_FILE).read_bytes() == before
     (good_checkpoint / TORCH_FILE).write_bytes(b"stale")
@@ -441,7 +421,7 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
     """Exports what `weights.load("workdir:...")` returns (faked here: the training side is tested elsewhere),
     leaving out a classifier head."""
     cfg = GPT2_SHAPED
-    params = random_params(cfg, seed=6)
+    params = random_params(cfg, seed=6, std=0.05)
     with_head = {**params, "cls_head": {"kernel": jnp.zeros((32, 2)), "bias": jnp.zeros(2)}}
     asked = []
 
@@ -462,7 +442,7 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
 @needs_torch
 def test_device_check_runs_the_pytorch_parts_at_smoke_shapes(tmp_path):
     """benchmarks/device_check.py's PyTorch parts (the PyTorch training baseline, eager under --smoke, and
-    transformers' generate), at --smoke's shapes: here, where torch is installed; tests/test_device_check.py
+    transformers' generate), at --smoke's shapes: here, where torch is installed; tests/integration/test_device_check.py
     smokes the rest."""
     proc, result = device_check_smoke(tmp_path / "check.json", "--parts", "torch_train,hf_generate", timeout=300)
     assert proc.returncode == 0 and result, proc.stdout[-3000:] + proc.stderr[-3000:]

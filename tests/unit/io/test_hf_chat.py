@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
 
-from test_chat import ALPHABET, sft_config
+from helpers.chat import ALPHABET, sft_config
 
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.data.conversations import (
@@ -47,6 +47,8 @@ from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
 from jaxgpt.train.checkpoint import Checkpointer
 from jaxgpt.train.optim import OptimConfig, make_optimizer
+
+pytestmark = pytest.mark.torch
 
 CONVERSATIONS = [*builtin_conversations(7, 8), [
     {"role": "user", "content": "Spell 'hello' backwards."}, {"role": "assistant", "content": "olleh"},
@@ -89,8 +91,8 @@ def check_chat_tokenizer(out: Path, tok: WithSpecialTokens) -> None:
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two steps of chat fine-tuning from a random character-level model."""
-    from test_classify import save_random_lm
-    from tests_helpers import train_run
+    from helpers import train_run
+    from helpers.models import save_random_lm
 
     base, workdir = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("chat") / "run"
     save_random_lm(base, ModelConfig(vocab_size=len(ALPHABET), block_size=64, n_layer=2, n_head=2, n_embd=32),

@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from test_hf import assert_trees_equal, one_line_error
+from helpers.models import assert_trees_equal
+from test_hf import one_line_error
 
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.generate import sampling
@@ -27,6 +28,8 @@ from jaxgpt.io.hf_tensors import CONFIG_FILE, SAFETENSORS_FILE
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, init_params, unstack_layers
 from jaxgpt.model.presets import get_preset
+
+pytestmark = pytest.mark.torch
 
 
 def _has_nanochat() -> bool:

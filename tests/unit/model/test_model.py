@@ -2,86 +2,35 @@
 
 from __future__ import annotations
 
-import functools
 import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref
 import pytest
+from helpers.models import (
+    ACROSS_POSITIONS,
+    MODERN,
+    MODERN_COMBOS,
+    TINY,
+    assert_matches_reference,
+    jit_apply,
+    modern,
+    sample_inputs,
+    shrink,
+    to_jax,
+)
+from reference import numpy_reference as ref
 
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import RUNTIME_FIELDS, ModelConfig, Seq2SeqConfig
-from jaxgpt.model.gpt import GPT, GPTClassifier, abstract_variables, init_params, stack_layers, unstack_layers
+from jaxgpt.model.gpt import GPT, abstract_variables, init_params, stack_layers, unstack_layers
 from jaxgpt.model.layers import MLP
 from jaxgpt.model.presets import PRESETS, get_preset
 from jaxgpt.ops import activation as activation_op
 from jaxgpt.ops.attention import attend, query_blocks
 from jaxgpt.tools.summary import count_params, param_shapes, summary
-
-TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=48)
-
-
-def shrink(cfg: ModelConfig) -> ModelConfig:
-    """A preset at test size, keeping every architectural choice (including head_dim = n_embd)."""
-    head_dim = TINY["n_embd"] if cfg.head_dim == cfg.n_embd else None
-    return cfg.replace(**TINY, head_dim=head_dim, pad_id=None if cfg.pad_id is None else 0)
-
-
-@functools.cache
-def _apply(cfg: ModelConfig, classifier: bool = False):
-    model = GPTClassifier(cfg, n_class=3, cls_token_id=7) if classifier else GPT(cfg)
-
-    @jax.jit
-    def run(params, idx, mask):
-        out, state = model.apply({"params": params}, idx, mask, mutable=["intermediates"])
-        return out, state.get("intermediates", {})
-
-    return run
-
-
-def attn_weights(cfg: ModelConfig, intermediates: dict) -> list[np.ndarray]:
-    if cfg.scan_layers:
-        stacked = intermediates["h"]["attn"]["attn_weights"][0]
-        return [np.asarray(stacked[i]) for i in range(cfg.n_layer)]
-    return [np.asarray(intermediates[f"h_{i}"]["attn"]["attn_weights"][0]) for i in range(cfg.n_layer)]
-
-
-def to_jax(params: dict) -> dict:
-    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-
-
-def sample_inputs(cfg: ModelConfig, seed: int, padded: bool, batch: int = 3) -> tuple[np.ndarray, np.ndarray | None]:
-    rng = np.random.default_rng(seed)
-    T = cfg.block_size
-    idx = rng.integers(1, cfg.vocab_size, size=(batch, T))
-    if not padded:
-        return idx, None
-    mask = np.ones((batch, T), bool)
-    mask[0, :5] = False  # left padding
-    mask[1, -4:] = False  # right padding
-    mask[2] = rng.random(T) > 0.3  # scattered
-    if cfg.pad_id is not None:
-        idx = np.where(mask, idx, cfg.pad_id)
-    return idx, mask
-
-
-def assert_matches_reference(cfg: ModelConfig, seed: int, padded: bool) -> None:
-    params64 = ref.random_params(cfg.to_dict(), seed=seed, std=0.3)
-    idx, mask = sample_inputs(cfg, seed, padded)
-    params = to_jax(params64)
-    if cfg.scan_layers:
-        params = stack_layers(params, cfg.n_layer)
-    logits, inter = _apply(cfg)(params, jnp.asarray(idx), None if mask is None else jnp.asarray(mask))
-    want, want_attn, _ = ref.forward(params64, idx, cfg.to_dict(), mask)
-    scale = max(1.0, np.abs(want).max())
-    np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-5 * scale)
-    if cfg.attention_impl == "einsum":
-        for got_l, want_l in zip(attn_weights(cfg, inter), want_attn, strict=True):
-            np.testing.assert_allclose(got_l, want_l, rtol=0, atol=1e-5)
-
 
 SEED_PRESETS = ["seed000", "seed001", "seed002", "seed004", "gpt2", "gpt2-medium"]
 
@@ -174,7 +123,7 @@ def test_classifier_matches_reference() -> None:
     idx[:, 9] = 7  # the classification token; row 0 has two, the last one counts
     idx[0, 11] = 7
     mask[:, [9, 11]] = True
-    (lm, cls), _ = _apply(cfg, classifier=True)(to_jax(params64), jnp.asarray(idx), jnp.asarray(mask))
+    (lm, cls), _ = jit_apply(cfg, classifier=True)(to_jax(params64), jnp.asarray(idx), jnp.asarray(mask))
     want_lm, want_cls = ref.classifier_forward(params64, idx, cfg.to_dict(), cls_token_id=7, mask=mask)
     np.testing.assert_allclose(np.asarray(lm), want_lm, atol=1e-5 * np.abs(want_lm).max())
     np.testing.assert_allclose(np.asarray(cls), want_cls, atol=1e-5 * max(1, np.abs(want_cls).max()))
@@ -298,6 +247,7 @@ def _loss_and_grad(cfg: ModelConfig, params: dict, idx: jax.Array):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.jax_release
 def test_scanned_equals_unrolled() -> None:
     cfg = ModelConfig(**TINY)
     params = init_params(cfg, jax.random.key(0))
@@ -309,6 +259,7 @@ def test_scanned_equals_unrolled() -> None:
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, unstack_layers(g2, cfg.n_layer))
 
 
+@pytest.mark.jax_release
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 @pytest.mark.parametrize("scan", [False, True])
 def test_remat_equals_no_remat(remat: str, scan: bool) -> None:
@@ -321,6 +272,7 @@ def test_remat_equals_no_remat(remat: str, scan: bool) -> None:
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g2)
 
 
+@pytest.mark.jax_release
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "relu2"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_on_gpus_the_mlp_keeps_its_activations_input_and_output_alone(activation: str, dtype: str,
@@ -397,6 +349,7 @@ def test_gradients_match_float64_finite_differences(knobs: dict) -> None:
             grads)[i][0]), got, fd)
 
 
+@pytest.mark.jax_release
 def test_bf16_compute_stays_close_to_float32() -> None:
     cfg = ModelConfig(**TINY)
     params = init_params(cfg, jax.random.key(0))
@@ -426,40 +379,6 @@ def test_config_validation_names_the_problem(changes: dict, message: str) -> Non
 
 # ---- the 2026 options (issue 37): each alone, nanochat's set, and GQA with rotary under padding ----------------
 
-MODERN = {
-    "rotary": dict(position="none", rope_theta=1000.0),
-    "rmsnorm": dict(norm="rmsnorm"),
-    "rmsnorm-no-scale": dict(norm="rmsnorm", norm_scale=False),
-    "embd-norm": dict(embd_norm=True),
-    "qk-norm": dict(qk_norm=True),
-    "relu2": dict(activation="relu2"),
-    "no-bias": dict(use_bias=False),
-    "softcap": dict(logit_softcap=2.0),
-    "gqa": dict(n_kv_head=2),
-    "mqa": dict(n_kv_head=1),
-}
-# nanochat's full set (shrunk), with grouped queries, scanned layers and XLA's attention too; rotary then a
-# scaled QK-norm (the order matters only with a scale); GQA with rotary (padded inputs below).
-MODERN_COMBOS = {
-    "nanochat": {},
-    "nanochat-gqa-scan-xla": dict(n_kv_head=2, scan_layers=True, attention_impl="xla"),
-    "rotary-qk-norm-scaled": dict(norm_scale=True),
-    "gqa-rotary": dict(n_kv_head=2, qk_norm=False, embd_norm=False, norm="layernorm", norm_scale=True,
-                       use_bias=True, activation="gelu_tanh", logit_softcap=None),
-}
-
-
-def modern(name: str) -> ModelConfig:
-    """A tiny model with one option (`MODERN`) on top of GPT-2, or a variant of shrunk nanochat-d12."""
-    if name in MODERN:
-        return shrink(get_preset("gpt2")).replace(**MODERN[name])
-    return shrink(get_preset("nanochat-d12")).replace(**MODERN_COMBOS[name])
-
-
-# The options that act across positions (attention, the cache), and the combinations, which hold every option;
-# the others act on each position alone, and padding can change nothing for them that the combinations miss.
-ACROSS_POSITIONS = ["rotary", "qk-norm", "gqa", "mqa", *MODERN_COMBOS]
-
 
 @pytest.mark.parametrize(("name", "padded"), [(name, False) for name in [*MODERN, *MODERN_COMBOS]]
                          + [(name, True) for name in ACROSS_POSITIONS])
@@ -473,11 +392,11 @@ def test_softcap_bounds_the_logits_and_rotary_sees_only_distances() -> None:
     cfg = modern("nanochat")
     params = to_jax(ref.random_params(cfg.to_dict(), seed=4, std=0.3))
     idx = np.random.default_rng(4).integers(1, cfg.vocab_size, size=(1, cfg.block_size))
-    logits, _ = _apply(cfg)(params, jnp.asarray(idx), jnp.ones(idx.shape, bool))  # one compilation for both
+    logits, _ = jit_apply(cfg)(params, jnp.asarray(idx), jnp.ones(idx.shape, bool))  # one compilation for both
     assert np.abs(np.asarray(logits)).max() < cfg.logit_softcap
     shifted = np.concatenate([idx[:, :3], idx[:, :-3]], axis=1)  # tokens 3.. repeat the row from position 3 on
     mask = np.arange(cfg.block_size)[None] >= 3
-    out, _ = _apply(cfg)(params, jnp.asarray(shifted), jnp.asarray(mask))
+    out, _ = jit_apply(cfg)(params, jnp.asarray(shifted), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(out)[:, 3:], np.asarray(logits)[:, :-3], atol=2e-5)
 
 

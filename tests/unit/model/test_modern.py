@@ -1,9 +1,10 @@
 """The 2026 options (issue 37) on a device mesh: a grouped-query, rotary model shards like GPT-2.
 
-The numpy reference checks (tests/test_model.py) and the decoding checks (tests/test_sampling.py) run on one
-device; here eight fake CPU devices (XLA_FLAGS before jax is imported: a subprocess) check that the new
-parameters carry logical axis names the rules table maps, and that a sharded loss and its gradients equal the
-single-device ones; and `jaxgpt aot` plans nanochat's architecture for a TPU slice.
+The numpy reference checks (tests/unit/model/test_model.py) and the decoding checks
+(tests/unit/generate/test_sampling.py) run on one device; here eight fake CPU devices (XLA_FLAGS before jax is
+imported: a subprocess) check that the new parameters carry logical axis names the rules table maps, and that a
+sharded loss and its gradients equal the single-device ones; and `jaxgpt aot` plans nanochat's architecture for a
+TPU slice.
 """
 
 from __future__ import annotations
@@ -12,16 +13,14 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 from jax.sharding import AbstractMesh
 
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.presets import get_preset
 from jaxgpt.train import sharding as layout
-
-ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = """
 import jax, jax.numpy as jnp, numpy as np

@@ -1,4 +1,4 @@
-"""Self-tests for tests/numpy_reference.py.
+"""Self-tests for tests/reference/numpy_reference.py.
 
 Why: the reference is the oracle for the Flax model, so it must itself be trustworthy.  These tests
 check structural properties (normalised, causal, padding-aware attention), hand-computed tiny cases
@@ -12,11 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-try:  # run from the repository root (python -m pytest puts it on sys.path)
-    from tests import numpy_reference as ref
-except ImportError:  # pragma: no cover - pytest "prepend" mode puts tests/ itself on sys.path
-    import numpy_reference as ref  # type: ignore[no-redef]
+from reference import numpy_reference as ref
 
 
 def make_cfg(**overrides: Any) -> dict[str, Any]:

@@ -237,6 +237,7 @@ def test_encoder_decoder_follows_the_same_init_rule() -> None:
         assert_uniform(np.asarray(params["dec_0", "cross", leaf, "bias"]), 1 / math.sqrt(C), leaf)
 
 
+@pytest.mark.torch
 def test_pytorch_defaults_are_the_rule_the_tests_assume() -> None:
     """torch's own nn.Linear, nn.Embedding and xavier_uniform_ obey the bounds the tests above check."""
     torch = pytest.importorskip("torch")

@@ -9,9 +9,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference_seq2seq as ref2
 import pytest
 from flax import traverse_util
+from reference import numpy_reference_seq2seq as ref2
 
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests_helpers import load_tiny
+from helpers import load_tiny
 
 from jaxgpt.data.dataset import load_dataset
 from jaxgpt.model.gpt import init_params
@@ -17,6 +17,8 @@ from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.optim import make_optimizer
 from jaxgpt.train.step import make_train_step
+
+pytestmark = pytest.mark.jax_release
 
 # (spec of a projection, x shape, kernel shape): the GPT's fused QKV, MLP (fc, proj) and output projections
 PROJECTIONS = [((((2,), (0,)), ((), ())), (2, 16, 32), (32, 3, 4, 8)),

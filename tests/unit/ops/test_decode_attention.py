@@ -19,7 +19,8 @@ import pytest
 from jaxgpt.ops.attention import attend_written, heads_of_rows, query_rows, write_cache
 from jaxgpt.ops.decode_attention import BLOCK_SLOTS, decode_attention, decode_attention_qkv, fits
 
-pytestmark = pytest.mark.skipif(not fits(1, 16), reason="this jax has no Pallas Triton backend")
+pytestmark = [pytest.mark.jax_release,
+              pytest.mark.skipif(not fits(1, 16), reason="this jax has no Pallas Triton backend")]
 INTERPRET = jax.default_backend() == "cpu"
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.attention import outputs_and_grads, qkv, visible_mask
 
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
@@ -29,28 +30,7 @@ from jaxgpt.train.config import base_config, from_config_dict, model_fields
 from jaxgpt.train.optim import OptimConfig, make_optimizer
 from jaxgpt.train.step import make_train_step
 
-
-def _qkv(B: int, H: int, T: int, D: int, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(k1, (B, T, H, D)), jax.random.normal(k2, (B, H, T, D)),
-            jax.random.normal(k3, (B, H, T, D)))
-
-
-def _visible(B: int, T: int, pad_BT: np.ndarray | None) -> jax.Array:
-    """The model's mask: causal, padding keys hidden, every query sees itself (`GPT.hidden`)."""
-    causal = jnp.tril(jnp.ones((1, T, T), bool))
-    if pad_BT is None:
-        return causal
-    return (causal & ~jnp.asarray(pad_BT)[:, None, :]) | jnp.eye(T, dtype=bool)[None]
-
-
-def _outputs_and_grads(impl: str, q, k, v, visible, weight_BTHD):
-    """y (B, T, H, D) and the gradients of sum(weight * y) with respect to q, k, v."""
-    def f(q, k, v):
-        y_BTHD = attend(q, k, v, visible, impl=impl, dtype="float32", causal=True)[0]
-        return jnp.sum(weight_BTHD * y_BTHD), y_BTHD
-    (_, y), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return y, grads
+pytestmark = pytest.mark.jax_release
 
 
 @pytest.mark.parametrize(("H", "T", "padded"), [
@@ -58,18 +38,18 @@ def _outputs_and_grads(impl: str, q, k, v, visible, weight_BTHD):
     pytest.param(3, 384, False, marks=pytest.mark.slow), pytest.param(2, 384, True, marks=pytest.mark.slow)])
 def test_splash_equals_einsum_forward_and_gradients(H: int, T: int, padded: bool) -> None:
     B, D = 2, 16
-    q, k, v = _qkv(B, H, T, D)
+    q, k, v = qkv(B, H, T, D)
     pad = None
     if padded:
         pad = np.zeros((B, T), bool)
         pad[0, :37] = True  # left padding
         pad[1, -150:] = True  # right padding, across a tile boundary
-    visible = _visible(B, T, pad)
+    visible = visible_mask(B, T, pad)
     real_BT = np.ones((B, T), bool) if pad is None else ~pad
     # Padding queries' outputs are not defined alike (see splash.padding_segments): nothing may read them.
     weight = jax.random.normal(jax.random.key(1), (B, T, H, D)) * jnp.asarray(real_BT)[:, :, None, None]
-    y_ref, g_ref = _outputs_and_grads("einsum", q, k, v, visible, weight)
-    y, g = _outputs_and_grads("splash", q, k, v, visible, weight)
+    y_ref, g_ref = outputs_and_grads("einsum", q, k, v, visible, weight)
+    y, g = outputs_and_grads("splash", q, k, v, visible, weight)
     np.testing.assert_allclose(np.asarray(y)[real_BT], np.asarray(y_ref)[real_BT], atol=1e-5, rtol=1e-5)
     for name, a, b in zip("qkv", g, g_ref, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
@@ -78,8 +58,8 @@ def test_splash_equals_einsum_forward_and_gradients(H: int, T: int, padded: bool
 def test_splash_under_a_mesh_runs_per_device_with_shard_map() -> None:
     """With a mesh and the logical rules set (as the trainer sets them), splash runs inside shard_map."""
     B, H, T, D = 2, 2, 128, 8
-    q, k, v = _qkv(B, H, T, D, seed=3)
-    visible = _visible(B, T, None)
+    q, k, v = qkv(B, H, T, D, seed=3)
+    visible = visible_mask(B, T, None)
     mesh = layout.make_mesh((-1, 1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(layout.LOGICAL_RULES):
         f = jax.jit(lambda q, k, v: attend(q, k, v, visible, impl="splash", dtype="float32", causal=True)[0])
@@ -91,8 +71,8 @@ def test_splash_under_a_mesh_runs_per_device_with_shard_map() -> None:
 
 def test_splash_falls_back_where_it_does_not_tile() -> None:
     """A model's one-row init (8 positions) takes the XLA path: same numbers, no kernel."""
-    q, k, v = _qkv(1, 2, 8, 8)
-    visible = _visible(1, 8, None)
+    q, k, v = qkv(1, 2, 8, 8)
+    visible = visible_mask(1, 8, None)
     assert not splash.splash_fits(1, 2, 8)
     y = attend(q, k, v, visible, impl="splash", dtype="float32", causal=True)[0]
     y_ref = attend(q, k, v, visible, impl="einsum", dtype="float32", causal=True)[0]

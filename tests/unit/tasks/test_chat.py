@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiktoken
-from test_classify import save_random_lm
+from helpers.chat import ALPHABET, render, sft_config
+from helpers.models import save_random_lm
 
 from jaxgpt.data.batches import batch_indices
 from jaxgpt.data.conversations import (
@@ -23,7 +24,6 @@ from jaxgpt.data.conversations import (
     ROLE_TOKENS,
     SPECIAL_TOKENS,
     TEMPLATE_FILE,
-    ChatTemplate,
     builtin_conversations,
     chat_tokenizer,
     encode_conversation,
@@ -39,15 +39,7 @@ from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, init_params
 from jaxgpt.tasks.chat import chat_loss, grow_vocab, held_out_conversations
-from jaxgpt.train.config import base_config, from_config_dict
-
-# Every character of the built-in conversations, sorted by code point as CharTokenizer requires.
-ALPHABET = "".join(sorted(set(" !'+-.:?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))
-
-
-def render(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    """The template as `jaxgpt serve` renders it (the one ChatTemplate, as `jaxgpt serve` builds it)."""
-    return ChatTemplate(CHAT_TEMPLATE, eos_token=END).render(messages, add_generation_prompt)
+from jaxgpt.train.config import from_config_dict
 
 
 def test_loss_mask_covers_exactly_the_assistant_tokens_of_a_hand_checked_conversation() -> None:
@@ -264,20 +256,9 @@ def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return workdir
 
 
-def sft_config(workdir: Path, base: Path, **overrides: object):
-    c = base_config()
-    c.task, c.workdir, c.init_from = "chat", str(workdir), f"workdir:{base}"
-    c.chat.examples, c.chat.val_fraction = 200, 0.1
-    c.batch_size, c.max_steps, c.eval_interval, c.log_interval, c.eval_batches = 8, 12, 6, 6, 2
-    c.optim.lr, c.optim.warmup_steps = 3e-3, 5
-    c.compilation_cache_dir = ""
-    c.update_from_flattened_dict(overrides)
-    return c
-
-
 @pytest.mark.parametrize("pack", [False, True])
 def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, base_run: Path, pack: bool) -> None:
-    from tests_helpers import train_run
+    from helpers import train_run
 
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
     whole = train_run(sft_config(whole_dir, base_run, **{"chat.pack": pack}))

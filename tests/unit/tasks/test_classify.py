@@ -12,18 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROOT
+from helpers.models import save_random_lm
 
 from jaxgpt.data.batches import batch_indices
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
-from jaxgpt.model.gpt import GPT, GPTClassifier, init_params
+from jaxgpt.model.gpt import GPTClassifier, init_params
 from jaxgpt.tasks import classify, classify_data
 from jaxgpt.train.checkpoint import Checkpointer
 from jaxgpt.train.config import base_config, from_config_dict
-from jaxgpt.train.optim import OptimConfig, make_optimizer
 
-ROOT = Path(__file__).resolve().parents[1]
 ALPHABET = "\nabcdefxyz"  # sorted by code point, as CharTokenizer requires
 
 
@@ -163,16 +163,6 @@ def test_loss_is_class_cross_entropy_plus_weighted_lm_loss() -> None:
 # End to end
 
 
-def save_random_lm(workdir: Path, cfg: ModelConfig, tok: CharTokenizer) -> None:
-    """A language-model run directory as train.py leaves it, with random weights (fast, no training)."""
-    params = init_params(cfg, jax.random.key(0), GPT(cfg))
-    state = {"params": params, "opt_state": make_optimizer(OptimConfig()).init(params), "step": jnp.asarray(1)}
-    ckpt = Checkpointer(workdir)
-    ckpt.save(state, {"model": cfg.to_dict(), "tokenizer": tok.to_meta()})
-    ckpt.wait()
-    ckpt.close()
-
-
 def synthetic_csv(path: Path, n: int, seed: int) -> Path:
     """An easy 3-class task: the letters a text is drawn from (abc / def / xyz), labels as strings."""
     rng = np.random.default_rng(seed)
@@ -208,7 +198,7 @@ def tiny_config(workdir: Path, lm: Path, data: Path, **overrides: object):
 
 
 def finetune(c) -> dict:
-    from tests_helpers import train_run
+    from helpers import train_run
 
     return train_run(c)
 
@@ -319,7 +309,7 @@ def test_builtin_task_runs_from_a_char_model_and_a_classifier_refines(tmp_path: 
 
 
 def test_shipped_config_is_valid() -> None:
-    """configs/classify_stdlib.py loads and passes the checks (tests/test_configs.py covers the LM configs)."""
+    """configs/classify_stdlib.py loads and passes the checks (tests/unit/test_configs.py covers the LM configs)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("classify_stdlib", ROOT / "configs" / "classify_stdlib.py")

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numpy_reference_rl import grpo_loss_and_grad
-from test_chat import ALPHABET
-from test_classify import save_random_lm
+from helpers.chat import ALPHABET
+from helpers.models import save_random_lm
+from reference.numpy_reference_rl import grpo_loss_and_grad
 
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
@@ -156,7 +156,7 @@ def rl_config(workdir: Path, base: Path, reward: str, **overrides: object):
 
 
 def test_the_reward_rises_on_a_toy_task_and_the_run_is_a_chat_run(tmp_path: Path, base_run: Path) -> None:
-    from tests_helpers import logged_eval, train_run
+    from helpers import logged_eval, train_run
 
     from jaxgpt.generate.chat import ChatModel
     from jaxgpt.io import weights
@@ -190,7 +190,7 @@ def test_the_reward_rises_on_a_toy_task_and_the_run_is_a_chat_run(tmp_path: Path
 def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_path: Path, base_run: Path) -> None:
     """num_iterations 2 and a checkpoint after step 3: the resumed run reuses batch 1's rollouts (sampled at step
     2, before the checkpoint) from the work directory and samples the rest from the restored weights."""
-    from tests_helpers import train_run
+    from helpers import train_run
 
     from jaxgpt.tasks import build
     from jaxgpt.train.checkpoint import Checkpointer
@@ -225,7 +225,7 @@ def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_
 
 def test_a_reward_that_turns_nan_stops_the_run_with_one_line_and_keeps_its_checkpoint(tmp_path: Path,
                                                                                      base_run: Path) -> None:
-    from tests_helpers import train_run
+    from helpers import train_run
 
     from jaxgpt.train.checkpoint import Checkpointer
 
@@ -249,7 +249,7 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run
     import subprocess
     import sys
 
-    from tests_helpers import ROOT
+    from helpers import ROOT
 
     from jaxgpt.train.checkpoint import Checkpointer
 

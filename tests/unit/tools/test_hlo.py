@@ -7,6 +7,8 @@ import pytest
 
 from jaxgpt.tools import hlo
 
+pytestmark = pytest.mark.jax_release
+
 # A step shaped like XLA:TPU's output: a scan loop of 4 trips without known_trip_count (its bound is the
 # condition's constant), an all-gather over a mesh axis of 2 repeated in an async start/done pair (one
 # channel), a fused reduce-scatter and a Pallas kernel inside the loop, an all-reduce in the entry.

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
-from test_train import run_train, train_cmd
-from tests_helpers import load_tiny, logged_losses, train_run
+from helpers import load_tiny, logged_losses, train_run
+from helpers.runs import run_train, train_cmd
 
 from jaxgpt.errors import UserError
 from jaxgpt.model import encdec, gpt

@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, fake_devices_env, logged_losses
 from jax.sharding import AbstractMesh
-from tests_helpers import fake_devices_env, logged_losses
 
 from jaxgpt.errors import UserError
 from jaxgpt.train import sharding as layout
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.jax_release
+
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 STEPS = 10
 SAVED_AT = 5  # the (1, 8, 1) run's checkpoint that the other meshes resume from
@@ -32,7 +33,7 @@ OVERRIDES = dict(max_steps=STEPS, log_interval=1, eval_interval=STEPS, ckpt_inte
 WORKER = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
-from tests_helpers import load_tiny, train_run
+from helpers import load_tiny, train_run
 
 def run(workdir, mesh, **overrides):
     c = load_tiny(workdir=workdir, data_dir={data!r}, **{overrides!r})
@@ -73,7 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """The reference: the same training on this process's single device."""
-    from tests_helpers import load_tiny, train_run
+    from helpers import load_tiny, train_run
 
     workdir = tmp_path_factory.mktemp("single") / "run"
     c = load_tiny(workdir=str(workdir), data_dir=str(data_dir), **OVERRIDES)
@@ -93,7 +94,7 @@ def test_mesh_losses_equal_single_device(mesh: tuple[int, int, int], runs: Path,
 
 
 def test_checkpoint_from_fsdp8_resumes_on_one_device_and_on_2x2x2(runs: Path, single: Path, data_dir: Path) -> None:
-    from tests_helpers import load_tiny, train_run
+    from helpers import load_tiny, train_run
 
     moved = runs / "moved_1"  # (1, 8, 1) checkpoint -> this process's single device
     shutil.copytree(runs / "mesh_1_8_1", moved)
