@@ -27,6 +27,16 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_test_corpus(tmp_path_factory.mktemp("data"))
 
 
+@pytest.fixture(scope="session")
+def gpt2() -> object:
+    """GPT-2's tokenizer, from the ranks file CI provisions (skipped where there is none: no network here)."""
+    if not os.environ.get("JAXGPT_BPE_FILE"):
+        pytest.skip("needs the GPT-2 ranks offline (JAXGPT_BPE_FILE, see .ci/provision_bpe.sh)")
+    from jaxgpt.data.tokenizer import load_bpe
+
+    return load_bpe("gpt2")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One persistent compilation cache for every subprocess the tests start (train.py, jaxgpt commands, servers):
@@ -48,7 +58,7 @@ def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 TESTS = Path(__file__).parent
 # Each tier's time limit per test (pytest-timeout), at least 3x its slowest test on a loaded 2-core CPU; a test
 # marked slow gets the slow tier's, and a test's own `timeout` marker wins.
-TIMEOUT_S = {"unit": 300, "integration": 600, "compile": 600, "slow": 1200}
+TIMEOUT_S = {"unit": 600, "integration": 900, "compile": 900, "slow": 1800}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -41,15 +41,14 @@ def run(workdir, mesh, **overrides):
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
     train_run(c)
 
-out = {{}}
 for mesh in {meshes!r}:
     run(os.path.join({root!r}, "mesh_%d_%d_%d" % tuple(mesh)), mesh)
-# Resume the (1, 8, 1) run's step-{saved} checkpoint on (2, 2, 2).
-import shutil
-moved = os.path.join({root!r}, "moved_222")
-shutil.copytree(os.path.join({root!r}, "mesh_1_8_1"), moved)
-shutil.rmtree(os.path.join(moved, "checkpoints", "{steps}"))
-run(moved, (2, 2, 2))
+if {move!r}:  # resume the (1, 8, 1) run's step-{saved} checkpoint on (2, 2, 2)
+    import shutil
+    moved = os.path.join({root!r}, "moved_222")
+    shutil.copytree(os.path.join({root!r}, "mesh_1_8_1"), moved)
+    shutil.rmtree(os.path.join(moved, "checkpoints", "{steps}"))
+    run(moved, (2, 2, 2))
 print("WORKER-DONE")
 """
 
@@ -58,17 +57,27 @@ def losses(workdir: Path) -> dict[int, float]:
     return dict(logged_losses(workdir))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
-    """All 8-device runs, in one subprocess with 8 fake CPU devices (about 1.5 CPU-minutes)."""
-    root = tmp_path_factory.mktemp("meshes")
-    script = WORKER.format(tests=str(ROOT / "tests"), data=str(data_dir), overrides=OVERRIDES, meshes=MESHES,
-                           root=str(root), saved=SAVED_AT, steps=STEPS)
-    env = fake_devices_env(8)
+def train_on_meshes(root: Path, data_dir: Path, meshes: list[tuple[int, int, int]], move: bool) -> Path:
+    """The runs on `meshes` (and, with `move`, the (1, 8, 1) checkpoint resumed on (2, 2, 2)), in one subprocess
+    with 8 fake CPU devices."""
+    script = WORKER.format(tests=str(ROOT / "tests"), data=str(data_dir), overrides=OVERRIDES, meshes=meshes,
+                           root=str(root), saved=SAVED_AT, steps=STEPS, move=move)
     proc = subprocess.run(["timeout", "900", sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=960)
+                          cwd=ROOT, env=fake_devices_env(8), timeout=960)
     assert proc.returncode == 0 and "WORKER-DONE" in proc.stdout, proc.stderr[-4000:]
     return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """All 8-device runs and the checkpoint's move (about 1.5 CPU-minutes: the slow tier's)."""
+    return train_on_meshes(tmp_path_factory.mktemp("meshes"), data_dir, MESHES, move=True)
+
+
+@pytest.fixture(scope="module")
+def run_222(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """The one mesh whose three axes all split (data, FSDP and tensor parallel at once): the default run's."""
+    return train_on_meshes(tmp_path_factory.mktemp("mesh_222"), data_dir, [(2, 2, 2)], move=False)
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +92,7 @@ def single(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     return workdir
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
-def test_mesh_losses_equal_single_device(mesh: tuple[int, int, int], runs: Path, single: Path) -> None:
-    want, got = losses(single), losses(runs / "mesh_{}_{}_{}".format(*mesh))
+def assert_same_losses(got: dict[int, float], want: dict[int, float], mesh: tuple[int, int, int]) -> None:
     assert sorted(got) == list(range(1, STEPS + 1)) and got.keys() == want.keys()
     diffs = {s: abs(got[s] - want[s]) for s in want}
     print(f"mesh {mesh}: max |loss - single-device loss| over {STEPS} steps = {max(diffs.values()):.2e}")
@@ -93,6 +100,18 @@ def test_mesh_losses_equal_single_device(mesh: tuple[int, int, int], runs: Path,
     assert want[STEPS] < want[1]  # it trains
 
 
+def test_2x2x2_mesh_losses_equal_single_device(run_222: Path, single: Path) -> None:
+    """The slow tier's four meshes' cheap sibling: data, FSDP and tensor parallel at once, each axis of 2."""
+    assert_same_losses(losses(run_222 / "mesh_2_2_2"), losses(single), (2, 2, 2))
+
+
+@pytest.mark.slow  # a subprocess training on four meshes and resuming a moved checkpoint: the sibling is above
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
+def test_mesh_losses_equal_single_device(mesh: tuple[int, int, int], runs: Path, single: Path) -> None:
+    assert_same_losses(losses(runs / "mesh_{}_{}_{}".format(*mesh)), losses(single), mesh)
+
+
+@pytest.mark.slow  # the sibling above trains on (2, 2, 2) from the start; this one moves a checkpoint there
 def test_checkpoint_from_fsdp8_resumes_on_one_device_and_on_2x2x2(runs: Path, single: Path, data_dir: Path) -> None:
     from helpers import load_tiny, train_run
 
