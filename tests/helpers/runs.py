@@ -18,11 +18,17 @@ def train_cmd(workdir: Path, data_dir: Path, cache: str, *extra: str) -> list[st
             f"--config.data.dir={data_dir}", f"--config.compilation_cache_dir={cache}", *extra]
 
 
-def run_train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=ROOT)
+def run(cmd: list[str], *, check: bool = False, **kwargs: object) -> subprocess.CompletedProcess:
+    """The tests' one command runner: `cmd` from the repository's root, its output captured as text, within 300 s
+    (`kwargs` are subprocess.run's: env, cwd, timeout); with `check`, a non-zero status fails with stderr's tail."""
+    proc = subprocess.run(cmd, **{"capture_output": True, "text": True, "timeout": 300, "cwd": ROOT, **kwargs})
     if check and proc.returncode:
         raise AssertionError(proc.stderr[-3000:])
     return proc
+
+
+def run_train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run(list(args), check=check)
 
 
 def final_params(workdir: Path) -> dict:

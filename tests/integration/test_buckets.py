@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 from helpers import ROOT, TINY, one_line_error, storage_servers
+from helpers.runs import run as run_command
 
 STEPS = ["--config.max_steps=30", "--config.ckpt_interval=10", "--config.eval_interval=30",
          "--config.optim.decay_steps=1000"]
@@ -48,8 +49,7 @@ def train_cmd(workdir: str, data_dir: str | Path, xla: str, *extra: str) -> list
 
 
 def run(cmd: list[str], server: storage_servers.Server, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, **server.env(), **env})
+    return run_command(cmd, env={**os.environ, **server.env(), **env})
 
 
 def popen(cmd: list[str], server: storage_servers.Server, **env: str) -> subprocess.Popen:

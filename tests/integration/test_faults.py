@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT, TINY, one_line_error
+from helpers.runs import run
 
 from jaxgpt.train.checkpoint import Checkpointer
 
@@ -43,10 +44,6 @@ def data_cmd(*extra: str) -> list[str]:
 def limited(cmd: list[str]) -> list[str]:
     """`cmd` under RLIMIT_FSIZE (set by the shell: a preexec_fn would fork this multithreaded process)."""
     return ["bash", "-c", f'ulimit -f {LIMIT // 1024} && exec "$@"', "bash", *cmd]
-
-
-def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, **kwargs)
 
 
 def checksums(*dirs: Path) -> dict[str, str]:

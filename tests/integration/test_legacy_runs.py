@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT
+from helpers.runs import run
 
 LEGACY = ROOT / "tests" / "data" / "legacy_runs"
 # run -> the sample.py arguments of each recorded output (README.md; the LM greedy file holds 30 tokens, which
@@ -53,9 +54,7 @@ def _copy(tmp_path: Path, run: str) -> Path:
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return run([sys.executable, *args], cwd=cwd, check=True)
 
 
 @pytest.mark.parametrize("run", sorted(SAMPLES))
