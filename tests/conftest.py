@@ -56,8 +56,9 @@ def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 TESTS = Path(__file__).parent
-# Each tier's time limit per test (pytest-timeout), at least 3x its slowest test on a loaded 2-core CPU; a test
-# marked slow gets the slow tier's, and a test's own `timeout` marker wins.
+# Each tier's time limit per test (pytest-timeout): room for a loaded 2-core CPU, where a unit test's setup (the
+# 2x2x2 mesh's subprocess) took over 300 s at a load average of 16; a test marked slow gets the slow tier's, and
+# a test's own `timeout` marker wins.
 TIMEOUT_S = {"unit": 600, "integration": 900, "compile": 900, "slow": 1800}
 
 
