@@ -27,7 +27,7 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # `jaxgpt serve` started as the tests do
-from tests_helpers import serving
+from helpers import serving
 
 from jaxgpt.data.conversations import TEMPLATE_FILE, Conversation
 from jaxgpt.data.tokenizer import tokenizer_from_meta

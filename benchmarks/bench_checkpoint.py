@@ -4,7 +4,7 @@
     python benchmarks/bench_checkpoint.py --preset gpt2_6x6x384 --repeats 3
 
 One run, the same state, the same code path training uses (`jaxgpt.io.checkpoint.Checkpointer`): local
-disk, a GCS JSON-API server and an S3 server, both on 127.0.0.1 (tests/storage_servers.py starts them; they
+disk, a GCS JSON-API server and an S3 server, both on 127.0.0.1 (tests/helpers/storage_servers.py starts them; they
 keep objects in memory, in Python, so their numbers bound the client side from below rather than predict a
 real bucket). "save" runs until the checkpoint is committed (orbax's asynchronous save, then its wait);
 "blocking" is what the training loop waits for before its next step. "restore" reads the state back onto
@@ -29,7 +29,7 @@ import optax
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import storage_servers  # noqa: E402
+from helpers import storage_servers  # noqa: E402
 
 from jaxgpt import storage  # noqa: E402
 from jaxgpt.io.checkpoint import Checkpointer, state_bytes  # noqa: E402

@@ -67,7 +67,7 @@ import numpy as np
 import torch_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the uncached reference sampler
-import sampling_reference
+from reference import sampling_reference
 
 from jaxgpt.commands import use_huge_pages
 from jaxgpt.generate import sampling

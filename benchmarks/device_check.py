@@ -35,7 +35,8 @@ to the engine alone's with as many, many clients' to one's.
 batches); PyTorch's parts are skipped with the reason where torch is not installed, torch.compile is left out
 (inductor's C++ build would take most of the smoke's time), and the tests part runs the tests the ordinary
 CPU run cannot (two fake CPU devices) and one more: the rest run in every CI run anyway.
-tests/test_device_check.py runs the smoke (tests/test_hf.py its PyTorch parts), so this script cannot rot unnoticed.
+tests/integration/test_device_check.py runs the smoke (in the slow tier; a smoke of two parts in every CI run) and
+tests/unit/io/test_hf.py its PyTorch parts, so this script cannot rot unnoticed.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ FULL = Shapes(model={}, loss_chunk=None, batches=(64, 32, 16, 8, 4), steps=10, p
 SMOKE = Shapes(model=dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64), loss_chunk=16,
                batches=(8, 4), steps=2, prompt_len=8, new_tokens=8, serve_tokens=8, gen_batches=(1, 4),
                clients=(1, 4), requests=2, compile_torch=False,
-               tests=("tests/test_accelerator.py", "-k", "two_devices or float64_reference"), test_workers=0,
+               tests=("tests/unit/test_accelerator.py", "-k", "two_devices or float64_reference"), test_workers=0,
                profile_steps=2, wide_loss_chunk=32, sweep=("loss_chunk0", "accumulate_2_loops_in_graphs"),
                sweep_rounds=1, medium_batches=(4,), cpu_devices=2, budget=480,
                limits=dict(env=60, tests=150, train=90, train_sweep=150, train_medium=60, torch_train=90,

@@ -1,7 +1,10 @@
-"""Make the numpy reference and test helpers importable, keep test runs on the CPU, and share a small corpus."""
+"""Make tests/helpers and tests/reference importable, keep test runs on the CPU, share a small corpus and one
+compile cache, mark each test with its tier (its folder) and that tier's time limit, and pick a CI lane's tests."""
 
+import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,74 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared character-level dataset of real Python source (read-only: shared by every test)."""
-    from tests_helpers import prepare_test_corpus
+    from helpers import prepare_test_corpus
 
     return prepare_test_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def gpt2() -> object:
+    """GPT-2's tokenizer, from the ranks file CI provisions (skipped where there is none: no network here)."""
+    if not os.environ.get("JAXGPT_BPE_FILE"):
+        pytest.skip("needs the GPT-2 ranks offline (JAXGPT_BPE_FILE, see .ci/provision_bpe.sh)")
+    from jaxgpt.data.tokenizer import load_bpe
+
+    return load_bpe("gpt2")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One persistent compilation cache for every subprocess the tests start (train.py, jaxgpt commands, servers):
+    each compiles the tiny model's programs once per run instead of once per process. JAX reads the variables
+    when it is imported, so this process (imported already) keeps compiling in memory as before."""
+    cache = str(tmp_path_factory.mktemp("xla"))
+    names = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"  # what jaxgpt.train.runtime sets
+    yield cache
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+TESTS = Path(__file__).parent
+# Each tier's time limit per test (pytest-timeout): room for a loaded 2-core CPU, where a unit test's setup (the
+# 2x2x2 mesh's subprocess) took over 300 s at a load average of 16; a test marked slow gets the slow tier's, and
+# a test's own `timeout` marker wins.
+TIMEOUT_S = {"unit": 600, "integration": 900, "compile": 900, "slow": 1800}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--lane", choices=("oldest", "newest"),
+                     help="only the tests CI's lane of that name runs (tests/helpers/lanes.py, .ci/lanes.json)")
+    parser.addoption("--write-lanes", metavar="PATH",
+                     help="write the lane of each test file from .ci/durations/ (with --collect-only)")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tier of each test from its folder (tests/unit, tests/integration, tests/compile), and its time limit;
+    all of tests/compile is of what moved between JAX releases; then the lane's selection, if asked for."""
+    from helpers import ROOT, lanes
+
+    for item in items:
+        tier = Path(item.path).relative_to(TESTS).parts[0]
+        if tier in ("unit", "integration", "compile"):
+            item.add_marker(tier)
+        if tier == "compile":
+            item.add_marker(lanes.BOTH)
+        if item.get_closest_marker("timeout") is None and (limit := TIMEOUT_S.get(
+                "slow" if item.get_closest_marker("slow") else tier)):
+            item.add_marker(pytest.mark.timeout(limit))
+    fixed = {item.nodeid: lanes.fixed_lanes(m.name for m in item.iter_markers()) for item in items}
+    if path := config.getoption("write_lanes"):
+        split = lanes.split(fixed, lanes.read_durations(ROOT / ".ci" / "durations"))
+        Path(path).write_text(json.dumps(split, indent=1) + "\n")
+    if lane := config.getoption("lane"):
+        files = json.loads((ROOT / ".ci" / "lanes.json").read_text())["files"]
+        keep = [lanes.in_lane(lane, item.nodeid, fixed[item.nodeid], files) for item in items]
+        config.hook.pytest_deselected(items=[item for item, k in zip(items, keep, strict=True) if not k])
+        items[:] = [item for item, k in zip(items, keep, strict=True) if k]

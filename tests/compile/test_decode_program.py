@@ -1,0 +1,174 @@
+"""The decode programs as XLA:GPU compiles them for an H100, read on this CPU-only host: no host work per token.
+
+jax's CUDA plugin compiles for compile-only GPUs (`jaxgpt.tools.gpus`); skipped where it is not installed. GPT-2
+124M decodes in bfloat16 as `generate` runs it there, at batch 1 and 64. What is pinned:
+
+* the loop that runs the model has a trip count XLA knows, so XLA:GPU never reads its condition back on the host
+  (a while loop of unknown trip count copies its condition to the host and waits for the device every trip);
+  the only condition the host reads is the outer loop's, once per `sampling.trip_tokens` tokens;
+* the kernels one token launches (`hlo.loops`: fusions, GEMMs, copies, custom calls) stay at what was measured
+  when this was written: 171.5 at batch 1 and 134 at batch 64 (two tokens per trip). They were 278.5 and 218
+  before GPUs attended over the cache after writing the new key and value into it (`ops.attention.attend_written`:
+  206.5 and 169), read batch 1's kernels output-major (`decode_weights.output_major_for`: 194.5, and no product the
+  size of a kernel written and read back per token) and ran each layer's cache writes and attention as one Pallas
+  kernel (`ops.decode_attention`: 171.5 and 134); with XLA's Triton fusion (`decode_weights.TRITON_FUSION`) batch 1
+  launches 79 (139 before the Pallas kernel, 103 while it took three slices of the fused QKV projection, each a
+  Triton fusion of its own: `ops.attention.attend_qkv`);
+* that kernel runs once per layer and token, and writes the caches in place: no copy of a cache;
+* every kernel of that loop's body runs inside a command buffer (a CUDA graph: one launch per trip), and with
+  WHILE and CONDITIONAL among the command-buffer types (`generate.decode_weights.WHILE_COMMAND_BUFFERS`) the whole
+  generation, loops included, is one command buffer;
+* the engine's decode chunk loops over its steps with a known trip count too.
+
+The command buffers are in the thunk sequence XLA dumps (`thunk_sequence_after_thunk_passes.txt`), not in the
+HLO; a program compiled here has Triton GEMMs where a GPU's autotuner may pick cuBLAS (the same launch count).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytestmark = [pytest.mark.cuda_plugin, pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins") is None
+    or not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)),
+    reason="jax's CUDA plugin is not installed (pip install 'jax[cuda13]' compiles for GPUs on CPU-only hosts)")]
+
+from configs.gpt2_124m import get_config  # noqa: E402
+from jaxgpt.generate import sampling, slots  # noqa: E402
+from jaxgpt.generate.decode_weights import (  # noqa: E402
+    TRIP_TOKENS,
+    TRITON_FUSION,
+    UNROLL,
+    WHILE_COMMAND_BUFFERS,
+    output_major_for,
+    output_major_kernels,
+)
+from jaxgpt.model.gpt import init_params  # noqa: E402
+from jaxgpt.tools import gpus, hlo  # noqa: E402
+from jaxgpt.train.config import from_config_dict  # noqa: E402
+
+# configs/gpt2_124m.py's model as `generate(..., dtype="bfloat16")` decodes it (`decode_weights.decoding_weights`)
+CFG = from_config_dict(get_config()).model.replace(dtype="bfloat16", param_dtype="bfloat16")
+PROMPT, NEW_TOKENS = 16, 256
+KERNELS_PER_TOKEN = {1: 172, 64: 134}  # measured: 171.5 and 134 (see the module docstring)
+# batch 1 with TRITON_FUSION, measured: 79 on jax 0.12.0.1 (5 a layer); the experimental fusion of jax 0.11.2 (what
+# GPU images ship) fuses less, 91 (115 while the kernel took three slices of the QKV projection)
+TRITON_KERNELS_PER_TOKEN = 91 if jax.__version_info__[:2] == (0, 11) else 79
+
+
+def h100() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(gpus.topology_devices("h100:1"), ("data",))
+
+
+def compiled(fn: object, args: tuple, options: dict | None, tmp_path: Path, **static: object) -> tuple[str, str]:
+    """(HLO text, thunk sequence after XLA's thunk passes) of `fn` compiled for one H100 with abstract inputs."""
+    mesh = h100()
+    on_gpu = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu), args)
+    dump = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_module_re": ".*"}
+    with jax.set_mesh(mesh):
+        text = fn.lower(*abstract, **static).compile(compiler_options={**dump, **(options or {})}).as_text()
+    thunks = sorted(tmp_path.glob("*thunk_sequence_after_thunk_passes.txt"))
+    return text, thunks[-1].read_text() if thunks else ""
+
+
+def generate_program(batch: int, tmp_path: Path, options: dict | None = None) -> tuple[str, str]:
+    """`generate`'s decode loop (`sampling._run`) for `batch` greedy rows of NEW_TOKENS tokens after PROMPT, its
+    kernels stored as a GPU's `generate` stores them (output-major at batch 1: `decode_weights.output_major_for`)."""
+    with jax.set_mesh(h100()):
+        output_major = output_major_for(batch)
+    spec = sampling.SamplerSpec(greedy=True, top_k=None, use_top_p=False, eot_token=None,
+                                window_shift=sampling.default_window_shift(CFG), output_major=output_major)
+    params = jax.eval_shape(lambda: init_params(CFG, jax.random.key(0)))
+    if output_major:  # in the model's bfloat16, as `generate.decode_weights.decoding_weights` prepares them for GPUs
+        params = jax.eval_shape(lambda p: output_major_kernels(p, CFG), params)
+    prefill = lambda p, x: sampling._prefill(p, x, jax.random.key(0), cfg=CFG, output_major=output_major,
+                                             slots=sampling.cache_slots(CFG, PROMPT, NEW_TOKENS))
+    with jax.set_mesh(h100()):  # the cache in the GPU's decoding dtype (a CPU's is float32: `work_dtype`)
+        state = jax.eval_shape(prefill, params, jax.ShapeDtypeStruct((batch, PROMPT), jnp.int32))
+    scalars = (jax.ShapeDtypeStruct((), jnp.int32), *[jax.ShapeDtypeStruct((), jnp.float32)] * 2)
+    return compiled(sampling._run, (params, state, *scalars), options, tmp_path, cfg=CFG, spec=spec,
+                    num_steps=NEW_TOKENS)
+
+
+def attention_kernels(text: str) -> list[str]:
+    """The HLO lines that call the one-kernel decode attention (`ops.decode_attention`)."""
+    return [line for line in text.splitlines() if "decode_attention" in line and "custom-call(" in line]
+
+
+def kernels_outside_command_buffers(thunks: str) -> list[str]:
+    """The kernels of a thunk sequence that the host launches itself: those not nested in a kCommandBuffer."""
+    outside, parents = [], []  # parents: (indent, is a command buffer) of the enclosing thunks
+    for line in thunks.splitlines():
+        m = re.match(r"^(\s*)\d+: (k\w+)\s*\[[^\]]*\]\s*(\S*)", line)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        if m.group(2) in ("kKernel", "kCustomKernel") and not any(cb for _, cb in parents):
+            outside.append(m.group(3))
+        parents.append((indent, m.group(2) == "kCommandBuffer"))
+    return outside
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_generate_runs_the_model_in_a_loop_of_known_trip_count(batch: int, tmp_path: Path) -> None:
+    text, thunks = generate_program(batch, tmp_path)
+    loops = hlo.loops(text)
+    model_loops = [loop for loop in loops if loop["body_launches"] > 2 * CFG.n_layer]
+    assert len(model_loops) == 1 and model_loops[0]["known"], loops
+    assert model_loops[0]["trips"] * UNROLL == TRIP_TOKENS  # NEW_TOKENS in trips of TRIP_TOKENS
+    per_token = model_loops[0]["body_launches"] / UNROLL
+    assert per_token <= KERNELS_PER_TOKEN[batch], f"{per_token} kernels per token"
+    # The host reads one condition: the outer loop's, once per trip of trip_tokens tokens; nothing else moves.
+    transfers = hlo.host_transfers(text)
+    assert [t["kind"] for t in transfers] == ["loop condition read by the host"], transfers
+    outer = [loop for loop in loops if not loop["known"]]
+    assert len(outer) == 1 and outer[0]["body_launches"] < 20, outer
+    launched = kernels_outside_command_buffers(thunks)
+    assert thunks and len(launched) < 10, f"kernels the host launches one by one: {launched}"
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_each_layer_writes_its_cache_and_attends_in_one_kernel_in_place(batch: int, tmp_path: Path) -> None:
+    text, _ = generate_program(batch, tmp_path)
+    kernels = attention_kernels(text)
+    assert len(kernels) == CFG.n_layer * UNROLL, len(kernels)
+    S = sampling.cache_slots(CFG, PROMPT, NEW_TOKENS)
+    cache = f"bf16[{batch},{CFG.n_head},{S},{CFG.n_embd // CFG.n_head}]"
+    assert all(cache in line for line in kernels), kernels[0][:300]  # bfloat16 caches, as a GPU decodes
+    copies = [line for line in text.splitlines() if re.search(rf"= {re.escape(cache)}\S* copy(-start)?\(", line)]
+    assert not copies, copies[:2]
+
+
+def test_triton_fusion_leaves_five_kernels_a_layer_at_batch_1(tmp_path: Path) -> None:
+    loops = hlo.loops(generate_program(1, tmp_path, TRITON_FUSION)[0])
+    per_token = max(loop["body_launches"] for loop in loops) / UNROLL
+    assert per_token <= TRITON_KERNELS_PER_TOKEN, f"{per_token} kernels per token"
+
+
+def test_while_command_buffers_make_the_generation_one_graph(tmp_path: Path) -> None:
+    _, thunks = generate_program(1, tmp_path, WHILE_COMMAND_BUFFERS)
+    top_level = [line for line in thunks.splitlines() if re.match(r"^\d+: ", line)]
+    assert top_level and all("kCommandBuffer" in line or "kCopy" in line for line in top_level), top_level[:5]
+    assert not kernels_outside_command_buffers(thunks)
+
+
+def test_engine_chunk_loops_over_its_steps_with_a_known_trip_count(tmp_path: Path) -> None:
+    rows, steps = 4, 8
+    params = jax.eval_shape(lambda: init_params(CFG, jax.random.key(0)))
+    state = jax.eval_shape(lambda: slots.empty_slots(CFG, rows))
+    needs = slots.Needs(bias=False, noise=True, nucleus=False, scores=False)
+    text, _ = compiled(slots.chunk_program("gpu"), (params, state), None, tmp_path, cfg=CFG, rows=rows, span=256,
+                       steps=steps, needs=needs, banned=None, vocab_limit=None)
+    loops = hlo.loops(text)
+    assert [(loop["known"], loop["trips"] * UNROLL) for loop in loops] == [(True, steps)], loops
+    assert not hlo.host_transfers(text)
+    assert len(attention_kernels(text)) == CFG.n_layer * UNROLL  # the slots' attention: one kernel a layer, vmapped

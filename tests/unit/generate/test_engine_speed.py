@@ -1,0 +1,188 @@
+"""The engine's speed-ups keep its answers: several tokens per dispatch with per-slot ends (end-of-text, stop ids,
+max_new_tokens), only the busy slots decoded (power-of-two rows), everything compiled before the first request
+(`warm_up`), a cancel honoured at once, and a chat reply
+through the server ending at the chat's end-of-turn token, which stays out of its text."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxgpt.generate import engine as engine_module
+from jaxgpt.generate import sampling
+from jaxgpt.generate.engine import Engine, Request
+from jaxgpt.generate.slots import chunk_program
+from jaxgpt.ops.platform import current_platform
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("jinja2")
+
+from helpers.models import random_params  # noqa: E402
+from helpers.server import CFG, TOKENIZER, Server  # noqa: E402
+
+from jaxgpt.data.conversations import ChatTemplate  # noqa: E402
+
+PARAMS = random_params(CFG)
+PROMPTS = [TOKENIZER.encode(p) for p in ("def f(", "a", "x = (a, b)\nprint(x", "import os\n")]
+
+
+def alone(prompt: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+    return sampling.generate(PARAMS, CFG, prompt, max_new_tokens=n, key=seed, temperature=temperature)[0].tolist()
+
+
+def run(requests: list[Request], slots: int = 4, chunk: int = 3, **options: object) -> Engine:
+    engine = Engine(PARAMS, CFG, slots=slots, chunk=chunk, **options)
+    for r in requests:
+        engine.submit(r)
+    engine.drain()
+    return engine
+
+
+def collecting(prompt: list[int], n: int, **settings: object) -> tuple[Request, list[int], list[str]]:
+    tokens: list[int] = []
+    reasons: list[str] = []
+    request = Request(prompt, n, emit=lambda t, *_: tokens.append(t), done=reasons.append, **settings)
+    return request, tokens, reasons
+
+
+def test_chunks_of_ragged_requests_give_each_its_tokens_alone_and_its_end():
+    """Lengths that are no multiple of the chunk, a request for one token, stop ids and end-of-text ending
+    slots mid-chunk, more requests than slots: each gets `generate`'s tokens for its prompt alone, up to its end."""
+    full = alone(PROMPTS[0], 12, 1.0, 7)
+    stop = next(t for i, t in enumerate(full) if i >= 4 and t not in full[:i])
+    eot = alone(PROMPTS[2], 6)[3]
+    cases = [collecting(PROMPTS[0], 12, temperature=1.0, seed=7, stop_ids=[stop]),
+             collecting(PROMPTS[1], 1, temperature=0.0), collecting(PROMPTS[2], 9, temperature=0.0),
+             collecting(PROMPTS[3], 10, temperature=0.7, seed=3), collecting(PROMPTS[1], 5, temperature=1.0, seed=1),
+             collecting(PROMPTS[2], 9, temperature=0.0, ignore_eos=True)]
+    run([r for r, _, _ in cases], eot_token=eot)
+    cut = full.index(stop) + 1
+    want_eot = alone(PROMPTS[2], 9)
+    assert cases[0][1:] == (full[:cut], ["stop"])
+    assert cases[1][1:] == (alone(PROMPTS[1], 1), ["length"])
+    assert cases[2][1:] == (want_eot[:want_eot.index(eot) + 1], ["stop"])
+    assert cases[3][1:] == (alone(PROMPTS[3], 10, 0.7, 3), ["length"])
+    assert cases[4][1:] == (alone(PROMPTS[1], 5, 1.0, 1), ["length"])
+    assert cases[5][1:] == (want_eot, ["length"])
+
+
+def spy_on_chunks(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments (rows, span, ...) of every decode chunk that engines made from now on dispatch."""
+    calls: list[dict] = []
+    chunk = chunk_program(current_platform())
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return chunk(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "chunk_program", lambda _platform: spy)
+    return calls
+
+
+def test_only_the_busy_slots_decode_in_power_of_two_rows(monkeypatch):
+    calls = spy_on_chunks(monkeypatch)
+    one, tokens, _ = collecting(PROMPTS[0], 7, temperature=0.0)
+    run([one], slots=8, chunk=4)
+    rows = [c["rows"] for c in calls]
+    assert tokens == alone(PROMPTS[0], 7) and set(rows) == {1} and len(rows) <= 3  # 2 chunks (+1 dispatched ahead)
+    calls.clear()
+    three = [collecting(p, 6, temperature=0.0) for p in PROMPTS[:3]]
+    run([r for r, _, _ in three], slots=8, chunk=4)
+    assert max(c["rows"] for c in calls) == 4
+    assert all(t == alone(p, 6) for (_, t, _), p in zip(three, PROMPTS, strict=False))
+
+
+def test_chunks_attend_over_the_span_their_rows_fill_and_a_reused_slot_sees_none_of_its_past(monkeypatch):
+    """A chunk reads the power of two of cache positions its busy rows fill by its end, not the whole context:
+    requests that cross from one span into the next, and a short request in a slot a longer one had filled
+    (the prefill writes only its prompt's positions), each get `generate`'s tokens for their prompt alone."""
+    monkeypatch.setattr(sampling, "SHORTEST_CACHE", 8)  # spans 8, 16, 32, 64 on the 64-position test model
+    calls = spy_on_chunks(monkeypatch)
+    long_, short = PROMPTS[2], PROMPTS[1]  # 18 and 1 tokens
+    cases = [collecting(long_, 40, temperature=1.0, seed=5), collecting(short, 20, temperature=0.0),
+             collecting(short, 6, temperature=0.0)]  # the third takes the second's slot
+    run([r for r, _, _ in cases], slots=2, chunk=4)
+    spans = [(c["rows"], c["span"]) for c in calls]
+    assert {span for _, span in spans} == {32, 64}  # the long request crosses from one span into the next
+    assert spans[0] == (2, 32)  # 18 + 4 positions of the long prompt, 1 + 4 of the short one
+    want = [alone(long_, 40, 1.0, 5), alone(short, 20), alone(short, 6)]
+    assert [tokens for _, tokens, _ in cases] == want
+
+
+def test_an_encoder_decoder_warms_up_the_spans_of_its_decoder_not_of_its_sources(monkeypatch):
+    """An encoder-decoder's decoder starts from bos whatever its source's length: `warm_up` compiles the spans
+    that max_new_tokens fill after that one position, not those after the longest source."""
+    from helpers.seq2seq import BOS, PAD, tiny
+    from helpers.seq2seq import random_params as encdec_params
+
+    monkeypatch.setattr(sampling, "SHORTEST_CACHE", 2)
+    calls = spy_on_chunks(monkeypatch)
+    cfg = tiny()  # sources of up to 9 tokens, a decoder context of 8
+    engine = Engine(encdec_params(cfg), cfg, slots=2, specials={"pad_id": PAD, "bos_id": BOS, "eos_id": 2})
+    engine.warm_up(prompt_lengths=[cfg.src_block_size], max_new_tokens=3)
+    assert {c["span"] for c in calls} == {2, 4}  # bos + 3 new tokens: 4 positions at most, never the whole context of 8
+
+
+def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
+    """`warm_up` compiles every row count's chunk and every prompt bucket: requests of any count and prompt
+    length afterwards compile nothing (on a GPU each first use stalled the busy requests); it leaves no trace
+    in what they get."""
+    cases = [collecting(p, 5 + i, temperature=float(i % 2), seed=i, logprobs=False) for i, p in enumerate(PROMPTS)]
+    engine = Engine(PARAMS, CFG, slots=4, chunk=3)
+    engine.warm_up()
+    compiled = (engine.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size())
+    for r, _, _ in cases:
+        engine.submit(r)
+    engine.drain()
+    assert (engine.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size()) == compiled
+    for i, (_, tokens, reasons) in enumerate(cases):
+        assert (tokens, reasons) == (alone(PROMPTS[i], 5 + i, float(i % 2), i), ["length"])
+
+
+def test_a_tokenizer_smaller_than_the_model_vocabulary_bounds_the_picks_as_generate_does():
+    """`vocab_limit` is the tokenizer's size: below the model's (padded) vocabulary it limits the picks exactly as
+    `generate`'s does; at the model's size it limits nothing and is dropped."""
+    limit = CFG.vocab_size // 2
+    request, tokens, _ = collecting(PROMPTS[0], 8, temperature=1.0, seed=5)
+    run([request], slots=1, vocab_limit=limit)
+    want = sampling.generate(PARAMS, CFG, PROMPTS[0], max_new_tokens=8, key=5, temperature=1.0, vocab_limit=limit)
+    assert tokens == want[0].tolist() and max(tokens) < limit
+    assert Engine(PARAMS, CFG, slots=1, vocab_limit=CFG.vocab_size).vocab_limit is None
+
+
+def test_a_cancel_stops_the_tokens_at_once_and_frees_the_slot():
+    tokens: list[int] = []
+    reasons: list[str] = []
+
+    def emit(token: int, *_: object) -> None:
+        tokens.append(token)
+        if len(tokens) == 2:
+            request.cancelled = True
+
+    request = Request(PROMPTS[0], 20, emit=emit, done=reasons.append, temperature=0.0)
+    after, after_tokens, after_reasons = collecting(PROMPTS[1], 4, temperature=0.0)
+    engine = run([request, after], slots=1, chunk=8)
+    assert (tokens, reasons) == (alone(PROMPTS[0], 2), ["cancelled"])
+    assert (after_tokens, after_reasons) == (alone(PROMPTS[1], 4), ["length"]) and not any(engine.active)
+
+
+def test_a_chat_reply_ends_at_the_end_of_turn_token_which_is_not_in_its_text():
+    text = "user: hi\nassistant:"
+    full = TOKENIZER.decode(alone(TOKENIZER.encode(text), 20))
+    at = next(i for i, c in enumerate(full) if i >= 3 and c not in full[:i])
+    end_id = TOKENIZER.encode(full[at])[0]
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    server = Server(chat_template=ChatTemplate(template), chat_stop_ids=[end_id])
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        got = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+        assert (got.choices[0].message.content, got.choices[0].finish_reason) == (full[:at], "stop")
+        assert got.usage.completion_tokens == at + 1  # the end token was generated, and counted
+        chunks = list(server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
+                                                            temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:at]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        plain = server.client.completions.create(model="tiny", prompt=text, max_tokens=20, temperature=0)
+        assert plain.choices[0].text == full  # completions do not stop there
+    finally:
+        server.close()
