@@ -175,7 +175,9 @@ class Engine:
         self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
         self.banned, self.vocab_size = model.pad_id, model.vocab_size
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.vocab_size else None
-        self.state = self._empty()
+        leaf = jax.tree.leaves(self.params)[0]  # on the weights' device, where every program's outputs are
+        self.home = leaf.devices().pop() if isinstance(leaf, jax.Array) else jax.devices()[0]
+        self.state = jax.device_put(self._empty(), self.home)  # committed: warm-up must compile what calls will use
         self.active: list[_Busy | None] = [None] * slots  # the busy slots come first
         self.unread: deque[tuple[Callable[..., None], Any, Any]] = deque()  # dispatched, not yet read: oldest first
         self.waiting: deque[Request] = deque()
@@ -403,7 +405,7 @@ class Engine:
     def _fail_all(self) -> None:
         with self.wake:
             failed, self.waiting = [*(b.request for b in self.active if b is not None), *self.waiting], deque()
-        self.active, self.unread, self.state = [None] * self.n_slots, deque(), self._empty()
+        self.active, self.unread, self.state = [None] * self.n_slots, deque(), jax.device_put(self._empty(), self.home)
         for request in failed:
             self._end(request, "error")
 

@@ -71,7 +71,7 @@ def test_jsonl_int_and_string_labels(tmp_path: Path) -> None:
     ("bad.jsonl", '{"text": "a", "label": 1}\n{oops\n', "line 2 is not valid JSON"),
     ("keys.jsonl", '{"text": "a"}\n', "keys `text` and `label`"),
     ("float.jsonl", '{"text": "a", "label": 1.5}\n', "must be a non-empty string or an integer"),
-    ("data.txt", "whatever", "neither a built-in task"),
+    ("data.txt", "whatever", "neither a built-in dataset"),
 ])
 def test_bad_files_are_one_line_user_errors(tmp_path: Path, name: str, content: str, message: str) -> None:
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -293,7 +293,7 @@ def test_cli_prints_one_line_error_and_exits_2(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_builtin_task_runs_from_a_char_model_and_a_classifier_refines(tmp_path: Path) -> None:
-    """The built-in task end to end (random weights, so only the plumbing is checked), then a second
+    """The built-in dataset end to end (random weights, so only the plumbing is checked), then a second
     fine-tune that starts from the first classifier (its body, without the head)."""
     train, val, _ = classify_data.stdlib_packages_task(0.2)
     tok = CharTokenizer.from_text("".join(train.texts + val.texts) + "\n")
