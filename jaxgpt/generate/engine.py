@@ -166,18 +166,18 @@ class Engine:
             self.params, self.cfg, self.specials, self.eot_token = params, cfg, specials, specials["eos_id"]
             model = cfg.model
             memory = jax.eval_shape(lambda: seq2seq.encode(params, cfg, jnp.zeros((1, cfg.src_block_size), jnp.int32)))
-            self._empty = lambda: empty_slots(cfg, slots, jax.tree.map(
-                lambda c: jnp.zeros((slots, *c.shape), c.dtype), memory))
+            self._empty = lambda: jax.device_put(empty_slots(cfg, slots, jax.tree.map(
+                lambda c: jnp.zeros((slots, *c.shape), c.dtype), memory)), self.home)
         else:
             self.params, self.cfg = decoding_weights(params, cfg, None, output_major=False)
             model, self.specials = self.cfg, None
-            self._empty = lambda: empty_slots(cfg, slots)
+            self._empty = lambda: jax.device_put(empty_slots(cfg, slots), self.home)
         self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
         self.banned, self.vocab_size = model.pad_id, model.vocab_size
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.vocab_size else None
-        leaf = jax.tree.leaves(self.params)[0]  # on the weights' device, where every program's outputs are
+        leaf = jax.tree.leaves(self.params)[0]  # `_empty` commits to its device: warm-up compiles what calls use
         self.home = leaf.devices().pop() if isinstance(leaf, jax.Array) else jax.devices()[0]
-        self.state = jax.device_put(self._empty(), self.home)  # committed: warm-up must compile what calls will use
+        self.state = self._empty()
         self.active: list[_Busy | None] = [None] * slots  # the busy slots come first
         self.unread: deque[tuple[Callable[..., None], Any, Any]] = deque()  # dispatched, not yet read: oldest first
         self.waiting: deque[Request] = deque()
@@ -405,7 +405,7 @@ class Engine:
     def _fail_all(self) -> None:
         with self.wake:
             failed, self.waiting = [*(b.request for b in self.active if b is not None), *self.waiting], deque()
-        self.active, self.unread, self.state = [None] * self.n_slots, deque(), jax.device_put(self._empty(), self.home)
+        self.active, self.unread, self.state = [None] * self.n_slots, deque(), self._empty()
         for request in failed:
             self._end(request, "error")
 
