@@ -26,6 +26,7 @@ from jaxgpt import storage
 from jaxgpt.errors import StorageError, UserError
 
 CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
+_LISTING_ATTEMPTS = 3  # a reader lists again when a step vanishes under it (another process's cleanup)
 
 
 class CheckpointReadError(UserError):
@@ -129,8 +130,14 @@ class Checkpointer:
             atomicity_options=ocp.options.AtomicityOptions(mode=mode))
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}  # registered, so that item metadata can be read
-        with storage.guard(self.directory, "opening checkpoints in"):
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        for attempt in range(_LISTING_ATTEMPTS):
+            try:
+                with storage.guard(self.directory, "opening checkpoints in"):
+                    self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+                break
+            except FileNotFoundError:  # a step deleted (by a trainer's keep policy) while the manager listed it
+                if attempt == _LISTING_ATTEMPTS - 1:
+                    raise
         self._bytes = 0  # of the last state saved, for the message of a full disk
         _end_pending_reads()
         _quiet_closed_loop()
