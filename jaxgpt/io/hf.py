@@ -174,7 +174,7 @@ def gpt2_export_problems(cfg: ModelConfig) -> list[str]:
         (cfg.norm_scale, "norm_scale=False (GPT-2's LayerNorms have a scale)"),
         (cfg.n_kv_head == cfg.n_head, f"n_kv_head={cfg.n_kv_head} (GPT-2 has a key/value head per query head)"),
         *[(not getattr(cfg, name), f"{name}={getattr(cfg, name)!r} (GPT-2 has no such option)")
-          for name in ("rope_theta", "qk_norm", "embd_norm", "logit_softcap")],
+          for name in ("rope_theta", "qk_norm", "embd_norm", "logit_softcap", "gated_mlp")],
         (cfg.head_dim * cfg.n_head == cfg.n_embd,
          f"head_dim*n_head={cfg.head_dim}*{cfg.n_head} != n_embd={cfg.n_embd} (GPT-2 splits n_embd into heads)"),
     ]

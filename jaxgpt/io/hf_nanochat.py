@@ -102,6 +102,7 @@ def export_problems(cfg: ModelConfig) -> list[str]:
         (not cfg.pad_positions, "pad_positions=True (NanoChat has no position table)"),
         (not cfg.scale_embeddings, "scale_embeddings=True (NanoChat does not scale embeddings)"),
         (cfg.pad_id is None, f"pad_id={cfg.pad_id} (NanoChat does not mask padding tokens by id)"),
+        (not cfg.gated_mlp, "gated_mlp=True (NanoChat's feed-forward is not gated)"),
     ]
     return [message for ok, message in checks if not ok]
 

@@ -14,7 +14,7 @@ from jaxgpt.errors import UserError
 POSITIONS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
 NORM_PLACEMENTS = ("pre", "post")
 NORMS = ("layernorm", "unbiased_std", "rmsnorm")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2")  # relu2: relu(x)^2 (modded-nanogpt, nanochat)
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2", "silu")  # relu2: relu(x)^2 (modded-nanogpt, nanochat)
 # gpt2: normal(0.02), residual projections / sqrt(2 L), zero biases. xavier: Xavier-uniform matrices, zero biases.
 # xavier_torch: seed 000 (the Annotated Transformer), Xavier-uniform matrices with PyTorch's default Linear biases
 # U(+-1/sqrt(fan_in)). gpt1_torch: seed 001, PyTorch's default Linear (weights and biases U(+-1/sqrt(fan_in))) in
@@ -71,6 +71,9 @@ class ModelConfig:
     qk_norm: bool = False
     # Feed-forward, biases, output head.
     activation: str = "gelu_tanh"
+    # A gated feed-forward: act(x W_gate) * (x W_fc), then W_proj (SwiGLU with silu, GeGLU with gelu_tanh: Llama,
+    # Mistral, Qwen, Gemma). Its `gate` kernel is a second (C, F) matrix beside `fc`.
+    gated_mlp: bool = False
     use_bias: bool = True
     tie_embeddings: bool = True
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (nanochat: 15); None: off
@@ -148,7 +151,7 @@ class ModelConfig:
 
     def _validate_modern(self) -> None:
         """The 2026 options (issue 37): each alone, and the pairs that cannot go together, named by their keys."""
-        for name in ("norm_scale", "embd_norm", "qk_norm", "zero_init_proj"):
+        for name in ("norm_scale", "embd_norm", "qk_norm", "zero_init_proj", "gated_mlp"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"model.{name}={getattr(self, name)!r} must be True or False")
         if self.n_head % self.n_kv_head:

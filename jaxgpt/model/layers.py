@@ -26,6 +26,7 @@ ACTIVATIONS = {
     "gelu": lambda x: nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
     "relu2": lambda x: jnp.square(nn.relu(x)),
+    "silu": nn.silu,
 }
 
 
@@ -151,7 +152,8 @@ class EinsumDense(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: C -> F -> C with the configured activation."""
+    """Position-wise feed-forward: C -> F -> C with the configured activation; gated (gated_mlp), the activation
+    of a second projection `gate` multiplies `fc`'s output (SwiGLU, GeGLU)."""
 
     cfg: ModelConfig
     kernel_storage: str = projection.DECLARED
@@ -166,7 +168,12 @@ class MLP(nn.Module):
                            kernel_storage=self.kernel_storage, name="proj")
         # in float32, rounded once: a bf16 GELU rounds after each operation of its formula, which is both
         # less accurate and, on XLA:CPU, a slower pass (what the backward keeps of it: `activation.activate`)
-        h_BTF = activation.activate(ACTIVATIONS[cfg.activation], fc(x_BTC), cfg.dtype)
+        if cfg.gated_mlp:
+            gate = EinsumDense(cfg, "btc,cf->btf", (C, F), ("embed", "mlp"), ("mlp",), role="mlp",
+                               kernel_storage=self.kernel_storage, name="gate")
+            h_BTF = activation.activate(ACTIVATIONS[cfg.activation], gate(x_BTC), cfg.dtype) * fc(x_BTC)
+        else:
+            h_BTF = activation.activate(ACTIVATIONS[cfg.activation], fc(x_BTC), cfg.dtype)
         h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "act_mlp"))
         h_BTF = nn.Dropout(cfg.ff_dropout)(h_BTF, deterministic=deterministic)
         return proj(h_BTF)

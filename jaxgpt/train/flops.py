@@ -16,7 +16,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     A tied token embedding is counted once, as the output head; position tables never are.
     """
     C, F, H, D, L, V = cfg.n_embd, cfg.d_ff, cfg.n_head, cfg.head_dim, cfg.n_layer, cfg.vocab_size
-    per_layer = C * (H + 2 * cfg.n_kv_head) * D + H * D * C + 2 * C * F  # q, k and v (K heads), out, MLP
+    mlp = (3 if cfg.gated_mlp else 2) * C * F  # fc and proj, and gate
+    per_layer = C * (H + 2 * cfg.n_kv_head) * D + H * D * C + mlp  # q, k and v (K heads), out, MLP
     return L * per_layer + C * V
 
 

@@ -160,6 +160,8 @@ MODERN = {
     "softcap": dict(logit_softcap=2.0),
     "gqa": dict(n_kv_head=2),
     "mqa": dict(n_kv_head=1),
+    "swiglu": dict(gated_mlp=True, activation="silu"),
+    "geglu": dict(gated_mlp=True, activation="gelu_tanh", use_bias=True),
 }
 
 

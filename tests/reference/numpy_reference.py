@@ -44,7 +44,7 @@ Config = Mapping[str, Any]
 
 POSITION_KINDS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
 NORM_KINDS = ("layernorm", "unbiased_std", "rmsnorm")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2", "silu")
 
 # math.erf applied element-wise: numpy has no erf and scipy is deliberately not a dependency.
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -97,6 +97,8 @@ def activation(x: np.ndarray, kind: str) -> np.ndarray:
         return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
     if kind == "relu2":  # squared ReLU (So et al., "Primer", 2021)
         return np.where(x > 0.0, x * x, 0.0)
+    if kind == "silu":  # x * sigmoid(x), the "swish" of SwiGLU
+        return x / (1.0 + np.exp(-x))
     raise ValueError(f"unknown activation {kind!r}; expected one of {ACTIVATIONS}")
 
 
@@ -320,10 +322,14 @@ def attention(
 
 
 def mlp(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
-    """Position-wise feed-forward network: proj(act(fc(x)))."""
+    """Position-wise feed-forward network: proj(act(fc(x))), or gated proj(act(gate(x)) * fc(x))."""
     use_bias = bool(cfg["use_bias"])
     hidden_BTF = _maybe_bias(x_BTC @ p["fc"]["kernel"], p["fc"], use_bias)
-    hidden_BTF = activation(hidden_BTF, cfg["activation"])
+    if cfg.get("gated_mlp"):
+        hidden_BTF = activation(_maybe_bias(x_BTC @ p["gate"]["kernel"], p["gate"], use_bias),
+                                cfg["activation"]) * hidden_BTF
+    else:
+        hidden_BTF = activation(hidden_BTF, cfg["activation"])
     return _maybe_bias(hidden_BTF @ p["proj"]["kernel"], p["proj"], use_bias)
 
 
@@ -526,6 +532,7 @@ def random_params(cfg: Config, seed: int = 0, n_classes: int | None = None, std:
             "mlp": {
                 "fc": dense(n_embd, d_ff, bias_shape=(d_ff,)),
                 "proj": dense(d_ff, n_embd, bias_shape=(n_embd,)),
+                **({"gate": dense(n_embd, d_ff, bias_shape=(d_ff,))} if cfg.get("gated_mlp") else {}),
             },
         }
     if cfg["final_norm"]:
