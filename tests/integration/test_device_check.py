@@ -1,7 +1,7 @@
 """benchmarks/device_check.py itself, on this CPU: its --smoke run (every part at tiny shapes) and what that cannot
 reach, so that the command an accelerator host gets minutes for cannot rot between such hosts. The whole smoke is
 in the slow tier; CI runs a smoke of two parts, on both ends of the JAX range (GPU and TPU images ship the newest);
-tests/unit/io/test_hf.py smokes the PyTorch parts where torch is installed.
+the PyTorch parts are smoked where torch is installed (the oldest lane).
 """
 
 from __future__ import annotations
@@ -111,3 +111,16 @@ def test_the_guides_table_gives_each_parts_own_time_limit(device_check: ModuleTy
     rows = re.findall(r"^\| `(\w+)` \|.*\| (\d+) \|$", (ROOT / "docs" / "accelerators.md").read_text(), re.M)
     assert [name for name, _ in rows] == list(device_check.PARTS)
     assert {name: float(limit) for name, limit in rows} == device_check.FULL.limits
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="torch and transformers are not installed")
+def test_device_check_runs_the_pytorch_parts_at_smoke_shapes(tmp_path):
+    """benchmarks/device_check.py's PyTorch parts (the PyTorch training baseline, eager under --smoke, and
+    transformers' generate), at --smoke's shapes: here, where torch is installed."""
+    proc, result = device_check_smoke(tmp_path / "check.json", "--parts", "torch_train,hf_generate", timeout=300)
+    assert proc.returncode == 0 and result, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = result["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == {"torch_train": "ok", "hf_generate": "ok"}, parts
+    assert parts["torch_train"]["metrics"]["tokens_per_s"] > 0 and parts["hf_generate"]["summary"]

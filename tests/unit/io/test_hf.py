@@ -20,7 +20,6 @@ from flax import linen as nn
 
 pytest.importorskip("safetensors")
 
-from helpers import device_check_smoke
 from helpers.models import assert_trees_equal, random_params
 from safetensors.numpy import load_file, save_file
 
@@ -439,13 +438,3 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
     assert asked == [(f"workdir:{tmp_path / 'run'}", "latest"), (f"workdir:{tmp_path / 'run'}", "best")]
 
 
-@needs_torch
-def test_device_check_runs_the_pytorch_parts_at_smoke_shapes(tmp_path):
-    """benchmarks/device_check.py's PyTorch parts (the PyTorch training baseline, eager under --smoke, and
-    transformers' generate), at --smoke's shapes: here, where torch is installed; tests/integration/test_device_check.py
-    smokes the rest."""
-    proc, result = device_check_smoke(tmp_path / "check.json", "--parts", "torch_train,hf_generate", timeout=300)
-    assert proc.returncode == 0 and result, proc.stdout[-3000:] + proc.stderr[-3000:]
-    parts = result["parts"]
-    assert {name: part["status"] for name, part in parts.items()} == {"torch_train": "ok", "hf_generate": "ok"}, parts
-    assert parts["torch_train"]["metrics"]["tokens_per_s"] > 0 and parts["hf_generate"]["summary"]

@@ -1,10 +1,10 @@
-"""The seq2seq task: pair files, model ids, batches, the masked and smoothed loss, Noam, the loop, the weights."""
+"""The seq2seq task: pair files, model ids, batches, the masked and smoothed loss, Noam (the task on the loop and
+its weights: tests/integration/test_seq2seq_run.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import flax.linen as nn
@@ -13,18 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.seq2seq import task_config
 
 from jaxgpt.data import pairs
 from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.generate.seq2seq import greedy
-from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.model.encdec import abstract_variables
-from jaxgpt.model.presets import get_preset
 from jaxgpt.ops.loss import token_cross_entropy
 from jaxgpt.tasks.seq2seq import Seq2Seq, seq2seq_loss
-from jaxgpt.train.config import base_config, from_config_dict, model_fields
+from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.flops import seq2seq_flops_per_token
 from jaxgpt.train.optim import OptimConfig, noam, schedule
 
@@ -95,22 +93,8 @@ def test_split_is_by_source_and_the_same_every_time() -> None:
     assert not {s for s, _ in train} & {s for s, _ in val} and len(train) + len(val) == 400
 
 
-def _tiny(tmp_path: Path, **overrides: object) -> object:
-    c = base_config()
-    c.task, c.workdir, c.compilation_cache_dir = "seq2seq", str(tmp_path / "run"), str(tmp_path / "xla")
-    c.seq2seq.data, c.seq2seq.examples, c.seq2seq.symbols, c.seq2seq.length = "reverse", 2000, 6, 6
-    c.seq2seq.val_fraction, c.seq2seq.n_encoder_layer = 0.1, 1
-    c.model = model_fields(get_preset("gpt2"), vocab_size=None, block_size=16, n_layer=1, n_head=2, n_embd=32)
-    c.batch_size, c.max_steps, c.log_interval, c.eval_interval, c.ckpt_interval = 16, 40, 10, 20, 20
-    c.eval_batches = 2
-    c.optim.lr, c.optim.warmup_steps = 1e-2, 5
-    for key, value in overrides.items():
-        c[key] = value
-    return c
-
-
 def test_batches_are_a_pure_function_of_seed_and_step_with_shifted_targets(tmp_path: Path) -> None:
-    cfg = from_config_dict(_tiny(tmp_path))
+    cfg = from_config_dict(task_config(tmp_path))
     a, b = Seq2Seq(cfg), Seq2Seq(cfg)
     for step in (0, 7, 500):
         x, y = a.train_rows(step, 0, 1), b.train_rows(step, 0, 1)
@@ -188,43 +172,3 @@ def test_flops_count_every_weight_use_of_a_row() -> None:
     HD = cfg.model.n_head * cfg.model.head_dim
     attention = 3 * 4 * HD * (2 * S * S + cfg.model.n_layer * (T * T / 2 + T * S))
     assert seq2seq_flops_per_token(cfg) == pytest.approx((6 * uses + attention) / (S + T))
-
-
-# ----------------------------------------------------------------------------------------------------
-# On the loop
-
-
-def test_trains_checkpoints_resumes_exactly_and_loads_as_encoder_decoder(tmp_path: Path) -> None:
-    from jaxgpt.tasks import build
-    from jaxgpt.train.loop import train
-
-    whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
-    whole = train(from_config_dict(_tiny(tmp_path, workdir=str(whole_dir))), build)
-    evals = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
-    val_losses = [row["val_loss"] for row in evals if "val_loss" in row]
-    assert len(val_losses) == 2 and val_losses[1] < val_losses[0] < np.log(9)  # chance: 6 symbols + 3 specials
-    assert 0 <= whole["val_exact_match"] <= 1 and whole["val_pairs"] == 32
-    shutil.copytree(whole_dir, split_dir)  # the run as it was when it stopped after step 20
-    shutil.rmtree(split_dir / "checkpoints" / "40")
-    resumed = train(from_config_dict(_tiny(tmp_path, workdir=str(split_dir))), build)
-    assert resumed["steps"] == 20 and resumed["val_loss"] == whole["val_loss"]
-    for a, b in zip(jax.tree.leaves(whole["state"]["params"]), jax.tree.leaves(resumed["state"]["params"]),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-    loaded = weights.load(f"workdir:{whole_dir}")
-    assert isinstance(loaded.model, Seq2SeqConfig) and loaded.meta["seq2seq"] == pairs.SPECIALS
-    assert weights.describe(f"workdir:{whole_dir}")[0] == loaded.model
-    S, T = loaded.model.src_block_size, loaded.model.model.block_size
-    src = jnp.asarray([pairs.encode_text(loaded.tokenizer(), pairs.SPECIALS, "abc") + [0] * (S - 3)])
-    assert greedy(loaded.params, loaded.model, src, bos_id=1, eos_id=2, max_new_tokens=T).shape == (1, T)
-    with pytest.raises(UserError, match="encoder-decoder"):
-        weights.fit_architecture(f"workdir:{whole_dir}", loaded.model.model, {}, True)
-    from jaxgpt.commands.hf import export
-    from jaxgpt.tasks.classify import language_model
-
-    with pytest.raises(UserError, match="cannot be exported"):  # the GPT-only readers refuse it in one line
-        export(str(whole_dir), str(tmp_path / "hf"), "latest", False)
-    assert not (tmp_path / "hf").exists()
-    with pytest.raises(UserError, match="cannot be fine-tuned as a classifier"):
-        language_model(f"workdir:{whole_dir}", None)
