@@ -10,7 +10,8 @@ feed-forward (SwiGLU; Gemma: GeGLU with tanh GELU). What each family adds:
 | Mistral | mistral | a sliding window on every layer (sliding_window) |
 | Qwen2 | qwen2 | biases on q, k and v (qkv_bias); a window on every layer or none (use_sliding_window) |
 | Qwen3 | qwen3 | an RMSNorm per query and key head before the rotary (qk_norm, qk_norm_site="before_rope") |
-| Gemma 3 | gemma3_text | (1 + w) norm scales, a norm after each sub-layer too (sandwich_norm), embeddings times sqrt(C), a query scale of its own, soft-caps, windowed layers with every N-th global and its own rotary base |
+| Gemma 3 | gemma3_text | (1 + w) norms, a norm after each sub-layer too, embeddings times sqrt(C), soft-caps, |
+| | | a query scale of its own, windowed layers with every N-th global and a rotary base of their own |
 
 transformers' rotary is jaxgpt's (`layers.rotary`: the pair (i, i + D/2) of each head, rotated by the same
 angle in the same direction), so no row of q or k is permuted. Tensors are torch Linear weights (out, in):
