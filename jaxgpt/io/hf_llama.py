@@ -10,7 +10,7 @@ feed-forward (SwiGLU; Gemma: GeGLU with tanh GELU). What each family adds:
 | Mistral | mistral | a sliding window on every layer (sliding_window) |
 | Qwen2 | qwen2 | biases on q, k and v (qkv_bias); a window on every layer or none (use_sliding_window) |
 | Qwen3 | qwen3 | an RMSNorm per query and key head before the rotary (qk_norm, qk_norm_site="before_rope") |
-| Gemma 3 | gemma3_text | (1 + w) norms, a norm after each sub-layer too, embeddings times sqrt(C), soft-caps, |
+| Gemma 3 | gemma3_text | (1 + w) norms, a norm after each sub-layer too, embeddings times sqrt(C), a final soft-cap, |
 | | | a query scale of its own, windowed layers with every N-th global and a rotary base of their own |
 
 transformers' rotary is jaxgpt's (`layers.rotary`: the pair (i, i + D/2) of each head, rotated by the same
@@ -209,17 +209,20 @@ def config_fields(traits: Traits) -> Callable[[Mapping[str, Any], str], dict[str
             tie_embeddings=bool(hf.get("tie_word_embeddings", traits.tie)),
             attn_dropout=float(hf.get("attention_dropout") or 0.0),
             **_rope_fields(hf, traits, where), **_window_fields(hf, traits, n_layer, where))
+        if "sliding_window" not in out:
+            out.pop("rope_local_theta", None)  # (Gemma 3 with no windowed layer: a base no layer uses)
         if traits.qkv_bias:
             out["qkv_bias"] = True
         if traits.qk_norm:
             out.update(qk_norm=True, qk_norm_site="before_rope")
         if traits.gemma:
-            softcaps = {ours: None if hf.get(key) is None else _number(key, hf[key], where)
-                        for ours, key in (("attn_softcap", "attn_logit_softcapping"),
-                                          ("logit_softcap", "final_logit_softcapping"))}
+            if hf.get("attn_logit_softcapping") is not None:  # (Gemma 2's; Gemma 3's checkpoints have null)
+                raise UserError(f"{where}: attn_logit_softcapping={hf['attn_logit_softcapping']}: transformers' "
+                                "Gemma3 attention ignores it, so no logits would agree; set it to null")
+            cap = hf.get("final_logit_softcapping")
             scalar = _number("query_pre_attn_scalar", hf.get("query_pre_attn_scalar", head_dim), where)
             out.update(norm_scale_offset=1.0, sandwich_norm=True, scale_embeddings=True, query_scale=scalar ** -0.5,
-                       **softcaps)
+                       logit_softcap=None if cap is None else _number("final_logit_softcapping", cap, where))
         return out
 
     return fields
@@ -256,9 +259,12 @@ def export_problems(traits: Traits) -> Callable[[ModelConfig], list[str]]:
             (cfg.norm_scale_offset == (1.0 if gemma else 0.0), f"norm_scale_offset={cfg.norm_scale_offset}"),
             (cfg.sandwich_norm == gemma, f"sandwich_norm={cfg.sandwich_norm}"),
             (cfg.scale_embeddings == gemma, f"scale_embeddings={cfg.scale_embeddings}"),
-            (gemma or (cfg.attn_softcap is None and cfg.logit_softcap is None and cfg.query_scale is None),
-             f"attn_softcap, logit_softcap or query_scale set ({name} has none)"),
+            (cfg.attn_softcap is None, f"attn_softcap={cfg.attn_softcap} ({name} soft-caps no attention scores)"),
+            (gemma or (cfg.logit_softcap is None and cfg.query_scale is None),
+             f"logit_softcap or query_scale set ({name} has neither)"),
             (gemma or cfg.rope_local_theta is None, f"rope_local_theta={cfg.rope_local_theta} ({name} has one base)"),
+            (not gemma or cfg.sliding_window is None or cfg.rope_scaling is None or cfg.rope_local_theta is not None,
+             f"rope_scaling on windowed layers ({name} scales its global layers only: set rope_local_theta)"),
             (cfg.sliding_window is None or traits.windows != "none", f"sliding_window ({name} has none)"),
             (cfg.window_pattern is None or traits.windows == "pattern",
              f"window_pattern={cfg.window_pattern} ({name} windows all layers or none)"),
@@ -324,7 +330,7 @@ def hf_config(traits: Traits) -> Callable[[ModelConfig, int | None], dict[str, A
             out.update(rope_parameters={FULL: rope, SLIDING: local}, rope_local_base_freq=local["rope_theta"],
                        layer_types=_layer_types(cfg), sliding_window=cfg.sliding_window or cfg.block_size,
                        query_pre_attn_scalar=cfg.head_dim if cfg.query_scale is None else round(cfg.query_scale ** -2),
-                       attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.logit_softcap)
+                       attn_logit_softcapping=None, final_logit_softcapping=cfg.logit_softcap)
             if cfg.window_pattern is not None:
                 out["sliding_window_pattern"] = cfg.window_pattern
         else:

@@ -78,8 +78,8 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
 class Served:
     """What a front end serves besides its engine (picklable: `jaxgpt serve` hands it to each front end's process).
     `chat_template`: a Jinja2 template's text (None: no chat); `chat_stop_ids`: tokens that end a chat reply like
-    end-of-text (a chat run's end-of-turn token, a Hugging Face model's stop tokens), left out of its text; `open_paths`: paths answered without the
-    API key besides /health and the page (`jaxgpt serve --open_paths`)."""
+    end-of-text (a chat run's end-of-turn token, a Hugging Face model's stop tokens), left out of its text;
+    `open_paths`: paths answered without the API key besides /health and the page (`jaxgpt serve --open_paths`)."""
 
     tokenizer: Codec
     model_name: str
