@@ -14,7 +14,6 @@ import hashlib
 import itertools
 import os
 import re
-from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import tiktoken
 
+from jaxgpt.data.tokenizer_base import Tokenizer
 from jaxgpt.errors import UserError
 
 EOT_TEXT = "<|endoftext|>"
@@ -56,36 +56,6 @@ def _check_ids(ids: Sequence[int], vocab_size: int) -> None:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {vocab_size})")
-
-
-class Tokenizer(ABC):
-    """Text <-> token ids. Subclasses set `name`, `vocab_size` and `eot_token` in `__init__`."""
-
-    name: str
-    vocab_size: int
-    eot_token: int | None
-    unk_token: int | None = None  # the id of text outside the vocabulary (None: every text it accepts is exact)
-
-    @abstractmethod
-    def encode_array(self, text: str) -> np.ndarray:
-        """Token ids of `text` as an integer array: the fast path used to tokenize whole corpora."""
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` as Python ints (prompts, tests)."""
-        return self.encode_array(text).tolist()
-
-    @abstractmethod
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids`; `decode(encode(text)) == text` for every text `encode` accepts, except that word
-        tokens give back the standardized text (see `WordTokenizer`)."""
-
-    @abstractmethod
-    def to_meta(self) -> dict[str, Any]:
-        """A JSON-able description from which `tokenizer_from_meta` rebuilds an identical tokenizer."""
-
-    def unknown_words(self, text: str) -> list[str]:
-        """The distinct pieces of `text` that `encode` turns into `unk_token` (a prompt must have none)."""
-        return []
 
 
 class CharTokenizer(Tokenizer):

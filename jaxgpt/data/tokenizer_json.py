@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.data.tokenizer_base import Tokenizer
 from jaxgpt.errors import UserError, optional_import
 
 TYPE = "tokenizer.json"
