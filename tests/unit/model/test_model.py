@@ -186,13 +186,14 @@ def test_causality_through_gradients() -> None:
     assert np.all(pos_norm[t + 1:] == 0) and np.all(pos_norm[: t + 1] > 0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "rotary-qk-norm-scaled", "nanochat-gqa-scan-xla"])
+@pytest.mark.parametrize("name", ["gpt2", "rotary-qk-norm-scaled", "nanochat-gqa-scan-xla", "gemma3-like"])
 def test_packed_documents_do_not_see_each_other(name: str) -> None:
     """Two documents packed in a row (segments 1 and 2, then padding 0): the next-token loss of either has exactly
     zero gradient w.r.t. every other token's input embedding (an untied table, each token once), and its logits
     are those of the document alone in a row, so positions restart (a learned table, or rotary under a scaled
-    QK-norm, where absolute positions matter); the XLA path takes the mask, and scanned layers the positions."""
-    cfg = (shrink(get_preset("gpt2")) if name == "gpt2" else modern(name)).replace(tie_embeddings=False)
+    QK-norm, where absolute positions matter); the XLA path takes the mask, and scanned layers the positions (Gemma's
+    windowed and global layers too, with their own rotary frequencies)."""
+    cfg = (shrink(get_preset("gpt2")) if name == "gpt2" else modern(name)).replace(tie_embeddings=False, block_size=16)
     params = to_jax(ref.random_params(cfg.to_dict(), seed=5, std=0.3))
     params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else params
     T = cfg.block_size
@@ -327,6 +328,9 @@ def test_dropout_off_is_deterministic_and_on_follows_only_the_rng(scan: bool) ->
              final_norm=False),
         dict(norm="unbiased_std", activation="gelu", position="none", tie_embeddings=False),
         dict(position="learned", pad_positions=True, pad_id=0, norm_placement="post", head_dim=12),
+        # soft-capped scores take autodiff's backward; with a window, a query scale, Gemma's norms (issue 62)
+        dict(position="none", rope_theta=100.0, norm="rmsnorm", norm_scale_offset=1.0, sandwich_norm=True,
+             attn_softcap=1.0, query_scale=0.5, sliding_window=3),
     ],
 )
 def test_gradients_match_float64_finite_differences(knobs: dict) -> None:
