@@ -1,17 +1,17 @@
-"""Hugging Face directories (GPT-2 or NanoChat): check one, or export a jaxgpt run as one.
+"""Hugging Face directories (GPT-2, NanoChat, Llama, Mistral, Qwen2, Qwen3, Gemma 3): check one, or export a run.
 
     jaxgpt hf inspect PATH       # what a HF directory (or hf:OWNER/NAME Hub repository) maps to, tensor by tensor
     jaxgpt hf export --workdir DIR --out PATH [--which best] [--overwrite] [--push_to_hub OWNER/NAME]
 
 An export is `config.json` + `model.safetensors` as the family whose architecture the run's model has
-(`GPT2LMHeadModel`, or `NanoChatForCausalLM` for nanochat's options: `jaxgpt.io.hf`), loadable by
-`AutoModelForCausalLM.from_pretrained(PATH)`; the run's tokenizer (GPT-2's vocab.json + merges.txt, or a
-character or word vocabulary, as tokenizer.json), with a chat run's special tokens and chat template
-(`apply_chat_template` then gives the ids jaxgpt trains on and serves); and generation_config.json, so that
-`transformers.pipeline("text-generation", model=PATH)` writes what `jaxgpt sample` writes. Writing the
-tokenizer needs transformers. A classifier's head, which a language model has no place for, is left out.
-`--push_to_hub` then uploads the directory to that Hub repository (creating it; needs a login: hf auth login).
-"""
+(`GPT2LMHeadModel`, `NanoChatForCausalLM` for nanochat's options, `LlamaForCausalLM` and its kin: `jaxgpt.io.hf`),
+loadable by `AutoModelForCausalLM.from_pretrained(PATH)`; the run's tokenizer (GPT-2's vocab.json + merges.txt, a
+character or word vocabulary as tokenizer.json, or a Hugging Face model's own tokenizer.json), with a chat run's
+special tokens and chat template (`apply_chat_template` then gives the ids jaxgpt trains on and serves); and
+generation_config.json, so that `transformers.pipeline("text-generation", model=PATH)` writes what `jaxgpt sample`
+writes. Writing the tokenizer needs transformers. A classifier's head, which a language model has no place for, is
+left out. `--push_to_hub` then uploads the directory to that Hub repository (creating it; needs a login: hf auth
+login). """
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str |
     if tokenizer is not None:
         hf_tokenizer.save_hf_tokenizer(tokenizer, root, loaded.model.block_size, chat_template=template)
     end = tokenizer.special_ids.get(END) if isinstance(tokenizer, WithSpecialTokens) else None
-    hf_tokenizer.save_generation_config(None if tokenizer is None else tokenizer.eot_token, root, end)
+    hf_tokenizer.save_generation_config(tokenizer, root, end)
     notes = []
     if dropped:
         notes.append(f"left out {', '.join(dropped)}: a Hugging Face language model has no such head")

@@ -113,9 +113,13 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
                 else None)
     api_key = flags_.api_key or os.environ.get("JAXGPT_API_KEY") or None
     limit = {"max_body_bytes": flags_.max_body_bytes} if flags_.max_body_bytes is not None else {}
-    chat_stop_ids = (loaded.meta["chat"]["end_id"],) if "chat" in loaded.meta else ()  # a chat run's end of turn
+    chat = loaded.meta.get("chat", {})  # a chat run's, or a Hugging Face directory's (`weights._hf_meta`)
+    chat_stop_ids = tuple(chat.get("stop_ids") or [chat["end_id"]]) if chat else ()  # its ends of turn
     template = load_template(flags_.workdir, flags_.chat_template)
+    if template is None and flags_.workdir is None:
+        template = chat.get("template")
     served = Served(tokenizer, name, cfg, flags_.slots, chat_template=template, chat_stop_ids=chat_stop_ids,
+                    chat_tokens=chat.get("tokens"),
                     api_key=api_key, open_paths=tuple(flags_.open_paths), **limit)
     with listen(flags_.host, flags_.port) as sock:  # open while serving: a front end that dies is replaced
         front_ends = FrontEnds(served, engine.version, sock)

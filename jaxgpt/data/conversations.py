@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import datetime
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -87,20 +88,27 @@ def _refuse(message: str) -> NoReturn:
 class ChatTemplate:
     """A Hugging Face-format Jinja2 chat template, compiled once; `render` is safe to call from any thread.
 
-    It sees `messages`, `add_generation_prompt`, `bos_token` and `eos_token`, and may call
-    `raise_exception(message)`; it renders in jinja2's sandbox with trim_blocks and lstrip_blocks, as transformers
-    renders `apply_chat_template`, so a template renders the same text in both. It lives beside the chat format
-    so that the format's own template (CHAT_TEMPLATE) and any other render through one code path, for `jaxgpt
-    serve` and for the tests that check `encode_conversation` against it."""
+    It sees `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and any other special token's text given
+    (`tokens`: unk_token, pad_token), `tools` and `documents` (None), and may call `raise_exception(message)` and
+    `strftime_now(format)`; it renders in jinja2's sandbox with trim_blocks, lstrip_blocks and loop controls
+    (break, continue), and `tojson` keeps non-ASCII text, as transformers renders `apply_chat_template`, so a
+    template (Llama's, Qwen's, Gemma's) renders the same text in both. It lives beside the chat format so that the
+    format's own template (CHAT_TEMPLATE) and any other render through one code path, for `jaxgpt serve` and for
+    the tests that check `encode_conversation` against it."""
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", **tokens: str) -> None:
         import jinja2  # an extra (serve, test): training on conversations never renders a template
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        self.tokens = {**tokens, "bos_token": bos_token, "eos_token": eos_token}
         self._errors = jinja2.TemplateError
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _refuse
+        env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -110,7 +118,7 @@ class ChatTemplate:
         """The prompt text for `messages`; a UserError when the template fails on them."""
         try:
             return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        tools=None, documents=None, **self.tokens)
         except self._errors as e:
             raise UserError(f"the chat template failed on these messages: {e}") from None
 

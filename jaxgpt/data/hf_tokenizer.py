@@ -1,15 +1,16 @@
 """jaxgpt's tokenizers in and out of Hugging Face directories, so that exports generate text in `transformers`.
 
-Out (`save_hf_tokenizer`): a GPT-2 BPE run gets GPT-2's own files, `vocab.json` + `merges.txt` (rebuilt from
-the tiktoken ranks, see `gpt2_vocab_and_merges`) and the `tokenizer.json` the `tokenizers` library builds
-from them; a character run gets a `tokenizer.json` whose word-level vocabulary maps every character to the
-id jaxgpt gives it; a word run (seed 004) a word-level `tokenizer.json` that lower-cases and splits off
-punctuation as `jaxgpt.data.tokenizer.standardize` does. A chat run's special tokens (<|user|>, ..., <|end|>) are
-added tokens after the vocabulary, and its chat template is the tokenizer's `chat_template`, so that
-`apply_chat_template` gives the ids jaxgpt's chat format gives. All come with `tokenizer_config.json`, written by
-`transformers` itself, so that `AutoTokenizer.from_pretrained(DIR)` and `pipeline("text-generation", model=DIR)`
-load them. Writing needs `transformers` (an export-only dependency); reading back (`read_tokenizer_meta`) needs
-only json.
+Out (`save_hf_tokenizer`): a GPT-2 BPE run gets GPT-2's own files, `vocab.json` + `merges.txt` (rebuilt from the
+tiktoken ranks, see `gpt2_vocab_and_merges`) and the `tokenizer.json` the `tokenizers` library builds from them; a
+character run gets a `tokenizer.json` whose word-level vocabulary maps every character to the id jaxgpt gives it; a
+word run (seed 004) a word-level `tokenizer.json` that lower-cases and splits off punctuation as
+`jaxgpt.data.tokenizer.standardize` does. A chat run's special tokens (<|user|>, ..., <|end|>) are added tokens
+after the vocabulary, and its chat template is the tokenizer's `chat_template`, so that `apply_chat_template` gives
+the ids jaxgpt's chat format gives. A Hugging Face model's own tokenizer.json (`JsonTokenizer`, a run fine-tuned
+from Llama, Qwen, Gemma...) is written back as it came, with its special tokens. All come with
+`tokenizer_config.json`, written by `transformers` itself, so that `AutoTokenizer.from_pretrained(DIR)` and
+`pipeline("text-generation", model=DIR)` load them. Writing needs `transformers` (an export-only dependency);
+reading back (`read_tokenizer_meta`) needs only json.
 
 In (`read_tokenizer_meta`): a directory's tokenizer as jaxgpt's `Tokenizer.to_meta()`, when it is one jaxgpt
 has (GPT-2's BPE, or a character or word vocabulary such as a jaxgpt export's, with a chat run's special tokens
@@ -39,6 +40,7 @@ from jaxgpt.data.tokenizer import (
     WordTokenizer,
     standardize,
 )
+from jaxgpt.data.tokenizer_json import JsonTokenizer
 from jaxgpt.errors import UserError, optional_import
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -150,8 +152,12 @@ def _word_backend(tokenizer: WordTokenizer) -> Any:
     return backend
 
 
-def _backend(tokenizer: Tokenizer) -> tuple[Any, dict[str, str]]:
-    """The `tokenizers.Tokenizer` of one of jaxgpt's own tokenizers, and its special tokens' roles."""
+def _backend(tokenizer: Tokenizer) -> tuple[Any, dict[str, Any]]:
+    """The `tokenizers.Tokenizer` of one of jaxgpt's tokenizers, and its special tokens' roles (and BOS rule)."""
+    if isinstance(tokenizer, JsonTokenizer):  # a Hugging Face model's own: its file as it came, with its roles
+        tokenizers, _ = _need_transformers()
+        return tokenizers.Tokenizer.from_str(tokenizer.json_text), {**tokenizer.tokens,
+                                                                     "add_bos_token": tokenizer.add_bos}
     if isinstance(tokenizer, BPETokenizer):
         return _gpt2_backend(tokenizer), dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
     if tokenizer.to_meta()["type"] == "char":
@@ -188,12 +194,17 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out: str | os.PathLike[str], max_len
     (root / CONFIG_FILE).write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
 
 
-def save_generation_config(eot_token: int | None, out: str | os.PathLike[str], end_token: int | None = None) -> None:
+def save_generation_config(tokenizer: Tokenizer | None, out: str | os.PathLike[str], end_token: int | None = None
+                           ) -> None:
     """generation_config.json: where a sample ends. GPT-2's end-of-text or a word vocabulary's [PAD] (a character
-    vocabulary has none); a chat run's reply also ends at <|end|> (`end_token`), listed first."""
+    vocabulary has none), a Hugging Face tokenizer's stop tokens (with its BOS); a chat run's reply also ends at
+    <|end|> (`end_token`), listed first."""
     _, transformers = _need_transformers()
-    stops = [i for i in (end_token, eot_token) if i is not None]
-    ids = {} if not stops else dict(bos_token_id=eot_token, eos_token_id=stops if len(stops) > 1 else stops[0],
+    base = tokenizer.base if isinstance(tokenizer, WithSpecialTokens) else tokenizer
+    eot_token = None if tokenizer is None else tokenizer.eot_token
+    more, bos = (base.stop_ids, base.bos_token) if isinstance(base, JsonTokenizer) else ((), eot_token)
+    stops = list(dict.fromkeys(i for i in (end_token, eot_token, *more) if i is not None))
+    ids = {} if not stops else dict(bos_token_id=bos, eos_token_id=stops if len(stops) > 1 else stops[0],
                                     pad_token_id=stops[-1])
     transformers.GenerationConfig(**ids).save_pretrained(str(out))
 

@@ -3,9 +3,8 @@
 A tokenizer is fully described by `to_meta()`, a JSON-able dict stored next to datasets and
 checkpoints, so that sampling from a checkpoint always uses the ids the model was trained on.
 
-The GPT-2 BPE ranks come from tiktoken, whose default source is a download from
-openaipublic.blob.core.windows.net. Machines without that access point jaxgpt at a local copy of
-the ranks file instead (see `load_bpe` and `jaxgpt bpe fetch`).
+The GPT-2 BPE ranks come from tiktoken (a download), or offline a local copy (`load_bpe`, `jaxgpt bpe fetch`). A
+Hugging Face tokenizer.json is `jaxgpt.data.tokenizer_json`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import hashlib
 import itertools
 import os
 import re
-from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import numpy as np
 import tiktoken
 
+from jaxgpt.data.tokenizer_base import Tokenizer
 from jaxgpt.errors import UserError
 
 EOT_TEXT = "<|endoftext|>"
@@ -33,8 +32,7 @@ GPT2_TOKENIZER_META = {"type": "bpe", "encoding": "gpt2", "vocab_size": GPT2_VOC
 # "gpt2" and "r50k_base" are the same ranks, regex and special token under two names.
 BPE_ENCODINGS = ("gpt2", "r50k_base")
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-# The GPT-2 pre-tokenization regex (tiktoken's r50k pattern, written here so that a ranks file is all
-# we need).
+# The GPT-2 pre-tokenization regex (tiktoken's r50k pattern, written here so that a ranks file is all we need).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 # tiktoken's larger encodings (ids past uint16): their ranks URL and sha256. tiktoken loads them from its cache
 # or downloads them; offline, `bpe_file` names a copy, which tiktoken then reads from a cache jaxgpt keeps.
@@ -58,36 +56,6 @@ def _check_ids(ids: Sequence[int], vocab_size: int) -> None:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {vocab_size})")
-
-
-class Tokenizer(ABC):
-    """Text <-> token ids. Subclasses set `name`, `vocab_size` and `eot_token` in `__init__`."""
-
-    name: str
-    vocab_size: int
-    eot_token: int | None
-    unk_token: int | None = None  # the id of text outside the vocabulary (None: every text it accepts is exact)
-
-    @abstractmethod
-    def encode_array(self, text: str) -> np.ndarray:
-        """Token ids of `text` as an integer array: the fast path used to tokenize whole corpora."""
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` as Python ints (prompts, tests)."""
-        return self.encode_array(text).tolist()
-
-    @abstractmethod
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids`; `decode(encode(text)) == text` for every text `encode` accepts, except that word
-        tokens give back the standardized text (see `WordTokenizer`)."""
-
-    @abstractmethod
-    def to_meta(self) -> dict[str, Any]:
-        """A JSON-able description from which `tokenizer_from_meta` rebuilds an identical tokenizer."""
-
-    def unknown_words(self, text: str) -> list[str]:
-        """The distinct pieces of `text` that `encode` turns into `unk_token` (a prompt must have none)."""
-        return []
 
 
 class CharTokenizer(Tokenizer):
@@ -307,8 +275,7 @@ class WithSpecialTokens(Tokenizer):
         return {**self.base.to_meta(), "vocab_size": self.vocab_size, "special_tokens": list(self.specials)}
 
     def unknown_words(self, text: str) -> list[str]:
-        return [w for i, piece in enumerate(self._split.split(text)) if not i % 2
-                for w in self.base.unknown_words(piece)]
+        return [w for i, p in enumerate(self._split.split(text)) if not i % 2 for w in self.base.unknown_words(p)]
 
 
 def read_bpe_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
@@ -421,6 +388,9 @@ def tokenizer_from_meta(meta: dict[str, Any], bpe_file: str | os.PathLike[str] |
         return WordTokenizer(meta["words"])
     if kind == "bpe":
         return load_bpe(meta.get("encoding", ""), bpe_file)
+    if kind == "tokenizer.json":  # a Hugging Face tokenizer (needs the `tokenizers` library)
+        from jaxgpt.data.tokenizer_json import JsonTokenizer
+        return JsonTokenizer.from_meta(meta)
     raise UserError(
         f"unrecognized tokenizer description {str(meta)[:80]!r}: re-run data preparation for this dataset"
     )
@@ -433,8 +403,8 @@ def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if a.get("type") == b.get("type") == "bpe":
         family = lambda m: "gpt2" if m.get("encoding", "gpt2") in BPE_ENCODINGS else m.get("encoding")
         return family(a) == family(b)
-    if a.get("type") == b.get("type") == "word":
-        return a.get("words") == b.get("words")
+    if a.get("type") == b.get("type") and a.get("type") in ("word", "tokenizer.json"):
+        return {**a, "vocab_size": 0} == {**b, "vocab_size": 0}
     return a.get("type") == b.get("type") == "char" and a.get("chars") == b.get("chars")
 
 
@@ -443,8 +413,8 @@ def describe_tokenizer(meta: dict[str, Any]) -> str:
         base = describe_tokenizer({**{k: v for k, v in meta.items() if k != "special_tokens"},
                                    "vocab_size": meta.get("vocab_size", len(specials)) - len(specials)})
         return f"{base} + {len(specials)} special tokens"
-    if meta.get("type") == "word":
-        return f"a {meta.get('vocab_size')}-word vocabulary"
+    if meta.get("type") in ("word", "tokenizer.json"):
+        return f"a {meta.get('vocab_size')}-{'word vocabulary' if meta['type'] == 'word' else 'token tokenizer.json'}"
     if meta.get("type") == "bpe":
         return "GPT-2 BPE" if meta.get("encoding", "gpt2") in BPE_ENCODINGS else f"tiktoken's {meta.get('encoding')}"
     return f"a {meta.get('vocab_size')}-character vocabulary"

@@ -44,7 +44,8 @@ class ChatModel:
                             "python train.py --config configs/chat_sft.py --config.init_from=workdir:RUN "
                             "(docs/chat.md: Supervised fine-tuning)")
         optional_import("jinja2", "chatting", package="jinja2")
-        return cls(params, cfg, tokenizer, ChatTemplate(template or chat["template"]), chat["end_id"])
+        return cls(params, cfg, tokenizer, ChatTemplate(template or chat["template"], **chat.get("tokens", {})),
+                   chat["end_id"])
 
     def prompt(self, messages: Conversation, where: str = "the conversation") -> tuple[list[int], int]:
         """The ids the model continues (the template's generation prompt after the turns), and how many new tokens

@@ -51,9 +51,10 @@ def _kernel_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
     """Each projection kernel's path -> its shape as a matrix: ([layers,] inputs, outputs).
 
     Kernels keep a stacked-layers axis first, then their input axes, then their output axes, which are
-    the bias's axes: a model with biases tells each kernel's split, whatever `use_bias` says.
+    the bias's axes: a model with biases tells each kernel's split, whatever `use_bias` and `qkv_bias` say. Norm
+    scales are no kernels: (H, D) ones (qk_norm_site "projection") stay as they are.
     """
-    boxed = abstract_variables(cfg.replace(use_bias=True))["params"]
+    boxed = abstract_variables(cfg.replace(use_bias=True, qkv_bias=True))["params"]
     flat = dict(jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
     shapes = {}
     for path, kernel in flat.items():

@@ -1,11 +1,12 @@
-"""Models in and out of the Hugging Face `transformers` layout: GPT-2 and NanoChat.
+"""Models in and out of the Hugging Face `transformers` layout: GPT-2, NanoChat, Llama, Mistral, Qwen and Gemma.
 
 A `save_pretrained` directory holds `config.json` plus `model.safetensors` (or the older `pytorch_model.bin`,
 possibly sharded with an `*.index.json`). Its `model_type` names the family, a `Family` here: GPT-2
-(`GPT2LMHeadModel`, below) or NanoChat (`NanoChatForCausalLM`, `jaxgpt.io.hf_nanochat`). Each is a config
-mapping both ways, the list of configs it cannot hold, and a list of `hf_tensors.TensorSpec`s; the one loader
-(`load_hf`) and exporter (`save_hf`) serve both, and a jaxgpt config is exported as the family that
-can hold it (the two never both can: GPT-2 needs LayerNorm, NanoChat RMSNorm).
+(`GPT2LMHeadModel`, below), NanoChat (`NanoChatForCausalLM`, `jaxgpt.io.hf_nanochat`), or Llama, Mistral, Qwen2,
+Qwen3 and Gemma 3 text (`jaxgpt.io.hf_llama`). Each is a config mapping both ways, the list of configs it cannot
+hold, and a list of `hf_tensors.TensorSpec`s; the one loader (`load_hf`) and exporter (`save_hf`) serve all, and a
+jaxgpt config is exported as the first family that can hold it (GPT-2 needs LayerNorm, NanoChat parameter-free
+RMSNorms, the Llama-like ones a learned scale and a gated feed-forward; among those, each adds what Llama lacks).
 
 GPT-2 there differs from jaxgpt only in how the same numbers are arranged:
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.errors import UserError
-from jaxgpt.io import hf_nanochat
+from jaxgpt.io import hf_llama, hf_nanochat
 from jaxgpt.io.hf_tensors import (
     CONFIG_FILE,
     TensorSpec,
@@ -228,6 +229,10 @@ FAMILIES = {  # by config.json's model_type
                    gpt2_tensor_specs),
     hf_nanochat.MODEL_TYPE: Family("NanoChat", "NanoChat", "model.", hf_nanochat.config_fields,
                                    hf_nanochat.hf_config, hf_nanochat.export_problems, hf_nanochat.tensor_specs),
+    **{model_type: Family(hf_llama.NAMES[model_type], traits.architecture.removesuffix("ForCausalLM"), "model.",
+                          hf_llama.config_fields(traits), hf_llama.hf_config(traits), hf_llama.export_problems(traits),
+                          hf_llama.tensor_specs(traits))
+       for model_type, traits in hf_llama.FAMILIES.items()},
 }
 
 

@@ -38,7 +38,9 @@ class TensorSpec:
     hf_shape: tuple[int, ...]
     our_shape: tuple[int, ...]  # of the tensor's part of the parameter (its slot, with `part`)
     transpose: bool = False  # torch's Linear stores (out, in), a Flax kernel (in, out)
-    part: int | None = None  # the slot on axis 1 of a fused kernel: q, k, v of (C, 3, H, D), k, v of (C, 2, K, D)
+    # the slot of a fused kernel or bias, on the axis before its two head axes: q, k, v of (C, 3, H, D) or (3, H, D),
+    # k, v of (C, 2, K, D)
+    part: int | None = None
     flip_half: bool = False  # negate the second half of the last axis (rotary's sign convention, `hf_nanochat`)
 
     def to_ours(self, array: np.ndarray) -> np.ndarray:
@@ -193,7 +195,8 @@ def hf_tensors_to_params(tensors: TensorReader, specs: list[TensorSpec], dtype: 
         else:
             parts.setdefault(spec.path, {})[spec.part] = ours
     for path, slots in parts.items():
-        _set(params, path, np.stack([slots[i] for i in sorted(slots)], axis=1))
+        first = next(iter(slots.values()))
+        _set(params, path, np.stack([slots[i] for i in sorted(slots)], axis=first.ndim - 2))
     return params
 
 
@@ -210,7 +213,7 @@ def params_to_hf_tensors(params: Mapping, specs: list[TensorSpec]) -> dict[str, 
         except KeyError:
             raise UserError(f"params have no {'/'.join(spec.path)}: they do not belong to this config") from None
         if spec.part is not None:
-            array = array[:, spec.part]
+            array = np.take(array, spec.part, axis=array.ndim - 3)
         if array.shape != spec.our_shape:
             raise UserError(f"param {'/'.join(spec.path)} has shape {array.shape}, the config implies "
                             f"{spec.our_shape}")

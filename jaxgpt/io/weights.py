@@ -5,14 +5,17 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
 * `workdir:PATH`: a jaxgpt run's latest (or best) checkpoint; its meta names the model and tokenizer. An
   encoder-decoder run (task seq2seq) gives a `Seq2SeqConfig`: it samples (`jaxgpt.generate.seq2seq`) but
   never initializes a GPT.
-* `hf:PATH`: a Hugging Face GPT-2 or NanoChat directory (`save_pretrained` layout, `jaxgpt.io.hf`), or
+* `hf:PATH`: a Hugging Face directory (`save_pretrained` layout) of a family `jaxgpt.io.hf` converts (GPT-2,
+  NanoChat, Llama, Mistral, Qwen2, Qwen3, Gemma 3), or
   `hf:OWNER/NAME`, a Hub repository (e.g. hf:openai-community/gpt2) fetched into huggingface_hub's cache when
   online.
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
 
 A Hugging Face directory's tokenizer is read back when jaxgpt knows it (GPT-2's BPE, or a character
-vocabulary such as a jaxgpt export's, `jaxgpt.data.hf_tokenizer`). A source without a tokenizer of its own gets
-GPT-2's BPE when its vocabulary is GPT-2's, and none otherwise (`Weights.tokenizer` then says so).
+vocabulary such as a jaxgpt export's, `jaxgpt.data.hf_tokenizer`), else its tokenizer.json runs through the
+`tokenizers` library (`jaxgpt.data.tokenizer_json`), and its chat template makes it a chat model. A source
+without a tokenizer of its own gets GPT-2's BPE when its vocabulary is GPT-2's, and none otherwise
+(`Weights.tokenizer` then says so).
 
 Fine-tuning takes its architecture from the weights (`fit_architecture`): the config only chooses what does
 not change the parameters' meaning (`config.RUNTIME_FIELDS`) and may crop the context.
@@ -37,11 +40,12 @@ from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq
 from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
 from jaxgpt.model.presets import get_preset
 
-SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face GPT-2 or NanoChat directory), hf:OWNER/NAME "
+SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face directory: GPT-2, NanoChat, Llama, Mistral, Qwen2, "
+           "Qwen3 or Gemma 3), hf:OWNER/NAME "
            "(a Hugging Face Hub repository) or preset:NAME")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a Hub repository needs: configs, tokenizer files and safetensors weights (not its TF/Flax/ONNX copies).
-HUB_FILES = ["*.json", "merges.txt", "*.safetensors"]
+HUB_FILES = ["*.json", "*.jinja", "merges.txt", "*.safetensors"]
 HUB_TORCH_FILES = ["pytorch_model*.bin", "pytorch_model*.bin.index.json"]
 
 
@@ -129,9 +133,28 @@ def hf_directory(arg: str, flag: str = "hf:") -> Path:
 
 
 def _hf_tokenizer(root: Path, cfg: ModelConfig) -> dict[str, Any] | None:
-    from jaxgpt.data.hf_tokenizer import has_hf_tokenizer, read_tokenizer_meta
+    """A directory's tokenizer: one of jaxgpt's own (GPT-2's BPE, a jaxgpt export's), else its tokenizer.json as
+    `JsonTokenizer` (Llama, Qwen, Gemma...), else GPT-2's BPE for GPT-2's vocabulary."""
+    from jaxgpt.data.hf_tokenizer import TOKENIZER_FILE, has_hf_tokenizer, read_tokenizer_meta
+    from jaxgpt.data.tokenizer_json import read_json_tokenizer
 
-    return read_tokenizer_meta(root) if has_hf_tokenizer(root) else _vocabulary_tokenizer(cfg)
+    if not has_hf_tokenizer(root):
+        return _vocabulary_tokenizer(cfg)
+    known = read_tokenizer_meta(root)
+    if known is None and (root / TOKENIZER_FILE).is_file():
+        return read_json_tokenizer(root, cfg.vocab_size).to_meta()
+    return known
+
+
+def _hf_meta(root: Path, tokenizer_meta: dict[str, Any] | None) -> dict[str, Any]:
+    """A Hugging Face directory's chat (its template and end-of-turn token) as a chat run's meta has it, when it
+    has a template and a tokenizer.json: `sample --chat` and `serve` then talk to it as to a chat run."""
+    from jaxgpt.data.tokenizer_json import TYPE, chat_meta
+
+    if tokenizer_meta is None or tokenizer_meta.get("type") != TYPE:
+        return {}
+    chat = chat_meta(root, tokenizer_meta)
+    return {} if chat is None else {"chat": chat}
 
 
 def _is_run_dir(arg: str) -> bool:
@@ -184,7 +207,9 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
         positions = hf_config_to_model_config(read_hf_config(root), where=str(root / CONFIG_FILE)).block_size
         crop = {} if block_size is None else {"block_size": min(block_size, positions)}
         params, cfg = load_hf(root, **crop)
-        return Weights(params, cfg, _hf_tokenizer(root, cfg), {}, arg if root != Path(arg) else root.name)
+        tokenizer_meta = _hf_tokenizer(root, cfg)
+        return Weights(params, cfg, tokenizer_meta, _hf_meta(root, tokenizer_meta),
+                       arg if root != Path(arg) else root.name)
     if kind == "preset" and arg:
         cfg = get_preset(arg)
         return Weights(init_params(cfg, jax.random.key(seed)), cfg, _vocabulary_tokenizer(cfg), {},

@@ -27,6 +27,10 @@ DROPOUTS = ("embd_dropout", "attn_dropout", "resid_dropout", "ff_dropout")  # th
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "splash", "auto")  # jaxgpt.model.attention.attend
 REMATS = ("none", "full", "save_dots")
+# Where qk_norm acts: per head over D after the rotary (nanochat), per head before it (Qwen3, Gemma 3), or over the
+# whole H*D query and K*D key projections before it (OLMo 2).
+QK_NORM_SITES = ("after_rope", "before_rope", "projection")
+ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names (`layers.rope_frequencies`)
 # Settings that change neither parameter shapes nor their meaning: weights trained under one value load
 # under any other (fine-tuning, sampling, export).
 RUNTIME_FIELDS = frozenset({*DROPOUTS, "dtype", "param_dtype", "attention_impl", "scan_layers", "remat", "init",
@@ -59,6 +63,19 @@ class ModelConfig:
     # position embeddings (position="none"). Each head's dimensions i and i + D/2 are the pair rotated by
     # position * base^(-2i/D) (the split-halves layout of GPT-NeoX and Llama in transformers).
     rope_theta: float | None = None
+    # RoPE scaling for contexts past the pretrained one (`layers.rope_frequencies`): "linear" divides every
+    # frequency by rope_factor; "llama3" divides the low ones (wavelength past rope_original_positions /
+    # rope_low_freq_factor) and blends the middle band; "yarn" blends interpolated and original frequencies between
+    # the rope_beta_fast and rope_beta_slow rotation counts and multiplies cos and sin by rope_attention_factor
+    # (None: 0.1 ln(rope_factor) + 1).
+    rope_scaling: str | None = None
+    rope_factor: float = 1.0
+    rope_original_positions: int | None = None  # llama3's and yarn's original_max_position_embeddings
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
     # Normalization.
     norm_placement: str = "pre"
     final_norm: bool = True
@@ -67,16 +84,33 @@ class ModelConfig:
     norm_scale: bool = True  # the norms have a learned scale; False: parameter-free (nanochat's RMSNorm)
     embd_norm: bool = False  # a norm right after the embedding (nanochat), `ln_emb`
     # RMSNorm of each head's queries and keys over D, after the rotary (nanochat's order), with a learned (D,)
-    # scale when norm_scale; never a bias
+    # scale when norm_scale; never a bias. qk_norm_site moves it (QK_NORM_SITES): "projection" has (H, D) and (K, D)
+    # scales.
     qk_norm: bool = False
+    qk_norm_site: str = "after_rope"
+    # Every norm's scale acts as (offset + w), its stored w starting at 1 - offset (Gemma: 1, w starting at 0).
+    norm_scale_offset: float = 0.0
+    # Each sub-layer's output normalized before the residual add, x + post(f(pre(x))) (Gemma 2, 3): `ln_1_post`,
+    # `ln_2_post`.
+    sandwich_norm: bool = False
     # Feed-forward, biases, output head.
     activation: str = "gelu_tanh"
     # A gated feed-forward: act(x W_gate) * (x W_fc), then W_proj (SwiGLU with silu, GeGLU with gelu_tanh: Llama,
     # Mistral, Qwen, Gemma). Its `gate` kernel is a second (C, F) matrix beside `fc`.
     gated_mlp: bool = False
     use_bias: bool = True
+    qkv_bias: bool | None = None  # biases of the query, key and value projections only (Qwen2); None: use_bias
     tie_embeddings: bool = True
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (nanochat: 15); None: off
+    # Attention. Scores -> cap * tanh(scores / cap) before the mask and softmax (Gemma 2); None: off.
+    attn_softcap: float | None = None
+    query_scale: float | None = None  # the factor on q.k; None: 1/sqrt(head_dim) (Gemma 3: query_pre_attn_scalar^-1/2)
+    # A windowed layer's query at position i sees the keys j with i - sliding_window < j <= i (Mistral, Gemma).
+    # window_pattern None: every layer windowed; N: layer i global when (i + 1) % N == 0 (Gemma 3: 6). Windowed
+    # layers rotate with rope_local_theta (when set) and no rope_scaling; the others with rope_theta and scaling.
+    sliding_window: int | None = None
+    window_pattern: int | None = None
+    rope_local_theta: float | None = None
     # Dropout: embeddings, attention probabilities, sublayer outputs, inside the feed-forward.
     embd_dropout: float = 0.0
     attn_dropout: float = 0.0
@@ -151,7 +185,7 @@ class ModelConfig:
 
     def _validate_modern(self) -> None:
         """The 2026 options (issue 37): each alone, and the pairs that cannot go together, named by their keys."""
-        for name in ("norm_scale", "embd_norm", "qk_norm", "zero_init_proj", "gated_mlp"):
+        for name in ("norm_scale", "embd_norm", "qk_norm", "zero_init_proj", "gated_mlp", "sandwich_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"model.{name}={getattr(self, name)!r} must be True or False")
         if self.n_head % self.n_kv_head:
@@ -166,8 +200,60 @@ class ModelConfig:
             if self.position != "none":
                 raise UserError(f"model.rope_theta={self.rope_theta} with model.position={self.position!r}: "
                                 "rotary positions replace position embeddings, set position='none'")
-        if self.logit_softcap is not None and not self.logit_softcap > 0:
-            raise UserError(f"model.logit_softcap={self.logit_softcap} must be positive (None: no soft-cap)")
+        for name in ("logit_softcap", "attn_softcap", "query_scale"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise UserError(f"model.{name}={getattr(self, name)} must be positive (None: off)")
+        self._validate_open_weights()
+
+    def _validate_open_weights(self) -> None:
+        """The knobs of open-weight architectures (issue 62): Llama 3, Mistral, Qwen 2/3, Gemma 3, OLMo 2."""
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise UserError(f"model.qkv_bias={self.qkv_bias!r} must be True, False or None (follow use_bias)")
+        if self.qk_norm_site not in QK_NORM_SITES:
+            raise UserError(f"model.qk_norm_site={self.qk_norm_site!r} is unknown: choose one of {QK_NORM_SITES}")
+        if self.sandwich_norm and self.norm_placement != "pre":
+            raise UserError("model.sandwich_norm needs model.norm_placement='pre': it normalizes pre-norm sub-layers' "
+                            "outputs")
+        for name in ("sliding_window", "window_pattern", "rope_original_positions"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise UserError(f"model.{name}={value!r} must be a positive integer (None: off)")
+        if self.window_pattern is not None and self.sliding_window is None:
+            raise UserError("model.window_pattern needs model.sliding_window: it says which layers are windowed")
+        if self.rope_local_theta is not None and (self.sliding_window is None or not self.rotary
+                                                  or not self.rope_local_theta > 0):
+            raise UserError(f"model.rope_local_theta={self.rope_local_theta} needs rotary positions (rope_theta) and "
+                            "windowed layers (sliding_window), and must be positive")
+        self._validate_rope_scaling()
+        impl = self.attention_impl
+        if self.attn_softcap is not None and impl in ("xla", "cudnn", "splash"):
+            raise UserError(f"model.attn_softcap with attention_impl={impl!r}: its kernels have no score soft-cap; "
+                            "use attention_impl='einsum' or 'auto'")
+        if self.sliding_window is not None and impl == "splash":
+            raise UserError("model.sliding_window with attention_impl='splash': it has no window here; use "
+                            "attention_impl='auto', 'xla' or 'einsum'")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise UserError(f"model.rope_scaling={self.rope_scaling!r} is unknown: choose one of {ROPE_SCALINGS}")
+        if self.rope_scaling is None:
+            return
+        if not self.rotary:
+            raise UserError(f"model.rope_scaling={self.rope_scaling!r} needs rotary positions: set model.rope_theta")
+        if not self.rope_factor >= 1:
+            raise UserError(f"model.rope_factor={self.rope_factor} must be at least 1")
+        if self.rope_scaling in ("llama3", "yarn") and self.rope_original_positions is None:
+            raise UserError(f"model.rope_scaling={self.rope_scaling!r} needs model.rope_original_positions (the "
+                            "pretrained context, original_max_position_embeddings)")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise UserError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and rope_high_freq_factor="
+                            f"{self.rope_high_freq_factor} must satisfy 0 < low < high")
+        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow <= self.rope_beta_fast:
+            raise UserError(f"model.rope_beta_slow={self.rope_beta_slow} and rope_beta_fast={self.rope_beta_fast} "
+                            "must satisfy 0 < slow <= fast")
+        if self.rope_attention_factor is not None and not self.rope_attention_factor > 0:
+            raise UserError(f"model.rope_attention_factor={self.rope_attention_factor} must be positive (None: "
+                            "yarn's 0.1 ln(factor) + 1)")
 
     @property
     def any_dropout(self) -> bool:
@@ -177,6 +263,19 @@ class ModelConfig:
     @property
     def rotary(self) -> bool:
         return self.rope_theta is not None
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether the query, key and value projections have biases: qkv_bias, or use_bias when it is None."""
+        return self.use_bias if self.qkv_bias is None else self.qkv_bias
+
+    def windowed_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its attention is windowed (sliding_window): every layer, or all but each
+        window_pattern-th."""
+        if self.sliding_window is None:
+            return (False,) * self.n_layer
+        pattern = self.window_pattern
+        return tuple(pattern is None or (i + 1) % pattern != 0 for i in range(self.n_layer))
 
     @property
     def n_positions(self) -> int:
@@ -242,7 +341,9 @@ class Seq2SeqConfig:
             raise UserError(f"model.pad_id={self.model.pad_id} is outside the source vocabulary "
                             f"[0, {self.src_vocab_size})")
         unsupported = {"scan_layers": False, "remat": "none", "pad_positions": False, "rope_theta": None,
-                       "n_kv_head": self.model.n_head, "qk_norm": False, "embd_norm": False, "logit_softcap": None}
+                       "n_kv_head": self.model.n_head, "qk_norm": False, "embd_norm": False, "logit_softcap": None,
+                       "qkv_bias": None, "norm_scale_offset": 0.0, "sandwich_norm": False, "attn_softcap": None,
+                       "query_scale": None, "sliding_window": None}
         for name, plain in unsupported.items():
             if getattr(self.model, name) != plain:
                 raise UserError(f"model.{name}={getattr(self.model, name)!r} is not available for the "

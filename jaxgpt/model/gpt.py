@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.errors import UserError
-from jaxgpt.model.attention import Attention, Cache
+from jaxgpt.model.attention import Attention, Cache, Windowed
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.layers import MLP, Norm, bias_init, embed, embedding_table, lm_head, logits, param_init, residual
-from jaxgpt.ops.attention import resolve_impl
+from jaxgpt.ops.attention import Scores, resolve_impl
 from jaxgpt.ops.projection import DECLARED
 
 Array = jax.Array
@@ -30,29 +30,38 @@ class Block(nn.Module):
     """One transformer layer, pre-norm (GPT-2, seed 000) or post-norm (seeds 001, 004).
 
     The (carry, xs) -> (carry, ys) signature lets `nn.scan` stack it over layers: the
-    residual stream is the carry and the per-layer cache is scanned.
+    residual stream is the carry and the per-layer cache is scanned. A windowed layer (sliding_window) attends over
+    `window_BTS`: `windowed` says which layers are, as a static attribute where every layer of a stack is alike
+    (listed layers, and scanned ones without a window_pattern), else as `layer_windowed`, a per-layer flag scanned
+    with the cache (`GPT.windowed_flags`). With sandwich_norm, `ln_1_post` and `ln_2_post` normalize the
+    sub-layers' outputs.
     """
 
     cfg: ModelConfig
     kernel_storage: str = DECLARED  # `EinsumDense.kernel_storage`
     causal: bool = True  # False: the encoder-decoder's encoder layer (every key visible)
+    windowed: bool = False
 
     @nn.compact
     def __call__(self, x_BTC: Array, cache: Cache | None, visible_BTS: Array, cache_index: Array | None,
-                 deterministic: bool, positions_BT: Array | None = None) -> tuple[Array, Cache | None]:
+                 deterministic: bool, positions_BT: Array | None = None, window_BTS: Array | None = None,
+                 layer_windowed: Array | None = None) -> tuple[Array, Cache | None]:
         cfg = self.cfg
         attn = Attention(cfg, causal=self.causal, kernel_storage=self.kernel_storage, name="attn")
         mlp = MLP(cfg, kernel_storage=self.kernel_storage, name="mlp")
         ln_1, ln_2 = Norm(cfg, name="ln_1"), Norm(cfg, name="ln_2")
+        post_1, post_2 = (Norm(cfg, name="ln_1_post"), Norm(cfg, name="ln_2_post")) if cfg.sandwich_norm \
+            else (None, None)
+        windowed: Windowed = self.windowed if layer_windowed is None else layer_windowed
         written = {}
 
         def self_attention(h_BTC: Array) -> Array:
             y_BTC, written["cache"] = attn(h_BTC, visible_BTS, deterministic, cache, cache_index,
-                                           positions_BT=positions_BT)
+                                           positions_BT=positions_BT, window_BTS=window_BTS, windowed=windowed)
             return y_BTC
 
-        x_BTC = residual(cfg, x_BTC, self_attention, ln_1, deterministic, is_attention=True)
-        x_BTC = residual(cfg, x_BTC, lambda h: mlp(h, deterministic), ln_2, deterministic)
+        x_BTC = residual(cfg, x_BTC, self_attention, ln_1, deterministic, is_attention=True, post=post_1)
+        x_BTC = residual(cfg, x_BTC, lambda h: mlp(h, deterministic), ln_2, deterministic, post=post_2)
         return nn.with_logical_constraint(x_BTC, ("batch", "length", "act_embed")), written["cache"]
 
 
@@ -81,7 +90,7 @@ def document_mask(segments_BT: Array) -> Array:
 def check_segments(cfg: ModelConfig) -> None:
     """A UserError where the attention would not honour a document mask (`jaxgpt.ops.attention.attend`): splash
     builds its segment ids from padding alone (`splash.padding_segments`)."""
-    if resolve_impl(cfg.attention_impl, cfg.dtype) == "splash":
+    if resolve_impl(cfg.attention_impl, cfg.dtype, Scores(windowed=cfg.sliding_window is not None)) == "splash":
         raise UserError(f"packed rows (segments) on attention_impl={cfg.attention_impl!r}: splash sees padding, not "
                         "documents; use model.attention_impl='einsum', 'xla' or 'cudnn'")
 
@@ -105,13 +114,15 @@ class GPT(nn.Module):
         if cfg.embd_norm:
             self.ln_emb = Norm(cfg)
         block = _block_class(cfg)
+        windowed = cfg.windowed_layers()
         if cfg.scan_layers:
             self.h = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                              split_rngs={"params": True, "dropout": True},
-                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layer,
-                             metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.kernel_storage)
+                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                             length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"}
+                             )(cfg, self.kernel_storage, windowed=windowed[0])
         else:
-            self.blocks = [block(cfg, self.kernel_storage, name=f"h_{i}") for i in range(cfg.n_layer)]
+            self.blocks = [block(cfg, self.kernel_storage, windowed=w, name=f"h_{i}") for i, w in enumerate(windowed)]
         if cfg.final_norm:
             self.ln_f = Norm(cfg)
         self.lm_head = lm_head(cfg, self.kernel_storage)
@@ -128,14 +139,31 @@ class GPT(nn.Module):
         x_BTC = embed(self.cfg, self.wte, self.wpe, self.drop, idx_BT, pos_BT, self.cfg.n_positions, deterministic)
         return self.ln_emb(x_BTC) if self.cfg.embd_norm else x_BTC
 
+    def windowed_flags(self) -> Array | None:
+        """Scanned layers' per-layer windowed flags (L,), where they differ (a window_pattern); else None: the
+        scanned block's `windowed` attribute says it for all. A traced flag makes each layer select its mask and
+        rotary frequencies (`attention.per_layer`), keeping one scanned block and the (L, ...) parameter layout
+        that a static pattern (a scan over groups of layers) would change."""
+        windowed = self.cfg.windowed_layers()
+        return jnp.asarray(windowed) if len(set(windowed)) > 1 else None
+
     def _layers(self, x_BTC: Array, visible_BTS: Array, deterministic: bool, cache: Cache | None = None,
-                cache_index: Array | None = None, positions_BT: Array | None = None) -> tuple[Array, Any]:
+                cache_index: Array | None = None, positions_BT: Array | None = None,
+                q_pos_T: Array | None = None) -> tuple[Array, Any]:
+        """The layers over `visible_BTS` (and windowed ones over it within the window of the queries at index
+        `q_pos_T`, 0.. when None, of the S keys at 0..)."""
+        window_BTS = None
+        if self.cfg.sliding_window is not None:
+            T, S = visible_BTS.shape[1:]
+            q_pos_T = jnp.arange(T) if q_pos_T is None else q_pos_T
+            window_BTS = visible_BTS & (jnp.arange(S)[None, :] > q_pos_T[:, None] - self.cfg.sliding_window)[None]
         if self.cfg.scan_layers:
-            return self.h(x_BTC, cache, visible_BTS, cache_index, deterministic, positions_BT)
+            return self.h(x_BTC, cache, visible_BTS, cache_index, deterministic, positions_BT, window_BTS,
+                          self.windowed_flags())
         new_cache = []
         for i, block in enumerate(self.blocks):
             x_BTC, c = block(x_BTC, None if cache is None else cache[i], visible_BTS, cache_index, deterministic,
-                             positions_BT)
+                             positions_BT, window_BTS)
             new_cache.append(c)
         return x_BTC, new_cache
 
@@ -188,7 +216,7 @@ class GPT(nn.Module):
         visible_BTS = (jnp.arange(S)[None, :] <= q_pos_T[:, None])[None]
         pos_BT = jnp.broadcast_to(q_pos_T + int(self.cfg.pad_positions), idx_BT.shape)
         x_BTC = self._embed(idx_BT, pos_BT, deterministic=True)
-        x_BTC, cache = self._layers(x_BTC, visible_BTS, True, cache, cache_index)
+        x_BTC, cache = self._layers(x_BTC, visible_BTS, True, cache, cache_index, q_pos_T=q_pos_T)
         if last_only:
             x_BTC = x_BTC[:, -1:]
         h_BTC = self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC

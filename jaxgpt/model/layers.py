@@ -87,22 +87,26 @@ class Norm(nn.Module):
     """LayerNorm, seed 000's variant that divides by (unbiased std + eps), or RMSNorm, over the last axis.
 
     Statistics are computed in float32 whatever the compute dtype: bf16 means lose too much. The scale is
-    learned unless norm_scale is off; the bias follows use_bias. QK-norm asks for RMSNorm without a bias
-    (`kind`, `bias`) and for the attention's work dtype (`out_dtype`).
+    learned unless norm_scale is off, and acts as (norm_scale_offset + w) (Gemma stores w around 0), its w starting
+    where that is 1; the bias follows use_bias. QK-norm asks for RMSNorm without a bias (`kind`, `bias`), for the
+    attention's work dtype (`out_dtype`) and, over a whole projection (qk_norm_site "projection"), for statistics
+    and a scale over its last two axes (`names`).
     """
 
     cfg: ModelConfig
     kind: str | None = None  # None: the model's norm
     bias: bool = True  # a bias when the model has biases
     out_dtype: str | None = None  # None: the model's dtype
+    names: tuple[str | None, ...] = ("norm",)  # the scale's logical axes: one per normalized (last) axis of x
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.cfg
         kind = self.kind or cfg.norm
+        axes = tuple(range(-len(self.names), 0))
         x32 = x.astype(jnp.float32)
         if kind == "rmsnorm":
-            y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.norm_eps)
+            y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axes, keepdims=True) + cfg.norm_eps)
         elif kind == "layernorm":
             mean = x32.mean(-1, keepdims=True)
             y = (x32 - mean) * jax.lax.rsqrt(x32.var(-1, keepdims=True) + cfg.norm_eps)
@@ -110,8 +114,11 @@ class Norm(nn.Module):
             mean = x32.mean(-1, keepdims=True)
             y = (x32 - mean) / (jnp.std(x32, axis=-1, keepdims=True, ddof=1) + cfg.norm_eps)
         if cfg.norm_scale:
-            y = y * self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                               (x.shape[-1],), cfg.param_dtype)
+            offset = cfg.norm_scale_offset
+            init = nn.initializers.ones if offset == 0 else nn.initializers.constant(1.0 - offset)
+            scale = self.param("scale", nn.with_logical_partitioning(init, self.names), x.shape[-len(axes):],
+                               cfg.param_dtype)
+            y = y * scale if offset == 0 else y * (offset + scale.astype(jnp.float32))
         if cfg.use_bias and self.bias:
             y = y + self.param("bias", zeros_init(("norm",)), (x.shape[-1],), cfg.param_dtype)
         return y.astype(self.out_dtype or cfg.dtype)
@@ -134,6 +141,7 @@ class EinsumDense(nn.Module):
     role: str = "attn"  # for `param_init`
     out_dtype: str | None = None  # y's dtype (None: the model's); attention asks for its own, `attention.work_dtype`
     kernel_storage: str = projection.DECLARED  # how the kernel is stored: `jaxgpt.ops.projection` says why
+    bias: bool | None = None  # None: the model's use_bias (the attention's q, k and v projections: qkv_bias)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -143,7 +151,7 @@ class EinsumDense(nn.Module):
         kernel = self.param("kernel", projection.stored_init(init, self.kernel_shape, n_out, self.kernel_storage),
                             projection.stored_shape(self.kernel_shape, n_out, self.kernel_storage), cfg.param_dtype)
         bias = None
-        if cfg.use_bias:
+        if cfg.use_bias if self.bias is None else self.bias:
             fan_in = self.fans[0] if self.fans else math.prod(self.kernel_shape[:-n_out])
             bias = self.param("bias", bias_init(cfg, self.bias_names, fan_in), self.kernel_shape[-n_out:],
                               cfg.param_dtype)
@@ -180,8 +188,9 @@ class MLP(nn.Module):
 
 
 def residual(cfg: ModelConfig, x_BTC: Array, f: Callable[[Array], Array], norm: Norm, deterministic: bool,
-             is_attention: bool = False) -> Array:
-    """One residual sub-layer: x + drop(f(norm(x))) pre-norm (GPT-2, seed 000), norm(x + drop(f(x))) post-norm.
+             is_attention: bool = False, post: Norm | None = None) -> Array:
+    """One residual sub-layer: x + drop(f(norm(x))) pre-norm (GPT-2, seed 000), norm(x + drop(f(x))) post-norm;
+    with a `post` norm (sandwich_norm) x + drop(post(f(norm(x)))) (Gemma 2, 3).
 
     An attention sub-layer's output skips the dropout unless attn_resid_dropout (seed 002's Keras layers drop
     only the feed-forward's). Call it from a compact module: the dropout is created where it acts.
@@ -191,7 +200,7 @@ def residual(cfg: ModelConfig, x_BTC: Array, f: Callable[[Array], Array], norm: 
     else:
         drop = lambda y: y
     if cfg.norm_placement == "pre":
-        return x_BTC + drop(f(norm(x_BTC)))
+        return x_BTC + drop(f(norm(x_BTC)) if post is None else post(f(norm(x_BTC))))
     return norm(x_BTC + drop(f(x_BTC)))
 
 
@@ -250,14 +259,49 @@ def logits(tokens: nn.Embed, head: EinsumDense | None, h_BTC: Array, softcap: fl
     return logits_BTV if softcap is None else softcap * jnp.tanh(logits_BTV / softcap)
 
 
-def rotary(x_BTHD: Array, pos_T: Array, theta: float) -> Array:
-    """Rotary positions: each head's pair (i, i + D/2) rotated by the angle pos * theta^(-2i/D), in float32.
+def rope_frequencies(cfg: ModelConfig, windowed: bool) -> tuple[Array, float]:
+    """The rotary frequencies (D/2,) of a layer (float32) and the factor on their cos and sin (yarn's).
+
+    A windowed layer with rope_local_theta rotates at that base, unscaled (Gemma 3's local layers); every other
+    layer at rope_theta with rope_scaling, as transformers' `modeling_rope_utils` defines each kind.
+    """
+    half = cfg.head_dim // 2
+    local = windowed and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    if local or cfg.rope_scaling is None:
+        return theta ** (-jnp.arange(half, dtype=jnp.float32) / half), 1.0
+    freq = theta ** (-np.arange(half, dtype=np.float64) / half)
+    factor, factor_cos_sin = cfg.rope_factor, 1.0
+    if cfg.rope_scaling == "linear":
+        freq = freq / factor
+    elif cfg.rope_scaling == "llama3":  # long wavelengths slowed by the factor, short kept, the band between blended
+        wavelength = 2 * math.pi / freq
+        original = cfg.rope_original_positions
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+        freq = (1 - smooth) * freq / factor + smooth * freq
+    else:  # yarn: interpolated below the beta_slow rotation count, original above beta_fast, a ramp between
+        def dim_of(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
+            return cfg.head_dim * math.log(cfg.rope_original_positions / (rotations * 2 * math.pi)) / (
+                2 * math.log(cfg.rope_theta))
+        lo = max(math.floor(dim_of(cfg.rope_beta_fast)), 0)
+        hi = min(math.ceil(dim_of(cfg.rope_beta_slow)), cfg.head_dim - 1)
+        ramp = np.clip((np.arange(half) - lo) / (hi - lo if hi != lo else 0.001), 0.0, 1.0)
+        freq = freq / factor * ramp + freq * (1 - ramp)
+        factor_cos_sin = cfg.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return jnp.asarray(freq, jnp.float32), factor_cos_sin
+
+
+def rotary(x_BTHD: Array, pos_T: Array, freq_h: Array, factor: float | Array = 1.0) -> Array:
+    """Rotary positions: each head's pair (i, i + D/2) rotated by the angle pos * freq_h[i] (`rope_frequencies`),
+    in float32, cos and sin times `factor` (yarn's; 1 otherwise).
 
     The product of a rotated query and key then depends on their positions only through their distance.
     Returns x's dtype.
     """
-    half = x_BTHD.shape[-1] // 2
-    angle_TD = pos_T.astype(jnp.float32)[:, None] * theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_TD = pos_T.astype(jnp.float32)[:, None] * freq_h
     cos, sin = jnp.cos(angle_TD)[:, None], jnp.sin(angle_TD)[:, None]  # (T, 1, D/2): every head alike
+    if not (isinstance(factor, float) and factor == 1.0):
+        cos, sin = cos * factor, sin * factor
     x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHD.dtype)

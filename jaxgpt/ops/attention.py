@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,31 @@ Array = jax.Array
 Cache = dict[str, Array]  # one layer's {"k", "v"}: (B, K, S, D); (L, B, K, S, D) when layers are scanned
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 Blocks = tuple[tuple[int, int, int], ...]  # (t0, t1, s1) per query block, `query_blocks`
+
+
+class Scores(NamedTuple):
+    """How a layer's attention scores differ from softmax(q.k / sqrt(D)) over the causal keys.
+
+    `scale` replaces 1/sqrt(D) (query_scale); `softcap` bounds the scaled scores to cap * tanh(s / cap) before the
+    mask (attn_softcap: the einsum path only); `windowed` says `visible_BTS` may also hide older keys (a
+    sliding window), so no path may assume the plain causal triangle and one new token reads the mask too.
+    """
+
+    scale: float | None = None
+    softcap: float | None = None
+    windowed: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return self == PLAIN
+
+
+PLAIN = Scores()  # softmax(q.k / sqrt(D)) over the causal keys
+
+
+def soft_capped(s: Array, softcap: float | None) -> Array:
+    """Scores bounded smoothly to (-cap, cap) (`Scores.softcap`), unchanged without a cap."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
 def query_blocks(T: int, S: int, causal: bool) -> Blocks:
@@ -45,9 +71,11 @@ def query_blocks(T: int, S: int, causal: bool) -> Blocks:
     return tuple((t0, t0 + block, t0 + block) for t0 in range(0, T, block))
 
 
-def scaled_queries(q_BTHD: Array, dtype: str) -> Array:
-    """Head-major queries times 1/sqrt(D): scaling the (T, D) queries costs less than the (T, S) scores."""
-    scaled = q_BTHD.astype(jnp.float32) / math.sqrt(q_BTHD.shape[-1])
+def scaled_queries(q_BTHD: Array, dtype: str, scale: float | None = None) -> Array:
+    """Head-major queries times 1/sqrt(D) (or `scale`): scaling the (T, D) queries costs less than the (T, S)
+    scores."""
+    q32 = q_BTHD.astype(jnp.float32)
+    scaled = q32 / math.sqrt(q_BTHD.shape[-1]) if scale is None else q32 * scale
     return scaled.astype(dtype).transpose(0, 2, 1, 3)
 
 
@@ -85,26 +113,31 @@ def work_dtype(dtype: str) -> str:
     return "float32" if narrow else dtype
 
 
-def resolve_impl(impl: str, dtype: str) -> str:
+def resolve_impl(impl: str, dtype: str, scores: Scores = PLAIN) -> str:
     """The path "auto" means on the platform being traced for; other names unchanged.
 
     TPU: splash. NVIDIA GPU: cuDNN flash attention, which needs 16-bit inputs (XLA's otherwise). CPU: einsum,
-    the fastest measured there (benchmarks/bench_train.py: its causal query blocks beat XLA's attention).
+    the fastest measured there (benchmarks/bench_train.py: its causal query blocks beat XLA's attention). Only
+    the einsum path soft-caps scores, and splash has no window: such `scores` take einsum, or XLA's on a TPU.
     """
     if impl != "auto":
         return impl
     platform = current_platform()
+    if scores.softcap is not None:
+        return "einsum"
     if platform == "tpu":
-        return "splash"
+        return "xla" if scores.windowed else "splash"
     if is_gpu(platform):
         return "cudnn" if dtype in ("bfloat16", "float16") else "xla"
     return "einsum"
 
 
-def _block_probs(q_BKRD: Array, k_BKSD: Array, visible_BRS: Array, block: tuple[int, int, int]) -> Array:
+def _block_probs(q_BKRD: Array, k_BKSD: Array, visible_BRS: Array, block: tuple[int, int, int],
+                 softcap: float | None = None) -> Array:
     """Float32 softmax probabilities of one block of query rows over its prefix of keys."""
     r0, r1, s1 = block
     att_BKRS = jnp.einsum("bhtd,bhsd->bhts", q_BKRD[:, :, r0:r1], k_BKSD[:, :, :s1]).astype(jnp.float32)
+    att_BKRS = soft_capped(att_BKRS, softcap)
     return jax.nn.softmax(jnp.where(visible_BRS[:, None, r0:r1, :s1], att_BKRS, NEG_INF), axis=-1)
 
 
@@ -156,7 +189,7 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, impl: str, dtype: str,
            causal: bool, dropout: Callable[[Array], Array] | None = None, cache: Cache | None = None,
-           cache_index: Array | None = None) -> tuple[Array, Array | None, Cache | None]:
+           cache_index: Array | None = None, scores: Scores = PLAIN) -> tuple[Array, Array | None, Cache | None]:
     """softmax(q k^T / sqrt(D)) v over the keys `visible_BTS` allows (B or 1 rows): the model's one attention.
 
     Keys and values have K heads, K dividing the H query heads (grouped-query attention when K < H: query
@@ -169,28 +202,29 @@ def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, i
     to the probabilities (einsum path only). Splash needs a causal step whose shapes tile
     (`splash.splash_fits`) and one key/value head per query head; other calls (a prefill, a one-row init,
     grouped queries) take the XLA path, whose kernels (XLA's and cuDNN's) take fewer key/value heads as they are.
+    `scores`: a query scale, a soft-cap and a sliding window (`Scores`).
     """
-    impl = resolve_impl(impl, dtype)
+    impl = resolve_impl(impl, dtype, scores)
     if cache is not None and q_BTHD.shape[1] == 1:
-        return _one_new_token(q_BTHD, k_BKSD, v_BKSD, cache, cache_index, impl, dtype)
+        return _one_new_token(q_BTHD, k_BKSD, v_BKSD, cache, cache_index, impl, dtype, scores, visible_BTS)
     if cache is not None:  # write this step's keys/values at cache_index, attend over the whole cache
         cache = write_cache(cache, k_BKSD, v_BKSD, cache_index)
         k_BKSD, v_BKSD, causal = cache["k"], cache["v"], False
     B, T, H, _ = q_BTHD.shape
-    if impl == "splash" and causal and k_BKSD.shape[1] == H and splash.splash_fits(B, H, T):
-        y_BHTD = splash.splash_attention(scaled_queries(q_BTHD, dtype), k_BKSD.astype(dtype),
+    if impl == "splash" and causal and not scores.windowed and k_BKSD.shape[1] == H and splash.splash_fits(B, H, T):
+        y_BHTD = splash.splash_attention(scaled_queries(q_BTHD, dtype, scores.scale), k_BKSD.astype(dtype),
                                          v_BKSD.astype(dtype), splash.padding_segments(visible_BTS, B))
         return y_BHTD.transpose(0, 2, 1, 3), None, cache
     if impl != "einsum":  # XLA's fused attention, or cuDNN's flash attention on GPUs; they take (B, S, K, D)
         # The plain causal triangle (`splash.plain_causal`): say so (cuDNN then skips the masked tiles and
         # computes no mask gradient); padding and packed documents need the explicit mask.
-        plain_causal = causal and splash.plain_causal(visible_BTS, B)
+        plain_causal = causal and not scores.windowed and splash.plain_causal(visible_BTS, B)
         y_BTHD = jax.nn.dot_product_attention(
             q_BTHD, k_BKSD.transpose(0, 2, 1, 3), v_BKSD.transpose(0, 2, 1, 3),
-            mask=None if plain_causal else visible_BTS[:, None], is_causal=plain_causal,
+            mask=None if plain_causal else visible_BTS[:, None], is_causal=plain_causal, scale=scores.scale,
             implementation="cudnn" if impl == "cudnn" else None)
         return y_BTHD, None, cache
-    y_BHTD, probs_BHTS = _einsum_attention(q_BTHD, k_BKSD, v_BKSD, visible_BTS, dtype, causal, dropout)
+    y_BHTD, probs_BHTS = _einsum_attention(q_BTHD, k_BKSD, v_BKSD, visible_BTS, dtype, causal, dropout, scores)
     # heads and head_dim last: the output projection then reads them as its contracted axes, which on
     # XLA:CPU makes a bf16 one a native product (`projection.projection_dot_general`); XLA folds the
     # transpose into the product elsewhere (the same compiled program as contracting (h, d) of y_BHTD)
@@ -198,20 +232,24 @@ def attend(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, *, i
 
 
 def _einsum_attention(q_BTHD: Array, k_BKSD: Array, v_BKSD: Array, visible_BTS: Array, dtype: str, causal: bool,
-                      dropout: Callable[[Array], Array] | None) -> tuple[Array, Array]:
-    """The einsum path: per query block (`query_blocks`) in the work dtype; (y (B, H, T, D), probs (B, H, T, S))."""
+                      dropout: Callable[[Array], Array] | None, scores: Scores) -> tuple[Array, Array]:
+    """The einsum path: per query block (`query_blocks`) in the work dtype; (y (B, H, T, D), probs (B, H, T, S)).
+
+    Soft-capped scores take autodiff's backward, as dropped probabilities do (`_blocked`'s is softmax's alone).
+    """
     work = work_dtype(dtype)
     _, T, H, _ = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K  # each token's G query heads are G rows (`query_rows`): its visibility too, blocks of G T rows
-    q_BKRD = query_rows(scaled_queries(q_BTHD, work), K)
+    q_BKRD = query_rows(scaled_queries(q_BTHD, work, scores.scale), K)
     visible_BRS = jnp.repeat(visible_BTS, G, axis=1) if G > 1 else visible_BTS
     blocks = tuple((t0 * G, t1 * G, s1) for t0, t1, s1 in query_blocks(T=T, S=S, causal=causal))
     k_BKSD, v_BKSD = k_BKSD.astype(work), v_BKSD.astype(work)
-    probs = [_block_probs(q_BKRD, k_BKSD, visible_BRS, block) for block in blocks]
-    if dropout is None:
+    probs = [_block_probs(q_BKRD, k_BKSD, visible_BRS, block, scores.softcap) for block in blocks]
+    if dropout is None and scores.softcap is None:
         y_BKRD = _blocked(q_BKRD, k_BKSD, v_BKSD, visible_BRS, blocks)
-    else:  # dropped probabilities: autodiff's backward
+    else:  # dropped probabilities or capped scores: autodiff's backward
+        dropout = dropout or (lambda p: p)
         y_BKRD = jnp.concatenate([jnp.einsum("bhts,bhsd->bhtd", dropout(p).astype(work), v_BKSD[:, :, :s1])
                                   for p, (_, _, s1) in zip(probs, blocks, strict=True)], axis=2)
     probs_BKRS = jnp.concatenate([jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, S - s1)))
@@ -231,21 +269,25 @@ def _ordering_zeros(x: Array) -> Array:
 
 
 def attend_one(q_B1HD: Array, k_BK1D: Array, v_BK1D: Array, old_k_BKSD: Array, old_v_BKSD: Array,
-               index: Array, dtype: str) -> tuple[Array, Array, Array]:
+               index: Array, dtype: str, scores: Scores = PLAIN, visible_B1S: Array | None = None
+               ) -> tuple[Array, Array, Array]:
     """One new token on CPUs: attend over the cache as it was (slots < index) plus the new key/value.
 
     The same keys and values as attending over the updated cache, but the updated cache is then only
     written, never read, and the write is ordered after the reads (`_ordering_zeros`), so XLA:CPU updates it
     in place; each copy of the cache it made otherwise cost as much as the attention. The G query heads of
     a key/value head are its G query rows (`query_rows`). Returns y (B, H, 1, D) and the key and value to
-    write (B, K, 1, D).
+    write (B, K, 1, D). A windowed layer (`Scores.windowed`) also hides the old keys `visible_B1S` hides.
     """
     H, K = q_B1HD.shape[2], k_BK1D.shape[1]
-    q_BKGD = query_rows(scaled_queries(q_B1HD, dtype), K)
+    q_BKGD = query_rows(scaled_queries(q_B1HD, dtype, scores.scale), K)
     old_BKGS = jnp.einsum("bhtd,bhsd->bhts", q_BKGD, old_k_BKSD.astype(dtype)).astype(jnp.float32)
-    old_BKGS = jnp.where(jnp.arange(old_BKGS.shape[-1]) < index, old_BKGS, NEG_INF)
+    old_S = jnp.arange(old_BKGS.shape[-1]) < index
+    old_BKGS = jnp.where(old_S & visible_B1S[:, None] if scores.windowed else old_S,
+                         soft_capped(old_BKGS, scores.softcap), NEG_INF)
     k_BKGD = jnp.broadcast_to(k_BK1D, q_BKGD.shape)  # the one new key per query row: G copies of a (D,) vector
-    self_BKG1 = jnp.einsum("bhtd,bhtd->bht", q_BKGD, k_BKGD.astype(dtype)).astype(jnp.float32)[..., None]
+    self_BKG1 = soft_capped(jnp.einsum("bhtd,bhtd->bht", q_BKGD, k_BKGD.astype(dtype)).astype(jnp.float32)[..., None],
+                            scores.softcap)
     probs = jax.nn.softmax(jnp.concatenate([old_BKGS, self_BKG1], axis=-1), axis=-1)
     y_BKGD = (jnp.einsum("bhts,bhsd->bhtd", probs[..., :-1].astype(dtype), old_v_BKSD.astype(dtype))
               + probs[..., -1:].astype(dtype) * v_BK1D.astype(dtype))
@@ -253,25 +295,28 @@ def attend_one(q_B1HD: Array, k_BK1D: Array, v_BK1D: Array, old_k_BKSD: Array, o
     return heads_of_rows(y_BKGD, H), k_BK1D + zeros_BK1D, v_BK1D + zeros_BK1D
 
 
-def attend_written(q_B1HD: Array, k_BKSD: Array, v_BKSD: Array, index: Array, dtype: str) -> Array:
+def attend_written(q_B1HD: Array, k_BKSD: Array, v_BKSD: Array, index: Array, dtype: str,
+                   scores: Scores = PLAIN, visible_B1S: Array | None = None) -> Array:
     """One new token on accelerators, against a cache it was already written into (slots <= index): y (B, H, 1, D).
 
     XLA:GPU updates the cache in place either way, and attending over the written cache spares `attend_one`'s
     separate product with the new key, the concatenation of its score and the sum of two value products: a
     batch-1 GPT-2 token launched 278.5 kernels with `attend_one`, 206.5 with this (tests/test_decode_program.py;
-    218 and 169 at batch 64). G query heads per key/value head as in `attend_one`.
+    218 and 169 at batch 64). G query heads per key/value head, `scores` and `visible_B1S` as in `attend_one`.
     """
     H, K = q_B1HD.shape[2], k_BKSD.shape[1]
-    q_BKGD = query_rows(scaled_queries(q_B1HD, dtype), K)
+    q_BKGD = query_rows(scaled_queries(q_B1HD, dtype, scores.scale), K)
     s_BKGS = jnp.einsum("bhtd,bhsd->bhts", q_BKGD, k_BKSD.astype(dtype)).astype(jnp.float32)
-    s_BKGS = jnp.where(jnp.arange(s_BKGS.shape[-1]) <= index, s_BKGS, NEG_INF)
+    written_S = jnp.arange(s_BKGS.shape[-1]) <= index
+    s_BKGS = jnp.where(written_S & visible_B1S[:, None] if scores.windowed else written_S,
+                       soft_capped(s_BKGS, scores.softcap), NEG_INF)
     probs = jax.nn.softmax(s_BKGS, axis=-1)
     y_BKGD = jnp.einsum("bhts,bhsd->bhtd", probs.astype(dtype), v_BKSD.astype(dtype))
     return heads_of_rows(y_BKGD, H)
 
 
 def _one_new_token(q_B1HD: Array, k_BK1D: Array, v_BK1D: Array, cache: Cache, index: Array, impl: str,
-                   dtype: str) -> tuple[Array, None, Cache]:
+                   dtype: str, scores: Scores, visible_B1S: Array) -> tuple[Array, None, Cache]:
     """`attend` for one new token against a cache: (y (B, 1, H, D), None, the cache with the token written).
 
     It takes a path of its own: cuDNN's attention has nothing to fuse in one query row and fails under vmap, which
@@ -282,19 +327,21 @@ def _one_new_token(q_B1HD: Array, k_BK1D: Array, v_BK1D: Array, cache: Cache, in
     """
     H, K = q_B1HD.shape[2], k_BK1D.shape[1]
     if current_platform() == "cpu":
-        y_BH1D, k_new, v_new = attend_one(q_B1HD, k_BK1D, v_BK1D, cache["k"], cache["v"], index, work_dtype(dtype))
+        y_BH1D, k_new, v_new = attend_one(q_B1HD, k_BK1D, v_BK1D, cache["k"], cache["v"], index, work_dtype(dtype),
+                                          scores, visible_B1S)
         return y_BH1D.transpose(0, 2, 1, 3), None, write_cache(cache, k_new, v_new, index)
-    if one_kernel_decode(impl, H, K, q_B1HD.shape[3]):
+    if one_kernel_decode(impl, H, K, q_B1HD.shape[3], scores):
         y_BKGD, k_cache, v_cache = decode_attention.decode_attention(
             query_rows(q_B1HD.transpose(0, 2, 1, 3), K), k_BK1D[:, :, 0], v_BK1D[:, :, 0], cache["k"], cache["v"],
             index)
         return heads_of_rows(y_BKGD, H).transpose(0, 2, 1, 3), None, {"k": k_cache, "v": v_cache}
     cache = write_cache(cache, k_BK1D, v_BK1D, index)
-    y_BH1D = attend_written(q_B1HD, cache["k"], cache["v"], index, work_dtype(dtype))
+    y_BH1D = attend_written(q_B1HD, cache["k"], cache["v"], index, work_dtype(dtype), scores, visible_B1S)
     return y_BH1D.transpose(0, 2, 1, 3), None, cache
 
 
-def attend_qkv(qkv_B13HD: Array, cache: Cache, index: Array, impl: str, dtype: str) -> tuple[Array, Cache] | None:
+def attend_qkv(qkv_B13HD: Array, cache: Cache, index: Array, impl: str, dtype: str,
+               scores: Scores = PLAIN) -> tuple[Array, Cache] | None:
     """One new token's multi-head attention straight from its fused projection (B, 1, 3, H, D), as `attend` with
     its three parts would give, where that is one kernel (`one_kernel_decode`): (y (B, 1, H, D), the cache with the
     token written); None elsewhere, where the caller splits it for `attend`.
@@ -304,19 +351,19 @@ def attend_qkv(qkv_B13HD: Array, cache: Cache, index: Array, impl: str, dtype: s
     when the kernel took three slices of it, each a fusion of its own, and 79 this way (tests/test_decode_program.py).
     """
     H, D = qkv_B13HD.shape[3:]
-    if qkv_B13HD.shape[1] != 1 or not one_kernel_decode(resolve_impl(impl, dtype), H, H, D):
+    if qkv_B13HD.shape[1] != 1 or not one_kernel_decode(resolve_impl(impl, dtype, scores), H, H, D, scores):
         return None
     y_BH1D, k_cache, v_cache = decode_attention.decode_attention_qkv(qkv_B13HD[:, 0], cache["k"], cache["v"], index)
     return y_BH1D.transpose(0, 2, 1, 3), {"k": k_cache, "v": v_cache}
 
 
-def one_kernel_decode(impl: str, H: int, K: int, D: int) -> bool:
+def one_kernel_decode(impl: str, H: int, K: int, D: int, scores: Scores = PLAIN) -> bool:
     """Whether one new token's attention runs as one kernel (`decode_attention`): where the model's attention is
     cuDNN's (`resolve_impl`: "auto" in 16 bits on an NVIDIA GPU, or named), so "xla" keeps XLA's own decoding;
     on one device (a Pallas kernel is not partitioned: a mesh of several would gather its operands); for head
-    shapes the kernel takes."""
+    shapes the kernel takes; for plain scores (the kernel scales by 1/sqrt(D), with no cap and no window)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return (impl == "cudnn" and on_gpu() and (mesh.empty or mesh.size == 1)
+    return (impl == "cudnn" and scores.plain and on_gpu() and (mesh.empty or mesh.size == 1)
             and decode_attention.fits(H // K, D))
 
 

@@ -78,8 +78,8 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
 class Served:
     """What a front end serves besides its engine (picklable: `jaxgpt serve` hands it to each front end's process).
     `chat_template`: a Jinja2 template's text (None: no chat); `chat_stop_ids`: tokens that end a chat reply like
-    end-of-text (a chat run's end-of-turn token), left out of its text; `open_paths`: paths answered without the
-    API key besides /health and the page (`jaxgpt serve --open_paths`)."""
+    end-of-text (a chat run's end-of-turn token, a Hugging Face model's stop tokens), left out of its text;
+    `open_paths`: paths answered without the API key besides /health and the page (`jaxgpt serve --open_paths`)."""
 
     tokenizer: Codec
     model_name: str
@@ -87,6 +87,7 @@ class Served:
     slots: int
     chat_template: str | None = None
     chat_stop_ids: tuple[int, ...] = ()
+    chat_tokens: dict[str, str] | None = None  # the special tokens' text the template sees (None: end-of-text's)
     api_key: str | None = None
     open_paths: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
@@ -133,8 +134,8 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
     cfg = served.cfg
     context = cfg.model.block_size if isinstance(cfg, Seq2SeqConfig) else cfg.block_size
     eos = tokenizer.decode([tokenizer.eot_token]) if tokenizer.eot_token is not None else ""
-    chat_template = (ChatTemplate(served.chat_template, bos_token=eos, eos_token=eos)
-                     if served.chat_template is not None else None)
+    tokens = served.chat_tokens if served.chat_tokens is not None else {"bos_token": eos, "eos_token": eos}
+    chat_template = ChatTemplate(served.chat_template, **tokens) if served.chat_template is not None else None
 
     _error_handlers(app)
 

@@ -30,9 +30,11 @@ from jaxgpt.train import renamed
 from jaxgpt.train.optim import OptimConfig
 from jaxgpt.train.task import TASKS
 
-# Model fields whose default is derived from others (None in ModelConfig) become typed placeholders.
-_UNSET_TYPES = {"head_dim": int, "d_ff": int, "n_kv_head": int, "pad_id": int, "vocab_size": int, "rope_theta": float,
-                "logit_softcap": float}
+# Model fields whose default is derived from others (None in ModelConfig) become typed placeholders: every field
+# typed "T | None", and vocab_size (None: the dataset's).
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+_UNSET_TYPES = {"vocab_size": int, **{f.name: _TYPES[f.type.split(" | ")[0]] for f in dataclasses.fields(ModelConfig)
+                                      if f.type.endswith(" | None")}}
 
 
 # The keys that name a file or directory, and what each takes (`storage.check`): all checked before anything

@@ -27,7 +27,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf.save_hf(params, CFG, out)
     tokenizer = load_bpe()
     hf_tokenizer.save_hf_tokenizer(tokenizer, out, CFG.block_size)
-    hf_tokenizer.save_generation_config(tokenizer.eot_token, out)
+    hf_tokenizer.save_generation_config(tokenizer, out)
     return out
 
 

@@ -162,7 +162,31 @@ MODERN = {
     "mqa": dict(n_kv_head=1),
     "swiglu": dict(gated_mlp=True, activation="silu"),
     "geglu": dict(gated_mlp=True, activation="gelu_tanh", use_bias=True),
+    # the open-weight architectures' knobs (issue 62), each alone on GPT-2 (16 positions)
+    "qkv-bias": dict(use_bias=False, qkv_bias=True),
+    "qk-norm-before-rope": dict(position="none", rope_theta=1000.0, qk_norm=True, qk_norm_site="before_rope"),
+    "qk-norm-projection": dict(position="none", rope_theta=1000.0, qk_norm=True, qk_norm_site="projection"),
+    "norm-offset": dict(norm="rmsnorm", norm_scale_offset=1.0),
+    "sandwich-norm": dict(sandwich_norm=True),
+    "scale-embeddings": dict(scale_embeddings=True),
+    "attn-softcap": dict(attn_softcap=1.0),
+    "query-scale": dict(query_scale=0.7),
+    "sliding-window": dict(sliding_window=4),
+    "rope-linear": dict(position="none", rope_theta=1000.0, rope_scaling="linear", rope_factor=4.0),
 }
+
+# Rotary at base 1000 over head_dim 8 turns its 4 pairs at wavelengths 6, 35, 199 and 1117 positions: against 64
+# original positions llama3 keeps the first, blends the second and slows the others 8 times; yarn (factor 4)
+# ramps pairs 0-2 (its beta_fast / beta_slow pair indices round to 0 and 2), and multiplies cos and sin by 1.14.
+_OPEN = dict(block_size=64, n_kv_head=2, norm_scale=True, gated_mlp=True, activation="silu", embd_norm=False,
+             qk_norm=False, logit_softcap=None)
+_LONG_ROPE = dict(rope_theta=1000.0, rope_original_positions=64)
+# Gemma 3's set on 64 positions: (1 + w) norms around each sub-layer, QK-norm before the rotary, a query scale,
+# local layers (window 8, base 100, unscaled) then global ones (nanochat's base, linear scaling), embeddings times
+# sqrt(C), GeGLU, and Gemma 2's attention soft-cap.
+_GEMMA3 = dict(_OPEN, activation="gelu_tanh", norm_scale_offset=1.0, sandwich_norm=True, qk_norm=True,
+               qk_norm_site="before_rope", query_scale=0.3, sliding_window=8, window_pattern=2, rope_local_theta=100.0,
+               rope_scaling="linear", rope_factor=4.0, scale_embeddings=True, attn_softcap=2.0, tie_embeddings=True)
 
 
 # nanochat's full set (shrunk), with grouped queries, scanned layers and XLA's attention too; rotary then a
@@ -173,6 +197,14 @@ MODERN_COMBOS = {
     "rotary-qk-norm-scaled": dict(norm_scale=True),
     "gqa-rotary": dict(n_kv_head=2, qk_norm=False, embd_norm=False, norm="layernorm", norm_scale=True,
                        use_bias=True, activation="gelu_tanh", logit_softcap=None),
+    # open-weight families (issue 62); the scanned Gemma alternates local and global layers under one nn.scan
+    "gemma3-like": _GEMMA3,
+    "gemma3-like-scan-remat": dict(_GEMMA3, scan_layers=True, remat="full"),
+    "mistral-like-xla": dict(_OPEN, sliding_window=8, attention_impl="xla", query_scale=0.2),
+    "qwen2-like": dict(_OPEN, qkv_bias=True),
+    "llama3-like": dict(_OPEN, **_LONG_ROPE, rope_scaling="llama3", rope_factor=8.0),
+    "yarn": dict(_OPEN, **_LONG_ROPE, rope_scaling="yarn", rope_factor=4.0),
+    "olmo-like": dict(_OPEN, qk_norm=True, qk_norm_site="projection"),
 }
 
 
@@ -185,4 +217,4 @@ def modern(name: str) -> ModelConfig:
 
 # The options that act across positions (attention, the cache), and the combinations, which hold every option;
 # the others act on each position alone, and padding can change nothing for them that the combinations miss.
-ACROSS_POSITIONS = ["rotary", "qk-norm", "gqa", "mqa", *MODERN_COMBOS]
+ACROSS_POSITIONS = ["rotary", "qk-norm", "gqa", "mqa", "sliding-window", *MODERN_COMBOS]

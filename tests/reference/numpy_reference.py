@@ -20,9 +20,11 @@ Parameter tree (nested dicts of arrays)::
              "attn": {"qkv": {"kernel": (C, 3, H, D), "bias": (3, H, D)},     # n_kv_head == n_head
                       "q": {"kernel": (C, H, D), "bias": (H, D)},             # n_kv_head = K < n_head:
                       "kv": {"kernel": (C, 2, K, D), "bias": (2, K, D)},      #   separate q and kv
-                      "q_norm": {"scale": (D,)}, "k_norm": {"scale": (D,)},  # qk_norm and norm_scale
+                      "q_norm": {"scale": (D,)}, "k_norm": {"scale": (D,)},  # qk_norm and norm_scale;
+                                                                             # (H, D), (K, D) over projections
                       "out": {"kernel": (H, D, C), "bias": (C,)}},
              "ln_2": {...},
+             "ln_1_post": {...}, "ln_2_post": {...},     # sandwich_norm only
              "mlp": {"fc": {"kernel": (C, F), "bias": (F,)},
                      "proj": {"kernel": (F, C), "bias": (C,)}}},
      "h_1": ..., ...,
@@ -119,6 +121,11 @@ def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+def _scale(p: Params, cfg: Config) -> np.ndarray:
+    """The multiplier a stored norm scale w stands for: w, or offset + w with norm_scale_offset (Gemma's 1 + w)."""
+    return float(cfg.get("norm_scale_offset", 0.0)) + p["scale"]
+
+
 def norm(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
     """Normalise over the feature axis, then apply the learned scale (if norm_scale) and bias (if use_bias).
 
@@ -135,7 +142,7 @@ def norm(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
     scaled = cfg.get("norm_scale", True)
     if kind == "rmsnorm":
         normed_BTC = rms_norm(x_BTC, eps)
-        return _maybe_bias(normed_BTC * p["scale"] if scaled else normed_BTC, p, bool(cfg["use_bias"]))
+        return _maybe_bias(normed_BTC * _scale(p, cfg) if scaled else normed_BTC, p, bool(cfg["use_bias"]))
     mean_BT1 = np.mean(x_BTC, axis=-1, keepdims=True)
     centred_BTC = x_BTC - mean_BT1
     sum_sq_BT1 = np.sum(centred_BTC**2, axis=-1, keepdims=True)
@@ -149,7 +156,7 @@ def norm(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
         normed_BTC = centred_BTC / (std_BT1 + eps)
     else:
         raise ValueError(f"unknown norm {kind!r}; expected one of {NORM_KINDS}")
-    return _maybe_bias(normed_BTC * p["scale"] if scaled else normed_BTC, p, bool(cfg["use_bias"]))
+    return _maybe_bias(normed_BTC * _scale(p, cfg) if scaled else normed_BTC, p, bool(cfg["use_bias"]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -261,28 +268,112 @@ def attention_visibility(is_pad_BT: np.ndarray) -> np.ndarray:
     return causal_TT[None] & (key_real_B1T | diagonal_TT[None])
 
 
-def rotary(x_BTHD: np.ndarray, theta: float) -> np.ndarray:
+def is_local_layer(layer: int, cfg: Config) -> bool:
+    """Whether layer `layer` attends within a sliding window: all layers when sliding_window is set without a
+    window_pattern N; with one, all but the layers numbered N, 2N, ... counting from 1 (Gemma 3: 5 local, 1
+    global)."""
+    if cfg.get("sliding_window") is None:
+        return False
+    pattern = cfg.get("window_pattern")
+    return pattern is None or (layer + 1) % int(pattern) != 0
+
+
+def window_visibility(visible_BTT: np.ndarray, window: int) -> np.ndarray:
+    """A local layer's visibility: the causal one, restricted to the `window` most recent keys (the query's own
+    included), key j visible to query i only if i - j < window."""
+    seq_len = visible_BTT.shape[1]
+    distance_TT = np.arange(seq_len)[:, None] - np.arange(seq_len)[None, :]
+    return visible_BTT & (distance_TT < window)[None]
+
+
+def rope_omegas(cfg: Config, local: bool) -> tuple[np.ndarray, float]:
+    """The angular speed of each rotated pair (D/2,) and the factor on the rotated vectors (YaRN's "mscale").
+
+    Plain RoPE: omega_i = theta ** (-2 i / D). A local layer with rope_local_theta uses that base, unscaled.
+    Otherwise rope_scaling stretches the wavelengths 2 pi / omega_i for contexts rope_factor times longer:
+      * "linear" (position interpolation): every omega divided by the factor.
+      * "llama3": wavelengths shorter than original / high_freq_factor kept, longer than original /
+        low_freq_factor divided by the factor, and in between a mix whose weight on the unscaled omega grows
+        linearly with original / wavelength from low_freq_factor (weight 0) to high_freq_factor (weight 1).
+      * "yarn" (Peng et al. 2023, "NTK-by-parts"): pair i makes r_i = original * omega_i / (2 pi) turns over the
+        original context; pairs turning more than beta_fast times keep omega, fewer than beta_slow times are
+        divided by the factor, and between them the weight of the unscaled omega ramps linearly in i between
+        the pair indices where r = beta_fast and r = beta_slow (rounded outward to whole pairs, clipped to
+        [0, D - 1]); the rotated vectors are multiplied by attention_factor, by default 1 + 0.1 ln(factor).
+    """
+    dim = int(cfg["head_dim"])
+    pair_h = np.arange(dim // 2, dtype=np.float64)
+    use_local = local and cfg.get("rope_local_theta") is not None
+    theta = float(cfg["rope_local_theta"] if use_local else cfg["rope_theta"])
+    omega_h = theta ** (-2.0 * pair_h / dim)
+    kind = None if use_local else cfg.get("rope_scaling")
+    factor = float(cfg.get("rope_factor", 1.0))
+    if kind is None:
+        return omega_h, 1.0
+    if kind == "linear":
+        return omega_h / factor, 1.0
+    original = float(cfg["rope_original_positions"])
+    if kind == "llama3":
+        low, high = float(cfg["rope_low_freq_factor"]), float(cfg["rope_high_freq_factor"])
+        wavelength_h = 2.0 * math.pi / omega_h
+        out_h = np.empty_like(omega_h)
+        for i, (omega, wavelength) in enumerate(zip(omega_h, wavelength_h, strict=True)):
+            if wavelength < original / high:
+                out_h[i] = omega
+            elif wavelength > original / low:
+                out_h[i] = omega / factor
+            else:
+                weight = (original / wavelength - low) / (high - low)
+                out_h[i] = weight * omega + (1.0 - weight) * omega / factor
+        return out_h, 1.0
+    if kind == "yarn":
+        def pair_turning(turns: float) -> float:  # solve original * theta ** (-2 i / D) / (2 pi) = turns for i
+            return dim * math.log(original / (2.0 * math.pi * turns)) / (2.0 * math.log(theta))
+        first = max(math.floor(pair_turning(float(cfg["rope_beta_fast"]))), 0)
+        last = min(math.ceil(pair_turning(float(cfg["rope_beta_slow"]))), dim - 1)
+        span = last - first if last != first else 0.001
+        interpolated_weight_h = np.minimum(np.maximum((pair_h - first) / span, 0.0), 1.0)
+        omega_h = interpolated_weight_h * omega_h / factor + (1.0 - interpolated_weight_h) * omega_h
+        attention_factor = cfg.get("rope_attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
+        return omega_h, float(attention_factor)
+    raise ValueError(f"unknown rope_scaling {kind!r}")
+
+
+def rotary(x_BTHD: np.ndarray, theta: float | tuple[np.ndarray, float]) -> np.ndarray:
     """Rotary position embedding (Su et al., RoFormer) of the token at index t of its row.
 
     Each head's dimension pair (i, i + D/2) is read as the complex number x_i + 1j x_{i+D/2} and multiplied by
-    e^{1j t omega_i} with omega_i = theta ** (-2 i / D): a rotation by the angle t omega_i.
+    e^{1j t omega_i} with omega_i = theta ** (-2 i / D): a rotation by the angle t omega_i. `theta` may instead
+    be (omegas, factor) from `rope_omegas`, the rotated vector then scaled by the factor.
     """
     seq_len, dim = x_BTHD.shape[1], x_BTHD.shape[-1]
     half = dim // 2
-    omega_h = theta ** (-2.0 * np.arange(half, dtype=np.float64) / dim)
+    if isinstance(theta, tuple):
+        omega_h, factor = theta
+    else:
+        omega_h, factor = theta ** (-2.0 * np.arange(half, dtype=np.float64) / dim), 1.0
     z_BTHh = x_BTHD[..., :half] + 1j * x_BTHD[..., half:]
-    z_BTHh = z_BTHh * np.exp(1j * np.arange(seq_len)[:, None] * omega_h)[None, :, None, :]
+    z_BTHh = factor * z_BTHh * np.exp(1j * np.arange(seq_len)[:, None] * omega_h)[None, :, None, :]
     return np.concatenate([z_BTHh.real, z_BTHh.imag], axis=-1)
 
 
 def _qk_norm(x_BTHD: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
-    """QK-norm: RMSNorm of each head's vector over D, times a learned (D,) scale if norm_scale; no bias."""
-    normed = rms_norm(x_BTHD, float(cfg["norm_eps"]))
-    return normed * p["scale"] if cfg.get("norm_scale", True) else normed
+    """QK-norm: RMSNorm of each head's vector over D, times a learned (D,) scale if norm_scale; no bias. At
+    qk_norm_site "projection" (OLMo 2) the RMS is over all heads' H * D values of a token at once, and the scale
+    is (H, D)."""
+    eps = float(cfg["norm_eps"])
+    if cfg.get("qk_norm_site", "after_rope") == "projection":
+        B, T, H, D = x_BTHD.shape
+        normed = rms_norm(x_BTHD.reshape(B, T, H * D), eps).reshape(B, T, H, D)
+    else:
+        normed = rms_norm(x_BTHD, eps)
+    return normed * _scale(p, cfg) if cfg.get("norm_scale", True) else normed
 
 
 def attention(
-    x_BTC: np.ndarray, p: Params, visible_BTT: np.ndarray, cfg: Config
+    x_BTC: np.ndarray, p: Params, visible_BTT: np.ndarray, cfg: Config, local: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Multi-head scaled dot-product self-attention.
 
@@ -290,29 +381,45 @@ def attention(
     equal C / H (seed 004's Keras layer sets a per-head key_dim independently of the model width).
     With n_kv_head = K < H (grouped-query attention) the keys and values have K heads and query head h
     reads key/value head h // (H / K). Rotary positions (rope_theta) rotate queries and keys, then
-    QK-norm (qk_norm) normalises them: nanochat's order.
+    QK-norm (qk_norm) normalises them: nanochat's order; qk_norm_site "before_rope" or "projection" normalises
+    them first. The q, k and v projections have biases if qkv_bias says so (None: as use_bias). Scores are
+    q.k times query_scale (default 1/sqrt(D)), then squashed to attn_softcap * tanh(s / attn_softcap) if set,
+    then masked. A `local` layer (sliding window) sees only its window and rotates with `rope_omegas`' local
+    frequencies.
     """
     use_bias = bool(cfg["use_bias"])
+    qkv_bias = use_bias if cfg.get("qkv_bias") is None else bool(cfg["qkv_bias"])
     head_dim = int(cfg["head_dim"])
     if "qkv" in p:
         qkv_3BTHD = np.einsum("btc,cshd->sbthd", x_BTC, p["qkv"]["kernel"])
-        if use_bias:
+        if qkv_bias:
             qkv_3BTHD = qkv_3BTHD + p["qkv"]["bias"][:, None, None, :, :]
         q_BTHD, k_BTKD, v_BTKD = qkv_3BTHD[0], qkv_3BTHD[1], qkv_3BTHD[2]
     else:
-        q_BTHD = _maybe_bias(np.einsum("btc,chd->bthd", x_BTC, p["q"]["kernel"]), p["q"], use_bias)
+        q_BTHD = _maybe_bias(np.einsum("btc,chd->bthd", x_BTC, p["q"]["kernel"]), p["q"], qkv_bias)
         kv_2BTKD = np.einsum("btc,cskd->sbtkd", x_BTC, p["kv"]["kernel"])
-        if use_bias:
+        if qkv_bias:
             kv_2BTKD = kv_2BTKD + p["kv"]["bias"][:, None, None, :, :]
         k_BTKD, v_BTKD = kv_2BTKD[0], kv_2BTKD[1]
+    norm_late = cfg.get("qk_norm_site", "after_rope") == "after_rope"
+    if cfg.get("qk_norm", False) and not norm_late:
+        q_BTHD, k_BTKD = _qk_norm(q_BTHD, p.get("q_norm"), cfg), _qk_norm(k_BTKD, p.get("k_norm"), cfg)
     if cfg.get("rope_theta"):
-        q_BTHD, k_BTKD = rotary(q_BTHD, float(cfg["rope_theta"])), rotary(k_BTKD, float(cfg["rope_theta"]))
-    if cfg.get("qk_norm", False):
+        omegas = rope_omegas(cfg, local)
+        q_BTHD, k_BTKD = rotary(q_BTHD, omegas), rotary(k_BTKD, omegas)
+    if cfg.get("qk_norm", False) and norm_late:
         q_BTHD, k_BTKD = _qk_norm(q_BTHD, p.get("q_norm"), cfg), _qk_norm(k_BTKD, p.get("k_norm"), cfg)
     group = q_BTHD.shape[2] // k_BTKD.shape[2]
     k_BTHD, v_BTHD = np.repeat(k_BTKD, group, axis=2), np.repeat(v_BTKD, group, axis=2)
 
-    scores_BHTT = np.einsum("bqhd,bkhd->bhqk", q_BTHD, k_BTHD) / math.sqrt(head_dim)
+    query_scale = cfg.get("query_scale")
+    query_scale = 1.0 / math.sqrt(head_dim) if query_scale is None else float(query_scale)
+    scores_BHTT = np.einsum("bqhd,bkhd->bhqk", q_BTHD, k_BTHD) * query_scale
+    cap = cfg.get("attn_softcap")
+    if cap is not None:
+        scores_BHTT = cap * np.tanh(scores_BHTT / cap)
+    if local:
+        visible_BTT = window_visibility(visible_BTT, int(cfg["sliding_window"]))
     scores_BHTT = np.where(visible_BTT[:, None, :, :], scores_BHTT, -np.inf)
     att_BHTT = softmax(scores_BHTT, axis=-1)
 
@@ -334,20 +441,27 @@ def mlp(x_BTC: np.ndarray, p: Params, cfg: Config) -> np.ndarray:
 
 
 def block(
-    x_BTC: np.ndarray, p: Params, visible_BTT: np.ndarray, cfg: Config
+    x_BTC: np.ndarray, p: Params, visible_BTT: np.ndarray, cfg: Config, local: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """One transformer layer; returns (new x_BTC, attention probabilities_BHTT).
 
-    "pre" (GPT-2, seed 000): normalise the input of each sub-layer, residual stays un-normalised.
+    "pre" (GPT-2, seed 000): normalise the input of each sub-layer, residual stays un-normalised; with
+    sandwich_norm (Gemma 2/3) each sub-layer's output is normalised too (ln_1_post, ln_2_post) before the add.
     "post" (GPT-1, seeds 001/004): add the residual first, then normalise the sum.
     """
     placement = cfg["norm_placement"]
     if placement == "pre":
-        att_out_BTC, att_BHTT = attention(norm(x_BTC, p.get("ln_1", {}), cfg), p["attn"], visible_BTT, cfg)
+        sandwich = cfg.get("sandwich_norm", False)
+        att_out_BTC, att_BHTT = attention(norm(x_BTC, p.get("ln_1", {}), cfg), p["attn"], visible_BTT, cfg, local)
+        if sandwich:
+            att_out_BTC = norm(att_out_BTC, p.get("ln_1_post", {}), cfg)
         x_BTC = x_BTC + att_out_BTC
-        x_BTC = x_BTC + mlp(norm(x_BTC, p.get("ln_2", {}), cfg), p["mlp"], cfg)
+        mlp_out_BTC = mlp(norm(x_BTC, p.get("ln_2", {}), cfg), p["mlp"], cfg)
+        if sandwich:
+            mlp_out_BTC = norm(mlp_out_BTC, p.get("ln_2_post", {}), cfg)
+        x_BTC = x_BTC + mlp_out_BTC
     elif placement == "post":
-        att_out_BTC, att_BHTT = attention(x_BTC, p["attn"], visible_BTT, cfg)
+        att_out_BTC, att_BHTT = attention(x_BTC, p["attn"], visible_BTT, cfg, local)
         x_BTC = norm(x_BTC + att_out_BTC, p.get("ln_1", {}), cfg)
         x_BTC = norm(x_BTC + mlp(x_BTC, p["mlp"], cfg), p.get("ln_2", {}), cfg)
     else:
@@ -384,7 +498,7 @@ def hidden_states(
         x_BTC = norm(x_BTC, params.get("ln_emb", {}), cfg)
     attentions: list[np.ndarray] = []
     for layer in range(int(cfg["n_layer"])):
-        x_BTC, att_BHTT = block(x_BTC, params[f"h_{layer}"], visible_BTT, cfg)
+        x_BTC, att_BHTT = block(x_BTC, params[f"h_{layer}"], visible_BTT, cfg, is_local_layer(layer, cfg))
         attentions.append(att_BHTT)
     if cfg["final_norm"]:
         x_BTC = norm(x_BTC, params.get("ln_f", {}), cfg)
@@ -492,29 +606,34 @@ def random_params(cfg: Config, seed: int = 0, n_classes: int | None = None, std:
     n_kv_head = int(cfg.get("n_kv_head") or n_head)
     d_ff, vocab = int(cfg["d_ff"]), int(cfg["vocab_size"])
     use_bias, scaled = bool(cfg["use_bias"]), bool(cfg.get("norm_scale", True))
+    qkv_bias = use_bias if cfg.get("qkv_bias") is None else bool(cfg["qkv_bias"])
+    offset = float(cfg.get("norm_scale_offset", 0.0))
 
     def normal(*shape: int) -> np.ndarray:
         return rng.normal(0.0, std, size=shape)
 
-    def dense(*shape: int, bias_shape: tuple[int, ...]) -> dict:
+    def dense(*shape: int, bias_shape: tuple[int, ...], biased: bool = use_bias) -> dict:
         layer = {"kernel": normal(*shape)}
-        if use_bias:
+        if biased:
             layer["bias"] = normal(*bias_shape)
         return layer
 
-    def norm_params(width: int = n_embd, bias: bool = True) -> dict:
-        layer = {"scale": 1.0 + normal(width)} if scaled else {}
+    def norm_params(*width: int, bias: bool = True) -> dict:  # stored w = the scale (around 1) minus the offset
+        layer = {"scale": 1.0 - offset + normal(*(width or (n_embd,)))} if scaled else {}
         if use_bias and bias:
-            layer["bias"] = normal(width)
+            layer["bias"] = normal(*(width or (n_embd,)))
         return layer
 
     def attention_params() -> dict:
         if n_kv_head == n_head:
-            attn = {"qkv": dense(n_embd, 3, n_head, head_dim, bias_shape=(3, n_head, head_dim))}
+            attn = {"qkv": dense(n_embd, 3, n_head, head_dim, bias_shape=(3, n_head, head_dim), biased=qkv_bias)}
         else:
-            attn = {"q": dense(n_embd, n_head, head_dim, bias_shape=(n_head, head_dim)),
-                    "kv": dense(n_embd, 2, n_kv_head, head_dim, bias_shape=(2, n_kv_head, head_dim))}
-        if cfg.get("qk_norm", False):
+            attn = {"q": dense(n_embd, n_head, head_dim, bias_shape=(n_head, head_dim), biased=qkv_bias),
+                    "kv": dense(n_embd, 2, n_kv_head, head_dim, bias_shape=(2, n_kv_head, head_dim), biased=qkv_bias)}
+        if cfg.get("qk_norm", False) and cfg.get("qk_norm_site", "after_rope") == "projection":
+            attn["q_norm"] = norm_params(n_head, head_dim, bias=False)
+            attn["k_norm"] = norm_params(n_kv_head, head_dim, bias=False)
+        elif cfg.get("qk_norm", False):
             attn["q_norm"], attn["k_norm"] = norm_params(head_dim, bias=False), norm_params(head_dim, bias=False)
         attn["out"] = dense(n_head, head_dim, n_embd, bias_shape=(n_embd,))
         return attn
@@ -535,6 +654,8 @@ def random_params(cfg: Config, seed: int = 0, n_classes: int | None = None, std:
                 **({"gate": dense(n_embd, d_ff, bias_shape=(d_ff,))} if cfg.get("gated_mlp") else {}),
             },
         }
+        if cfg.get("sandwich_norm", False):
+            params[f"h_{layer}"]["ln_1_post"], params[f"h_{layer}"]["ln_2_post"] = norm_params(), norm_params()
     if cfg["final_norm"]:
         params["ln_f"] = norm_params()
     if not cfg["tie_embeddings"]:

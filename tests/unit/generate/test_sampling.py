@@ -81,7 +81,8 @@ def test_cached_equals_uncached_for_short_and_long_prompts(name: str) -> None:
         assert_same_generation(cfg, prompts(cfg, length, batch), max_new_tokens=30, temperature=0)
 
 
-@pytest.mark.parametrize("name", [*ACROSS_POSITIONS[:3], "nanochat", "nanochat-gqa-scan-xla",
+@pytest.mark.parametrize("name", [*ACROSS_POSITIONS[:3], "nanochat", "nanochat-gqa-scan-xla", "gemma3-like",
+                                  "gemma3-like-scan-remat", "mistral-like-xla", "yarn",
                                   *(pytest.param(n, marks=pytest.mark.slow) for n in MODERN
                                     if n not in ACROSS_POSITIONS[:3])])
 def test_modern_options_decode_equal_uncached(name: str) -> None:
@@ -90,7 +91,7 @@ def test_modern_options_decode_equal_uncached(name: str) -> None:
     that act on each position alone are all in nanochat's set, and multi-query attention is grouped-query
     attention's code with one group; alone they run with the slow tests."""
     cfg = modern(name)
-    batch, length = (1, cfg.block_size + 3) if name.startswith("nanochat") else (2, 5)
+    batch, length = (1, cfg.block_size + 3) if name.startswith(("nanochat", "gemma3-like-scan")) else (2, 5)
     assert_same_generation(cfg, prompts(cfg, length, batch), max_new_tokens=12, temperature=0)
 
 

@@ -329,7 +329,7 @@ def test_error_no_weights(good_checkpoint):
 
 
 @pytest.mark.parametrize("changes, named", [
-    (dict(model_type="llama", architectures=["LlamaForCausalLM"]), "'llama' model"),
+    (dict(model_type="falcon", architectures=["FalconForCausalLM"]), "'falcon' model"),
     (dict(architectures=["BertForMaskedLM"]), "BertForMaskedLM"),
     (dict(activation_function="swish"), "activation_function='swish'"),
     (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),

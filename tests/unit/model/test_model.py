@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import flax.linen as nn
@@ -26,7 +27,7 @@ from reference import numpy_reference as ref
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import RUNTIME_FIELDS, ModelConfig, Seq2SeqConfig
 from jaxgpt.model.gpt import GPT, abstract_variables, init_params, stack_layers, unstack_layers
-from jaxgpt.model.layers import MLP
+from jaxgpt.model.layers import MLP, Norm
 from jaxgpt.model.presets import PRESETS, get_preset
 from jaxgpt.ops import activation as activation_op
 from jaxgpt.ops.attention import attend, query_blocks
@@ -185,13 +186,14 @@ def test_causality_through_gradients() -> None:
     assert np.all(pos_norm[t + 1:] == 0) and np.all(pos_norm[: t + 1] > 0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "rotary-qk-norm-scaled", "nanochat-gqa-scan-xla"])
+@pytest.mark.parametrize("name", ["gpt2", "rotary-qk-norm-scaled", "nanochat-gqa-scan-xla", "gemma3-like"])
 def test_packed_documents_do_not_see_each_other(name: str) -> None:
     """Two documents packed in a row (segments 1 and 2, then padding 0): the next-token loss of either has exactly
     zero gradient w.r.t. every other token's input embedding (an untied table, each token once), and its logits
     are those of the document alone in a row, so positions restart (a learned table, or rotary under a scaled
-    QK-norm, where absolute positions matter); the XLA path takes the mask, and scanned layers the positions."""
-    cfg = (shrink(get_preset("gpt2")) if name == "gpt2" else modern(name)).replace(tie_embeddings=False)
+    QK-norm, where absolute positions matter); the XLA path takes the mask, and scanned layers the positions (Gemma's
+    windowed and global layers too, with their own rotary frequencies)."""
+    cfg = (shrink(get_preset("gpt2")) if name == "gpt2" else modern(name)).replace(tie_embeddings=False, block_size=16)
     params = to_jax(ref.random_params(cfg.to_dict(), seed=5, std=0.3))
     params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else params
     T = cfg.block_size
@@ -326,6 +328,9 @@ def test_dropout_off_is_deterministic_and_on_follows_only_the_rng(scan: bool) ->
              final_norm=False),
         dict(norm="unbiased_std", activation="gelu", position="none", tie_embeddings=False),
         dict(position="learned", pad_positions=True, pad_id=0, norm_placement="post", head_dim=12),
+        # soft-capped scores take autodiff's backward; with a window, a query scale, Gemma's norms (issue 62)
+        dict(position="none", rope_theta=100.0, norm="rmsnorm", norm_scale_offset=1.0, sandwich_norm=True,
+             attn_softcap=1.0, query_scale=0.5, sliding_window=3),
     ],
 )
 def test_gradients_match_float64_finite_differences(knobs: dict) -> None:
@@ -370,6 +375,25 @@ def test_bf16_compute_stays_close_to_float32() -> None:
         (dict(n_layer=0), "positive integer"),
         (dict(attention_impl="xla", attn_dropout=0.1), "attn_dropout"),
         (dict(pad_id=1000), "pad_id"),
+        # the open-weight knobs (issue 62)
+        (dict(qkv_bias=1), "model.qkv_bias=1 must be True, False or None"),
+        (dict(qk_norm_site="after"), "model.qk_norm_site='after' is unknown"),
+        (dict(sandwich_norm=True, norm_placement="post"), "sandwich_norm needs model.norm_placement='pre'"),
+        (dict(attn_softcap=0.0), "model.attn_softcap=0.0 must be positive"),
+        (dict(query_scale=-1.0), "model.query_scale=-1.0 must be positive"),
+        (dict(sliding_window=0), "model.sliding_window=0 must be a positive integer"),
+        (dict(window_pattern=6), "model.window_pattern needs model.sliding_window"),
+        (dict(sliding_window=8, rope_local_theta=1e4), "rope_local_theta=10000.0 needs rotary positions"),
+        (dict(position="none", rope_theta=1e4, rope_scaling="ntk"), "model.rope_scaling='ntk' is unknown"),
+        (dict(rope_scaling="linear", rope_factor=2.0), "rope_scaling='linear' needs rotary positions"),
+        (dict(position="none", rope_theta=1e4, rope_scaling="linear", rope_factor=0.5), "rope_factor=0.5 must be at"),
+        (dict(position="none", rope_theta=1e4, rope_scaling="llama3"), "needs model.rope_original_positions"),
+        (dict(position="none", rope_theta=1e4, rope_scaling="llama3", rope_original_positions=64,
+              rope_low_freq_factor=4.0), "must satisfy 0 < low < high"),
+        (dict(position="none", rope_theta=1e4, rope_scaling="yarn", rope_original_positions=64,
+              rope_beta_slow=64.0), "must satisfy 0 < slow <= fast"),
+        (dict(attn_softcap=30.0, attention_impl="cudnn"), "attn_softcap with attention_impl='cudnn'"),
+        (dict(sliding_window=8, attention_impl="splash"), "sliding_window with attention_impl='splash'"),
     ],
 )
 def test_config_validation_names_the_problem(changes: dict, message: str) -> None:
@@ -411,6 +435,43 @@ def test_modern_parameter_trees() -> None:
     assert attn["kv"]["kernel"] == (32, 2, 2, cfg.head_dim) and attn["q_norm"]["scale"] == (8,)
     free = shapes(modern("nanochat"))
     assert sorted(free) == ["h_0", "h_1", "lm_head", "wte"] and sorted(free["h_0"]) == ["attn", "mlp"]
+
+
+def test_open_weight_parameter_trees_and_identity_norms() -> None:
+    """The families' trees are the reference's: Qwen2's biases on q/k/v alone, OLMo 2's (H, D) and (K, D) QK-norm
+    scales, Gemma's sandwich norms, whose stored w (scale offset 1) starts at 0, so a fresh model's norms are
+    plain RMSNorms, as its (1 + w) applied to a zero w."""
+    shapes = lambda cfg: jax.tree.map(lambda a: a.shape, nn.unbox(abstract_variables(cfg)["params"]))
+    for name in ("qwen2-like", "olmo-like", "gemma3-like"):
+        assert shapes(modern(name)) == jax.tree.map(np.shape, ref.random_params(modern(name).to_dict())), name
+    qwen, olmo = shapes(modern("qwen2-like"))["h_0"], shapes(modern("olmo-like"))["h_0"]
+    assert sorted(qwen["attn"]["q"]) == ["bias", "kernel"] and sorted(qwen["attn"]["out"]) == ["kernel"]
+    assert sorted(qwen["mlp"]["fc"]) == ["kernel"]
+    assert (olmo["attn"]["q_norm"]["scale"], olmo["attn"]["k_norm"]["scale"]) == ((4, 8), (2, 8))
+    gemma = modern("gemma3-like")
+    assert {"ln_1_post", "ln_2_post"} <= set(shapes(gemma)["h_0"])
+    x = jax.random.normal(jax.random.key(1), (2, gemma.n_embd))
+    scale = nn.unbox(Norm(gemma).init(jax.random.key(0), x))["params"]["scale"]
+    assert np.all(np.asarray(scale) == 0)
+    np.testing.assert_allclose(Norm(gemma).apply({"params": {"scale": scale}}, x),
+                               x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + gemma.norm_eps), rtol=1e-6)
+
+
+def test_scale_embeddings_multiplies_in_the_activation_dtype() -> None:
+    """sqrt(C) is rounded to bf16 first, as Gemma's normalizer tensor of the hidden dtype is (sqrt(640) -> 25.25):
+    the product equals bf16 arithmetic, not float32's product rounded once."""
+    cfg = ModelConfig(**{**TINY, "n_embd": 640, "n_head": 10}, position="none", scale_embeddings=True,
+                      dtype="bfloat16")
+    table = np.random.default_rng(0).normal(size=(cfg.vocab_size, cfg.n_embd)).astype(np.float32)
+    idx = jnp.arange(8)[None]
+    got = GPT(cfg).apply({"params": {"wte": {"embedding": table}}}, idx, jnp.zeros_like(idx), True,
+                         method=lambda m, *a: m._embed(*a))
+    rows = jnp.asarray(table[:8], jnp.bfloat16)
+    want = rows * jnp.asarray(math.sqrt(640), jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16 and float(jnp.asarray(math.sqrt(640), jnp.bfloat16)) == 25.25
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want, np.float32))
+    once = (jnp.asarray(rows, jnp.float32) * math.sqrt(640)).astype(jnp.bfloat16)
+    assert np.any(np.asarray(once, np.float32) != np.asarray(want, np.float32))
 
 
 def test_zero_init_proj_zeroes_only_the_residual_projections() -> None:

@@ -102,3 +102,17 @@ def test_aot_plans_a_small_nanochat_with_grouped_queries_for_a_v5e_slice() -> No
 def test_aot_plans_nanochat_d12_for_a_v5e_slice() -> None:
     r = _plan("v5e:2x2", 32)
     assert r["fits"] and 0.5 < r["flops_ratio"] < 1.5, (r["flops_ratio"], r["notes"])
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_aot_plans_a_gemma3_like_model_for_a_v5e_slice() -> None:
+    """Gemma 3's knobs (issue 62) plan for a TPU slice: windowed and global layers in one scan with their own
+    rotary bases, (1 + w) sandwich norms and QK-norm before the rotary, soft-capped scores (`auto` takes the einsum
+    path for them), qkv biases: every new parameter has logical axes the rules table maps."""
+    r = _plan("v5e:2x2", 8, vocab_size=512, block_size=256, n_layer=2, n_embd=128, n_head=2, n_kv_head=1,
+              scan_layers=True, norm_scale=True, norm_scale_offset=1.0, sandwich_norm=True, qk_norm_site="before_rope",
+              gated_mlp=True, activation="gelu_tanh", qkv_bias=True, query_scale=0.1, attn_softcap=50.0,
+              sliding_window=64, window_pattern=2, rope_local_theta=1e4, rope_scaling="linear", rope_factor=8.0,
+              scale_embeddings=True, attention_impl="auto")
+    assert r["fits"] and r["n_params"] > 0 and r["step_time"] > 0

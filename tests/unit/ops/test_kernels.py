@@ -22,7 +22,7 @@ from helpers.attention import outputs_and_grads, qkv, visible_mask
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
 from jaxgpt.ops import splash
-from jaxgpt.ops.attention import attend, resolve_impl
+from jaxgpt.ops.attention import Scores, attend, resolve_impl
 from jaxgpt.ops.loss import chunked_cross_entropy, token_nll
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.train import sharding as layout
@@ -82,12 +82,16 @@ def test_splash_falls_back_where_it_does_not_tile() -> None:
 def test_auto_is_einsum_on_cpu_and_splash_for_a_tpu_mesh() -> None:
     assert resolve_impl("auto", "bfloat16") == "einsum"
     assert resolve_impl("xla", "bfloat16") == "xla"
+    assert resolve_impl("auto", "bfloat16", Scores(scale=0.1, softcap=30.0)) == "einsum"
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: no TPU topology to set as the mesh")
     from jaxgpt.tools import aot
 
     with jax.set_mesh(layout.make_mesh((-1, 1, 1), aot.topology_devices("v5e:2x2"))):
         assert resolve_impl("auto", "bfloat16") == "splash"
+        # splash has no window and no kernel but einsum's soft-caps scores (issue 62)
+        assert resolve_impl("auto", "bfloat16", Scores(windowed=True)) == "xla"
+        assert resolve_impl("auto", "bfloat16", Scores(softcap=50.0, windowed=True)) == "einsum"
 
 
 def _task(model: ModelConfig, loss_chunk: int) -> LanguageModelling:

@@ -1,0 +1,40 @@
+"""The interface every tokenizer implements (`jaxgpt.data.tokenizer` has jaxgpt's own, `jaxgpt.data.tokenizer_json`
+a Hugging Face tokenizer.json): a module of its own so that both can build on it without importing each other."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. Subclasses set `name`, `vocab_size` and `eot_token` in `__init__`."""
+
+    name: str
+    vocab_size: int
+    eot_token: int | None
+    unk_token: int | None = None  # the id of text outside the vocabulary (None: every text it accepts is exact)
+
+    @abstractmethod
+    def encode_array(self, text: str) -> np.ndarray:
+        """Token ids of `text` as an integer array: the fast path used to tokenize whole corpora."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as Python ints (prompts, tests)."""
+        return self.encode_array(text).tolist()
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; `decode(encode(text)) == text` for every text `encode` accepts, except that word
+        tokens give back the standardized text (see `WordTokenizer`)."""
+
+    @abstractmethod
+    def to_meta(self) -> dict[str, Any]:
+        """A JSON-able description from which `tokenizer_from_meta` rebuilds an identical tokenizer."""
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The distinct pieces of `text` that `encode` turns into `unk_token` (a prompt must have none)."""
+        return []
