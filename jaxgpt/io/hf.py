@@ -44,7 +44,7 @@ from jaxgpt.io.hf_tensors import (
     params_to_hf_tensors,
     write_checkpoint,
 )
-from jaxgpt.model.config import RUNTIME_FIELDS, ModelConfig
+from jaxgpt.model.config import OPEN_WEIGHT_KNOBS, RUNTIME_FIELDS, ModelConfig
 
 # HF activation names -> ours. GPT-2 itself uses "gelu_new" (the tanh approximation).
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -175,7 +175,9 @@ def gpt2_export_problems(cfg: ModelConfig) -> list[str]:
         (cfg.norm_scale, "norm_scale=False (GPT-2's LayerNorms have a scale)"),
         (cfg.n_kv_head == cfg.n_head, f"n_kv_head={cfg.n_kv_head} (GPT-2 has a key/value head per query head)"),
         *[(not getattr(cfg, name), f"{name}={getattr(cfg, name)!r} (GPT-2 has no such option)")
-          for name in ("rope_theta", "qk_norm", "embd_norm", "logit_softcap", "gated_mlp")],
+          for name in ("rope_theta", "qk_norm", "embd_norm", "logit_softcap")],
+        *[(False, f"{change} (GPT-2 has no such option)") for change in cfg.changed(OPEN_WEIGHT_KNOBS)],
+        (cfg.has_qkv_bias == cfg.use_bias, f"qkv_bias={cfg.qkv_bias} (GPT-2's q/k/v biases are its other biases')"),
         (cfg.head_dim * cfg.n_head == cfg.n_embd,
          f"head_dim*n_head={cfg.head_dim}*{cfg.n_head} != n_embd={cfg.n_embd} (GPT-2 splits n_embd into heads)"),
     ]

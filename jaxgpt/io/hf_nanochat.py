@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxgpt.errors import UserError
 from jaxgpt.io.hf_tensors import TensorSpec
-from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.config import OPEN_WEIGHT_KNOBS, ModelConfig
 
 MODEL_TYPE = "nanochat"
 ARCHITECTURE = "NanoChatForCausalLM"
@@ -102,7 +102,8 @@ def export_problems(cfg: ModelConfig) -> list[str]:
         (not cfg.pad_positions, "pad_positions=True (NanoChat has no position table)"),
         (not cfg.scale_embeddings, "scale_embeddings=True (NanoChat does not scale embeddings)"),
         (cfg.pad_id is None, f"pad_id={cfg.pad_id} (NanoChat does not mask padding tokens by id)"),
-        (not cfg.gated_mlp, "gated_mlp=True (NanoChat's feed-forward is not gated)"),
+        (not cfg.has_qkv_bias, f"qkv_bias={cfg.qkv_bias} (NanoChat has no biases)"),
+        *[(False, f"{change} (NanoChat has no such option)") for change in cfg.changed(OPEN_WEIGHT_KNOBS)],
     ]
     return [message for ok, message in checks if not ok]
 

@@ -33,6 +33,10 @@ QK_NORM_SITES = ("after_rope", "before_rope", "projection")
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names (`layers.rope_frequencies`)
 # Settings that change neither parameter shapes nor their meaning: weights trained under one value load
 # under any other (fine-tuning, sampling, export).
+# The open-weight knobs (issue 62) that GPT-2's and NanoChat's formats have no place for (qkv_bias is checked apart:
+# q/k/v biases equal to use_bias are GPT-2's own).
+OPEN_WEIGHT_KNOBS = ("gated_mlp", "qk_norm_site", "norm_scale_offset", "sandwich_norm", "attn_softcap", "query_scale",
+                     "sliding_window", "window_pattern", "rope_local_theta", "rope_scaling")
 RUNTIME_FIELDS = frozenset({*DROPOUTS, "dtype", "param_dtype", "attention_impl", "scan_layers", "remat", "init",
                             "embd_dropout_site", "attn_resid_dropout", "zero_init_proj"})
 
@@ -263,6 +267,12 @@ class ModelConfig:
     @property
     def rotary(self) -> bool:
         return self.rope_theta is not None
+
+    def changed(self, names: tuple[str, ...]) -> list[str]:
+        """`name=value` of each of `names` that differs from ModelConfig's default: what an export format without
+        those options cannot hold."""
+        fields = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != fields[name]]
 
     @property
     def has_qkv_bias(self) -> bool:

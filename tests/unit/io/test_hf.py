@@ -382,6 +382,10 @@ def test_n_inner_follows_the_config_rule():
     (dict(head_dim=16), "head_dim*n_head=16*4 != n_embd=32"),
     (dict(use_bias=False), "use_bias=False"),
     (dict(pad_positions=True), "pad_positions=True"),
+    (dict(gated_mlp=True), "gated_mlp=True"),
+    (dict(sliding_window=8), "sliding_window=8"),
+    (dict(attn_softcap=30.0), "attn_softcap=30.0"),
+    (dict(qkv_bias=False), "qkv_bias=False"),
 ])
 def test_export_refuses_non_gpt2_configs(tmp_path, changes, named):
     cfg = GPT2_SHAPED.replace(**changes)

@@ -213,6 +213,9 @@ def test_transformers_4_style_config_reads_rope_theta_and_defaults():
     (dict(rope_theta=None, position="learned"), "rope_theta=None"),
     (dict(norm_placement="post"), "norm_placement='post'"),
     (dict(pad_id=0), "pad_id=0"),
+    (dict(qkv_bias=True), "qkv_bias=True"),
+    (dict(qk_norm_site="before_rope"), "qk_norm_site='before_rope'"),
+    (dict(sandwich_norm=True), "sandwich_norm=True"),
 ])
 def test_export_refuses_what_nanochat_cannot_hold(tmp_path, changes, named):
     cfg = NANO.replace(**changes)
