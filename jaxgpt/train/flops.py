@@ -25,14 +25,22 @@ def flops_per_token(cfg: ModelConfig | Seq2SeqConfig, seq_len: int | None = None
     """Training FLOPs per token: 6 N for the weights (forward 2N, backward 4N) plus causal attention.
 
     Causal attention scores and the weighted sum each cost 2 * (T/2) * H * D per token and layer on
-    average in the forward pass, times 3 for forward plus backward. An encoder-decoder's rows are its
+    average in the forward pass (fewer in a sliding window's layers: `_mean_keys`), times 3 for forward plus
+    backward. An encoder-decoder's rows are its
     block sizes (`seq2seq_flops_per_token`).
     """
     if isinstance(cfg, Seq2SeqConfig):
         return seq2seq_flops_per_token(cfg)
     T = seq_len or cfg.block_size
-    attention = 3 * 2 * 2 * (T / 2) * cfg.n_head * cfg.head_dim * cfg.n_layer
+    keys = sum(_mean_keys(T, cfg.sliding_window if windowed else None) for windowed in cfg.windowed_layers())
+    attention = 3 * 2 * 2 * keys * cfg.n_head * cfg.head_dim
     return 6 * matmul_params(cfg) + attention
+
+
+def _mean_keys(T: int, window: int | None) -> float:
+    """Keys a query attends to, on average over a row of T: T / 2 causally (the usual rounding of (T + 1) / 2); a
+    window W < T caps query i at min(i + 1, W), W - W (W - 1) / 2T on average."""
+    return T / 2 if window is None or window >= T else window - window * (window - 1) / (2 * T)
 
 
 def seq2seq_flops_per_token(cfg: Seq2SeqConfig) -> float:
