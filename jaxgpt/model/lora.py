@@ -142,6 +142,18 @@ def sites(abstract_params: Any, targets: tuple[str, ...], rank: int) -> list[Sit
     return found
 
 
+def sites_unscanned(found: list[Site], n_layer: int) -> list[Site]:
+    """The sites of scanned layers (a leading "layers" axis) as one per layer `h_i`, as listed layers have them."""
+    out = []
+    for s in found:
+        if s.a_names[0] != "layers":
+            out.append(s)
+            continue
+        out += [dataclasses.replace(s, path=(f"h_{i}", *s.path[1:]), a_shape=s.a_shape[1:], a_names=s.a_names[1:],
+                                    b_shape=s.b_shape[1:], b_names=s.b_names[1:]) for i in range(n_layer)]
+    return out
+
+
 def init_adapters(found: list[Site], key: jax.Array) -> dict[str, Any]:
     """Adapters boxed with logical names (`nn.LogicallyPartitioned`, as `nn.with_logical_partitioning` boxes):
     A uniform within 1/sqrt(fan_in) as PEFT's default, B zero."""

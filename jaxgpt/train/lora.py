@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 
 from jaxgpt.errors import UserError
+from jaxgpt.io.peft import read_peft
 from jaxgpt.model import lora
 from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.task import Task
@@ -36,15 +37,12 @@ class Adapted:
         self.example_inputs, self.train_rows, self.eval_rows = inner.example_inputs, inner.train_rows, inner.eval_rows
         self.summarize, self.eval_line, self.final_line = inner.summarize, inner.eval_line, inner.final_line
         c = cfg.lora
-        self.peft = None
-        if c.init_from:
-            from jaxgpt.io.peft import read_peft  # the io layer reads the adapter files
-
-            self.peft = read_peft(c.init_from.removeprefix("peft:"), self.model_cfg, c)
-        self.base = jax.device_get(inner.pretrained())
         boxed = jax.eval_shape(inner.model.init, jax.random.key(0), *inner.example_inputs())["params"]
         self.base_axes = nn.get_partition_spec(boxed)
         self.sites = lora.sites(boxed, c.target_names, c.rank)
+        self.peft = read_peft(c.init_from.removeprefix("peft:"), self.model_cfg, c, self.sites) if c.init_from \
+            else None
+        self.base = jax.device_get(inner.pretrained())
         self.scale = lora.scale(c.alpha, c.rank, c.rslora)
         self.model = lora.Adapters(self.sites)
         self.meta = {**inner.meta, "lora": {"rank": c.rank, "alpha": c.alpha, "rslora": c.rslora,

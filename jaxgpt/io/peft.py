@@ -1,0 +1,149 @@
+"""LoRA adapters in PEFT's format, out and in: what `peft.PeftModel.from_pretrained` loads onto transformers' base.
+
+A PEFT adapter directory is `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, ...) and
+`adapter_model.safetensors` with, per adapted module, `base_model.model.<HF module>.lora_A.weight` (r, in) and
+`.lora_B.weight` (out, r): torch's Linear layout, whatever the base stores (GPT-2's Conv1D too). The HF module of
+each of jaxgpt's adapters comes from the family's tensor specs (`jaxgpt.io.hf`), the one table of HF names: the
+spec of a kernel (and its slot of a fused q/k/v kernel) names the module. A target whose slot has no module of its
+own there (GPT-2's fused c_attn holds q, k and v) is refused: PEFT adapts c_attn as one module.
+
+Written as vLLM accepts it: no modules_to_save, one rank and alpha for every module. Read back, a file with
+anything else (DoRA, per-module ranks, unknown keys, other shapes) is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxgpt.errors import UserError, optional_import
+from jaxgpt.io.checkpoint import open_checkpoint
+from jaxgpt.io.hf import export_family
+from jaxgpt.io.weights import model_from_meta
+from jaxgpt.model import lora
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import stack_layers, unstack_layers
+
+CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def module_names(cfg: ModelConfig) -> dict[tuple[tuple[str, ...], str], str]:
+    """(kernel module path, target) -> the HF module that holds it (e.g. model.layers.0.self_attn.q_proj), for
+    every slot the family's HF model keeps as a module of its own (unscanned paths)."""
+    names = {}
+    for spec in export_family(cfg).tensor_specs(cfg):
+        module = spec.path[:-1]
+        key = (module[-2] if len(module) > 1 else "", module[-1])
+        if spec.path[-1] != "kernel" or key not in lora.MODULES:
+            continue
+        for target, slot in lora.MODULES[key]:
+            if slot == spec.part:
+                names[(module, target)] = spec.hf_name.removesuffix(".weight")
+    return names
+
+
+def _unscanned(adapters: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    return unstack_layers(adapters, cfg.n_layer) if cfg.scan_layers else adapters
+
+
+def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, Any], out: str | os.PathLike[str],
+               base_name: str) -> Path:
+    """Write a run's adapters (host arrays) and its config.lora `settings` (meta["lora"]) as a PEFT directory."""
+    safetensors = optional_import("safetensors.numpy", "hf")
+    names = module_names(cfg)
+    tensors = {}
+    for module, target, ab in lora.adapter_leaves(_unscanned(adapters, cfg)):
+        if (module, target) not in names:
+            raise UserError(f"the {export_family(cfg).name} model in Hugging Face holds {target} of "
+                            f"{'/'.join(module)} fused with others (GPT-2's c_attn: q, k, v), which PEFT adapts as "
+                            "one module: train with --config.lora.targets=o,up,down (no q, k, v) to export to PEFT")
+        a, b = np.asarray(ab["lora_a"], np.float32), np.asarray(ab["lora_b"], np.float32)
+        r = a.shape[-1]
+        tensors[f"{PREFIX}{names[(module, target)]}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+        tensors[f"{PREFIX}{names[(module, target)]}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    modules = sorted({name.split(".")[-3] for name in tensors})  # ...q_proj.lora_A.weight: PEFT matches q_proj
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name,
+              "r": settings["rank"], "lora_alpha": settings["alpha"], "use_rslora": settings["rslora"],
+              "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "modules_to_save": None, "use_dora": False, "inference_mode": True}
+    (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    safetensors.save_file(tensors, str(root / TENSORS_FILE), metadata={"format": "pt"})
+    return root
+
+
+def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found: list[lora.Site]) -> dict[str, Any]:
+    """A PEFT adapter directory as jaxgpt adapters for `found` (the run's sites): rank, alpha, rsLoRA and targets
+    must be the run's config.lora, and every tensor must be one of them with its shape."""
+    safetensors = optional_import("safetensors.numpy", "hf")
+    root = Path(directory)
+    if not (root / CONFIG_FILE).is_file() or not (root / TENSORS_FILE).is_file():
+        raise UserError(f"peft:{directory} is not a PEFT adapter directory ({CONFIG_FILE} and {TENSORS_FILE})")
+    c = json.loads((root / CONFIG_FILE).read_text())
+    where = f"peft:{directory}"
+    if c.get("use_dora") or c.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{where} is a {'DoRA' if c.get('use_dora') else c.get('peft_type')} adapter: only plain LoRA "
+                        "loads (train it with use_dora=False)")
+    if c.get("modules_to_save") or c.get("rank_pattern") or c.get("alpha_pattern"):
+        raise UserError(f"{where} has modules_to_save or per-module ranks (rank_pattern/alpha_pattern): only one "
+                        "rank and alpha for every module, and no fully trained modules, load")
+    theirs = (c["r"], float(c["lora_alpha"]), bool(c.get("use_rslora")))
+    if theirs != (settings.rank, settings.alpha, settings.rslora):
+        raise UserError(f"{where} has r={theirs[0]}, lora_alpha={theirs[1]:g}, use_rslora={theirs[2]}: pass "
+                        f"--config.lora.rank={theirs[0]} --config.lora.alpha={theirs[1]:g} "
+                        f"--config.lora.rslora={theirs[2]}")
+    names = {f"{PREFIX}{hf}.lora_{m}.weight": (module, target, m)
+             for (module, target), hf in module_names(cfg).items() for m in "AB"}
+    tensors = safetensors.load_file(str(root / TENSORS_FILE))
+    if unknown := sorted(set(tensors) - set(names)):
+        raise UserError(f"{where} has {len(unknown)} tensors that are no LoRA weight of this {export_family(cfg).name} "
+                        f"model, e.g. {unknown[0]}: it adapts another model")
+    shapes = {(s.path, s.target): s for s in lora.sites_unscanned(found, cfg.n_layer)}
+    adapters: dict[str, Any] = {}
+    for name, array in tensors.items():
+        module, target, m = names[name]
+        site = shapes.get((module, target))
+        if site is None:
+            raise UserError(f"{where} adapts {target} ({name}), which config.lora.targets leaves out: pass "
+                            f"--config.lora.targets with the adapter's targets")
+        want = (settings.rank, math.prod(site.a_shape[:-1])) if m == "A" else (math.prod(site.b_shape[1:]),
+                                                                                settings.rank)
+        if array.shape != want:
+            raise UserError(f"{where}: {name} is {array.shape}, this model's is {want}: the adapter is for another "
+                            "base model")
+        node = adapters
+        for key in (*module, target):
+            node = node.setdefault(key, {})
+        node["lora_a" if m == "A" else "lora_b"] = (array.T.reshape(site.a_shape) if m == "A"
+                                                    else array.T.reshape(site.b_shape)).astype(np.float32)
+    if len(tensors) != 2 * len(shapes):
+        raise UserError(f"{where} adapts {len(tensors) // 2} modules, config.lora.targets {len(shapes)}: pass "
+                        "--config.lora.targets with the adapter's targets")
+    return stack_layers(adapters, cfg.n_layer) if cfg.scan_layers else adapters
+
+
+def export_run(workdir: str, out: str, which: str, overwrite: bool) -> str | None:
+    """Write a LoRA run's adapters as a PEFT directory (the report line), or None when the run is no LoRA run."""
+    ckpt, step, meta = open_checkpoint(workdir, which, f"train a model in {workdir} first")
+    try:
+        if "lora" not in meta:
+            return None
+        adapters = jax.device_get(ckpt.restore_params(step))
+    finally:
+        ckpt.close()
+    root = Path(out)
+    if root.exists() and any(root.iterdir()) and not overwrite:
+        raise UserError(f"{out} exists and is not empty: choose a new directory or pass --overwrite")
+    settings = meta["lora"]
+    base = settings["base"]["source"]
+    write_peft(adapters, model_from_meta(meta), settings, root, base.removeprefix("hf:"))
+    return (f"wrote a PEFT adapter {root} from {workdir} ({which}, step {step}): {CONFIG_FILE}, {TENSORS_FILE}; its "
+            f"base is {base} (--merge writes the merged model instead)")
