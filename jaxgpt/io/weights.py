@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
@@ -249,14 +251,45 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
     raise UserError(f"weights source {source!r} is not understood: use {SOURCES}")
 
 
+def grow_vocab(params: dict[str, Any], vocab_size: int, seed: int) -> dict[str, Any]:
+    """`params` with the token table (and an untied head) extended to `vocab_size` entries: each new entry is
+    the existing entries' mean plus Gaussian noise of their per-coordinate spread, drawn from the run's `seed`.
+
+    The chat task grows its init_from so (its special tokens); a LoRA chat run's base is grown again the same way
+    when the run is loaded (`_merged_lora`), bit for bit."""
+    key = jax.random.fold_in(jax.random.key(seed), 1)
+    def extend(table: np.ndarray, axis: int, k: jax.Array) -> np.ndarray:
+        extra = vocab_size - table.shape[axis]
+        mean, std = table.mean(axis, keepdims=True), table.std(axis, keepdims=True)
+        shape = list(table.shape)
+        shape[axis] = extra
+        noise = np.asarray(jax.random.normal(k, shape, jnp.float32))
+        return np.concatenate([table, (mean + std * noise).astype(table.dtype)], axis)
+
+    table = np.asarray(params["wte"]["embedding"])
+    if table.shape[0] >= vocab_size:
+        return params
+    k_table, k_head = jax.random.split(key)
+    grown = {**params, "wte": {"embedding": extend(table, 0, k_table)}}
+    if "lm_head" in params:  # untied: every leaf's last axis is the vocabulary (kernel (C, V), bias (V,))
+        leaves = sorted(params["lm_head"])
+        keys = jax.random.split(k_head, len(leaves))
+        grown["lm_head"] = {name: extend(np.asarray(params["lm_head"][name]), -1, k) for name, k in zip(leaves, keys,
+                                                                                                          strict=True)}
+    return grown
+
+
 def _merged_lora(adapters: Any, meta: dict[str, Any], arg: str) -> dict:
     """A LoRA run's weights: its base (the run's init_from, checked by content hash) with its adapters merged."""
-    lora = meta["lora"]
-    base = jax.device_get(load_for(lora["base"]["source"], model_from_meta(meta)).params)
+    lora, cfg = meta["lora"], model_from_meta(meta)
+    source = lora["base"]["source"]
+    source_vocab = describe(source)[0].vocab_size
+    base = jax.device_get(load_for(source, cfg.replace(vocab_size=source_vocab)).params)
+    if cfg.vocab_size > source_vocab:  # a chat run's special tokens grew the vocabulary
+        base = grow_vocab(base, cfg.vocab_size, meta["config"]["seed"])
     if digest(base) != lora["base"]["sha256"]:
         raise UserError(f"the LoRA run {arg} adapts {lora['base']['source']} as it was when it trained (hash "
-                        f"{lora['base']['sha256']}), which has changed since (or grew its vocabulary for chat): "
-                        "restore those weights to use the run")
+                        f"{lora['base']['sha256']}), which has changed since: restore those weights to use the run")
     return merge(base, jax.device_get(adapters), scale(lora["alpha"], lora["rank"], lora["rslora"]))
 
 
