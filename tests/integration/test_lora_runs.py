@@ -65,3 +65,26 @@ def test_resume_is_bit_for_bit_and_another_base_is_refused(tmp_path: Path, data_
     with pytest.raises(UserError, match="adapters of another base") as e:
         train_run(lora_config(tmp_path / "resumed", data_dir, other, 9))
     assert "\n" not in str(e.value)
+
+
+def test_a_chat_run_whose_vocabulary_grew_loads_merged(tmp_path: Path) -> None:
+    """Chat adds its special tokens to the base's vocabulary: the run's base is that grown base, rebuilt bit for
+    bit (the hash agrees) when the run loads merged."""
+    from helpers.chat import ALPHABET, sft_config
+    from helpers.models import save_random_lm
+
+    from jaxgpt.data.tokenizer import CharTokenizer
+    from jaxgpt.model.config import ModelConfig
+
+    base = tmp_path / "base"
+    save_random_lm(base, ModelConfig(vocab_size=len(ALPHABET), block_size=96, n_layer=2, n_head=2, n_embd=32),
+                   CharTokenizer(ALPHABET))
+    c = sft_config(tmp_path / "chat", base, max_steps=2, eval_interval=2)
+    c.lora.rank = 4
+    train_run(c)
+    loaded = weights.load(f"workdir:{tmp_path / 'chat'}")
+    assert loaded.model.vocab_size > len(ALPHABET)
+    adapters = traverse_util.unflatten_dict(final_params(tmp_path / "chat"))
+    grown = weights.grow_vocab(jax.device_get(weights.load(f"workdir:{base}").params), loaded.model.vocab_size, 0)
+    expected = lora.merge(grown, adapters, lora.scale(16.0, 4, False))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), loaded.params, expected)
