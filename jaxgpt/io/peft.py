@@ -25,7 +25,7 @@ import numpy as np
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.io.hf import export_family
-from jaxgpt.io.weights import model_from_meta
+from jaxgpt.io.weights import describe, model_from_meta
 from jaxgpt.model import lora
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import stack_layers, unstack_layers
@@ -143,7 +143,10 @@ def export_run(workdir: str, out: str, which: str, overwrite: bool) -> str | Non
     if root.exists() and any(root.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty: choose a new directory or pass --overwrite")
     settings = meta["lora"]
-    base = settings["base"]["source"]
-    write_peft(adapters, model_from_meta(meta), settings, root, base.removeprefix("hf:"))
+    base, cfg = settings["base"]["source"], model_from_meta(meta)
+    if cfg.vocab_size > describe(base)[0].vocab_size:
+        raise UserError(f"{workdir} grew {base}'s vocabulary (a chat run's special tokens), which a PEFT adapter "
+                        "cannot carry: export the merged model with --merge")
+    write_peft(adapters, cfg, settings, root, base.removeprefix("hf:"))
     return (f"wrote a PEFT adapter {root} from {workdir} ({which}, step {step}): {CONFIG_FILE}, {TENSORS_FILE}; its "
             f"base is {base} (--merge writes the merged model instead)")
