@@ -4,15 +4,17 @@ A PEFT adapter directory is `adapter_config.json` (r, lora_alpha, target_modules
 `adapter_model.safetensors` with, per adapted module, `base_model.model.<HF module>.lora_A.weight` (r, in) and
 `.lora_B.weight` (out, r): torch's Linear layout, whatever the base stores (GPT-2's Conv1D too). The HF module of
 each of jaxgpt's adapters comes from the family's tensor specs (`jaxgpt.io.hf`), the one table of HF names: the
-spec of a kernel (and its slot of a fused q/k/v kernel) names the module. A target whose slot has no module of its
-own there (GPT-2's fused c_attn holds q, k and v) is refused: PEFT adapts c_attn as one module.
+spec of a kernel (and its slot of a fused q/k/v kernel) names the module. GPT-2's c_attn holds q, k and v in one
+module, which PEFT adapts as one: its adapters are written as one LoRA of rank 3r (A stacked, B block-diagonal), with
+rank_pattern and alpha_pattern keeping its scale, the exact sum of the three updates.
 
-Written as vLLM accepts it: no modules_to_save, one rank and alpha for every module. Read back, a file with
-anything else (DoRA, per-module ranks, unknown keys, other shapes) is refused with one line.
+Written as vLLM accepts it: no modules_to_save, one rank and alpha for every module except that c_attn. Read back,
+a file with anything else (DoRA, per-module ranks, unknown keys, other shapes) is refused with one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,18 +36,31 @@ CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
-def module_names(cfg: ModelConfig) -> dict[tuple[tuple[str, ...], str], str]:
-    """(kernel module path, target) -> the HF module that holds it (e.g. model.layers.0.self_attn.q_proj), for
-    every slot the family's HF model keeps as a module of its own (unscanned paths)."""
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where one of jaxgpt's adapters goes in the HF model: its module, and for a module that fuses several targets
+    (GPT-2's c_attn: q, k, v) the target's slot of `n`."""
+
+    module: str  # e.g. model.layers.0.self_attn.q_proj
+    slot: int | None
+    n: int
+    conv1d: bool  # the HF weight is (in, out) (GPT-2's Conv1D), which PEFT calls fan_in_fan_out
+
+
+def module_names(cfg: ModelConfig) -> dict[tuple[tuple[str, ...], str], Place]:
+    """(kernel module path, target) -> its `Place` in the family's HF model (unscanned paths)."""
     names = {}
     for spec in export_family(cfg).tensor_specs(cfg):
         module = spec.path[:-1]
         key = (module[-2] if len(module) > 1 else "", module[-1])
         if spec.path[-1] != "kernel" or key not in lora.MODULES:
             continue
-        for target, slot in lora.MODULES[key]:
+        hf = spec.hf_name.removesuffix(".weight")
+        for i, (target, slot) in enumerate(lora.MODULES[key]):
             if slot == spec.part:
-                names[(module, target)] = spec.hf_name.removesuffix(".weight")
+                names[(module, target)] = Place(hf, None, 1, not spec.transpose)
+            elif spec.part is None:  # fused in HF as in jaxgpt
+                names[(module, target)] = Place(hf, i, len(lora.MODULES[key]), not spec.transpose)
     return names
 
 
@@ -58,26 +73,47 @@ def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, A
     """Write a run's adapters (host arrays) and its config.lora `settings` (meta["lora"]) as a PEFT directory."""
     safetensors = optional_import("safetensors.numpy", "hf")
     names = module_names(cfg)
-    tensors = {}
+    tensors, fused, places = {}, {}, []
     for module, target, ab in lora.adapter_leaves(_unscanned(adapters, cfg)):
-        if (module, target) not in names:
-            raise UserError(f"the {export_family(cfg).name} model in Hugging Face holds {target} of "
-                            f"{'/'.join(module)} fused with others (GPT-2's c_attn: q, k, v), which PEFT adapts as "
-                            "one module: train with --config.lora.targets=o,up,down (no q, k, v) to export to PEFT")
+        place = names[(module, target)]
         a, b = np.asarray(ab["lora_a"], np.float32), np.asarray(ab["lora_b"], np.float32)
         r = a.shape[-1]
-        tensors[f"{PREFIX}{names[(module, target)]}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
-        tensors[f"{PREFIX}{names[(module, target)]}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+        a_rI, b_Or = a.reshape(-1, r).T, b.reshape(r, -1).T
+        places.append(place)
+        if place.slot is None:
+            tensors[f"{PREFIX}{place.module}.lora_A.weight"] = np.ascontiguousarray(a_rI)
+            tensors[f"{PREFIX}{place.module}.lora_B.weight"] = np.ascontiguousarray(b_Or)
+        else:
+            fused.setdefault((place.module, place.n), {})[place.slot] = (a_rI, b_Or)
+    patterns = {name: _fused_module(tensors, name, n, parts) for (name, n), parts in fused.items()}
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     modules = sorted({name.split(".")[-3] for name in tensors})  # ...q_proj.lora_A.weight: PEFT matches q_proj
+    s = lora.scale(settings["alpha"], settings["rank"], settings["rslora"])
+    # a fused module's rank is n r (`_fused_module`); its alpha keeps the scale of every other module
+    ranks = {name.split(".")[-1]: r_n for name, r_n in patterns.items()}
+    alphas = {k: s * (math.sqrt(v) if settings["rslora"] else v) for k, v in ranks.items()}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name,
               "r": settings["rank"], "lora_alpha": settings["alpha"], "use_rslora": settings["rslora"],
-              "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-              "modules_to_save": None, "use_dora": False, "inference_mode": True}
+              "target_modules": modules, "rank_pattern": ranks, "alpha_pattern": alphas, "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": any(p.conv1d for p in places), "modules_to_save": None,
+              "use_dora": False, "inference_mode": True}
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     safetensors.save_file(tensors, str(root / TENSORS_FILE), metadata={"format": "pt"})
     return root
+
+
+def _fused_module(tensors: dict[str, np.ndarray], name: str, n: int, parts: dict[int, tuple]) -> int:
+    """One LoRA of rank n r for an HF module that fuses n targets (GPT-2's c_attn): A stacks each slot's A (zero for
+    a slot not adapted), B is block-diagonal, so B A is each slot's own update in its own rows. Returns n r."""
+    a_rI, b_Or = next(iter(parts.values()))
+    r, d_in, d_out = a_rI.shape[0], a_rI.shape[1], b_Or.shape[0]
+    a_all, b_all = np.zeros((n * r, d_in), np.float32), np.zeros((n * d_out, n * r), np.float32)
+    for slot, (a, b) in parts.items():
+        a_all[slot * r:(slot + 1) * r] = a
+        b_all[slot * d_out:(slot + 1) * d_out, slot * r:(slot + 1) * r] = b
+    tensors[f"{PREFIX}{name}.lora_A.weight"], tensors[f"{PREFIX}{name}.lora_B.weight"] = a_all, b_all
+    return n * r
 
 
 def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found: list[lora.Site]) -> dict[str, Any]:
@@ -100,8 +136,8 @@ def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found
         raise UserError(f"{where} has r={theirs[0]}, lora_alpha={theirs[1]:g}, use_rslora={theirs[2]}: pass "
                         f"--config.lora.rank={theirs[0]} --config.lora.alpha={theirs[1]:g} "
                         f"--config.lora.rslora={theirs[2]}")
-    names = {f"{PREFIX}{hf}.lora_{m}.weight": (module, target, m)
-             for (module, target), hf in module_names(cfg).items() for m in "AB"}
+    names = {f"{PREFIX}{place.module}.lora_{m}.weight": (module, target, m)
+             for (module, target), place in module_names(cfg).items() if place.slot is None for m in "AB"}
     tensors = safetensors.load_file(str(root / TENSORS_FILE))
     if unknown := sorted(set(tensors) - set(names)):
         raise UserError(f"{where} has {len(unknown)} tensors that are no LoRA weight of this {export_family(cfg).name} "

@@ -80,6 +80,24 @@ def test_export_loads_in_peft_and_merged_export_equals_it(tmp_path: Path, data_d
     np.testing.assert_allclose(merged, theirs, atol=1e-4, rtol=0)
 
 
+def test_a_gpt2_export_with_q_k_v_loads_in_peft(tmp_path: Path, data_dir: Path) -> None:
+    """GPT-2 fuses q, k, v into c_attn in Hugging Face: their adapters export as one block-diagonal LoRA of it."""
+    from jaxgpt.commands.hf import export
+
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2,
+                                                         n_head=4)).save_pretrained(tmp_path / "base")
+    c = lora_config(tmp_path / "run", data_dir, tmp_path / "base", targets="")
+    train_run(c)
+    export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False)
+    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    base_logits = hf_logits(base)
+    theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    loaded = weights.load(f"workdir:{tmp_path / 'run'}")
+    np.testing.assert_allclose(jax_logits(loaded.params, loaded.model), theirs, atol=1e-4, rtol=0)
+    assert np.abs(theirs - base_logits).max() > 1e-3
+
+
 def peft_adapter(llama: Path, out: Path) -> None:
     """An adapter made by `peft` on transformers' base, its B randomized (a trained adapter's). Not on lm_head:
     peft then saves the head's base weight beside the adapter (save_embedding_layers), which jaxgpt refuses."""
