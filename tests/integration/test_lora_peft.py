@@ -124,6 +124,8 @@ def test_a_peft_adapter_loads_into_jaxgpt_with_peft_logits(tmp_path: Path, data_
     task = build(from_config_dict(c))
     params = lora.merge(task.base, task.pretrained(), task.scale)
     np.testing.assert_allclose(jax_logits(params, task.model_cfg), theirs, atol=1e-4, rtol=0)
+    direct = weights.load(f"peft:{tmp_path / 'adapter'}")  # the weights source sample and serve take
+    np.testing.assert_allclose(jax_logits(direct.params, direct.model), theirs, atol=1e-4, rtol=0)
     out = train_run(c)  # and trains further from it
     assert np.isfinite(out["val_loss"])
 

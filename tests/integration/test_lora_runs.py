@@ -88,7 +88,7 @@ def test_a_chat_run_whose_vocabulary_grew_loads_merged(tmp_path: Path) -> None:
     grown = weights.grow_vocab(jax.device_get(weights.load(f"workdir:{base}").params), loaded.model.vocab_size, 0)
     expected = lora.merge(grown, adapters, lora.scale(16.0, 4, False))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), loaded.params, expected)
-    from jaxgpt.io.peft import export_run  # a PEFT adapter has no place for the grown rows: --merge
+    from jaxgpt.commands.hf import export  # a PEFT adapter has no place for the grown rows: --merge
 
     with pytest.raises(UserError, match="--merge"):
-        export_run(str(tmp_path / "chat"), str(tmp_path / "adapter"), "latest", False)
+        export(str(tmp_path / "chat"), str(tmp_path / "adapter"), "latest", False)
