@@ -33,7 +33,6 @@ from jaxgpt.data.conversations import END, load_template
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import peft, weights
-from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.io.hf import export_family, load_hf, save_hf
 from jaxgpt.tools.summary import count_params
 
@@ -94,9 +93,9 @@ def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | 
 
 
 def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None, merge: bool) -> str:
-    if not merge and (adapter := _export_peft(workdir, out, which, overwrite)):
-        return adapter
-    loaded = weights.load(f"workdir:{workdir}", which=which)
+    loaded = weights.load(f"workdir:{workdir}", which=which, merge_lora=merge)
+    if "lora" in loaded.meta and not merge:
+        return _export_peft(loaded, workdir, out, overwrite)
     weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported to Hugging Face")
     tokenizer = None if loaded.tokenizer_meta is None else loaded.tokenizer(bpe_file)
     hf_tokenizer.require_transformers()  # before anything is written: an export without its tokenizer is no use
@@ -118,25 +117,18 @@ def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str |
     return f"wrote {root} from {workdir} ({which}): {files}" + "".join(f" ({n})" for n in notes)
 
 
-def _export_peft(workdir: str, out: str, which: str, overwrite: bool) -> str | None:
-    """Write a LoRA run's adapters as a PEFT directory (the report line), or None when the run is no LoRA run."""
-    ckpt, step, meta = open_checkpoint(workdir, which, f"train a model in {workdir} first")
-    try:
-        if "lora" not in meta:
-            return None
-        adapters = jax.device_get(ckpt.restore_params(step))
-    finally:
-        ckpt.close()
+def _export_peft(loaded: weights.Weights, workdir: str, out: str, overwrite: bool) -> str:
+    """Write a LoRA run's adapters (`loaded` unmerged) as a PEFT directory; the report line."""
     root = Path(out)
     if root.exists() and any(root.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty: choose a new directory or pass --overwrite")
-    settings = meta["lora"]
-    base, cfg = settings["base"]["source"], weights.model_from_meta(meta)
-    if cfg.vocab_size > weights.describe(base)[0].vocab_size:
+    settings = loaded.meta["lora"]
+    base = settings["base"]["source"]
+    if loaded.model.vocab_size > weights.describe(base)[0].vocab_size:
         raise UserError(f"{workdir} grew {base}'s vocabulary (a chat run's special tokens), which a PEFT adapter "
                         "cannot carry: export the merged model with --merge")
-    peft.write_peft(adapters, cfg, settings, root, base.removeprefix("hf:"))
-    return (f"wrote a PEFT adapter {root} from {workdir} ({which}, step {step}): {peft.CONFIG_FILE}, "
+    peft.write_peft(jax.device_get(loaded.params), loaded.model, settings, root, base.removeprefix("hf:"))
+    return (f"wrote a PEFT adapter {root} from {workdir} ({loaded.description}): {peft.CONFIG_FILE}, "
             f"{peft.TENSORS_FILE}; its base is {base} (--merge writes the merged model instead)")
 
 

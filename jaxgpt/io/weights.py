@@ -207,12 +207,14 @@ def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqC
     return loaded.model, loaded.tokenizer_meta
 
 
-def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int | None = None) -> Weights:
+def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int | None = None,
+         merge_lora: bool = True) -> Weights:
     """Weights from `source` (see the module docstring).
 
     `which` picks a run's latest or best checkpoint; `seed` initializes a preset; `block_size` crops a
     Hugging Face model's position table to at most that many positions (fine-tuning on short contexts is
-    much cheaper).
+    much cheaper). A LoRA run gives its merged weights, or with `merge_lora` False its adapters alone (its meta's
+    "lora" says what they adapt).
     """
     kind, _, arg = source.partition(":")
     if kind == "workdir" and arg:
@@ -225,7 +227,7 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
             params = ckpt.restore_params(step)
         finally:
             ckpt.close()
-        if "lora" in meta:
+        if "lora" in meta and merge_lora:
             params = _merged_lora(params, meta, arg)
         return Weights(params, model_from_meta(meta), meta.get("tokenizer"), meta,
                        f"{Path(arg).name} ({which}, step {step})")
