@@ -1,7 +1,7 @@
 """Hugging Face directories (GPT-2, NanoChat, Llama, Mistral, Qwen2, Qwen3, Gemma 3): check one, or export a run.
 
     jaxgpt hf inspect PATH       # what a HF directory (or hf:OWNER/NAME Hub repository) maps to, tensor by tensor
-    jaxgpt hf export --workdir DIR --out PATH [--which best] [--overwrite] [--push_to_hub OWNER/NAME]
+    jaxgpt hf export --workdir DIR --out PATH [--which best] [--overwrite] [--merge] [--push_to_hub OWNER/NAME]
 
 An export is `config.json` + `model.safetensors` as the family whose architecture the run's model has
 (`GPT2LMHeadModel`, `NanoChatForCausalLM` for nanochat's options, `LlamaForCausalLM` and its kin: `jaxgpt.io.hf`),
@@ -11,7 +11,9 @@ special tokens and chat template (`apply_chat_template` then gives the ids jaxgp
 generation_config.json, so that `transformers.pipeline("text-generation", model=PATH)` writes what `jaxgpt sample`
 writes. Writing the tokenizer needs transformers. A classifier's head, which a language model has no place for, is
 left out. `--push_to_hub` then uploads the directory to that Hub repository (creating it; needs a login: hf auth
-login). """
+login). A LoRA run (config.lora) exports as a PEFT adapter (`jaxgpt.io.peft`: adapter_config.json +
+adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on its base), or with `--merge` as the full model
+with its adapters merged."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 from absl import flags
 from flax import traverse_util
 
@@ -29,7 +32,7 @@ from jaxgpt.data import hf_tokenizer
 from jaxgpt.data.conversations import END, load_template
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError, optional_import
-from jaxgpt.io import weights
+from jaxgpt.io import peft, weights
 from jaxgpt.io.hf import export_family, load_hf, save_hf
 from jaxgpt.tools.summary import count_params
 
@@ -52,6 +55,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.mark_flags_as_required(["workdir", "out"], flag_values=flags_)
     flags.DEFINE_enum("which", "latest", ("latest", "best"), "checkpoint of --workdir", flag_values=flags_)
     flags.DEFINE_bool("overwrite", False, "replace the checkpoint in a non-empty --out", flag_values=flags_)
+    flags.DEFINE_bool("merge", False, "a LoRA run: write the full merged model instead of a PEFT adapter",
+                      flag_values=flags_)
     flags.DEFINE_string("push_to_hub", None, "then upload --out to this Hugging Face Hub repository (OWNER/NAME)",
                         flag_values=flags_)
     flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE runs", flag_values=flags_)
@@ -69,24 +74,28 @@ def inspect(path: str) -> str:
     return "\n".join(lines)
 
 
-def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None = None) -> str:
+def export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None = None,
+           merge: bool = False) -> str:
     """Write the run as a Hugging Face directory (weights, tokenizer, generation config), locally or into a
     bucket: there it is written locally first and uploaded with config.json last (a loader's sign of a
     complete export; an overwrite removes the old one first)."""
     if not storage.is_bucket(out):
-        return _export(workdir, out, which, overwrite, bpe_file)
+        return _export(workdir, out, which, overwrite, bpe_file, merge)
     target = storage.location(out, "--out")
     if storage.files(target) and not overwrite:
         raise UserError(f"{out} exists and is not empty: choose a new location or pass --overwrite to replace its "
                         "checkpoint")
     with tempfile.TemporaryDirectory() as tmp:
-        report = _export(workdir, tmp, which, overwrite, bpe_file)
-        storage.publish(Path(tmp), target, sorted(p.name for p in Path(tmp).iterdir()), commit="config.json")
+        report = _export(workdir, tmp, which, overwrite, bpe_file, merge)
+        commit = "config.json" if (Path(tmp) / "config.json").exists() else peft.CONFIG_FILE
+        storage.publish(Path(tmp), target, sorted(p.name for p in Path(tmp).iterdir()), commit=commit)
     return report.replace(tmp, out, 1)
 
 
-def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None) -> str:
-    loaded = weights.load(f"workdir:{workdir}", which=which)
+def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str | None, merge: bool) -> str:
+    loaded = weights.load(f"workdir:{workdir}", which=which, merge_lora=merge)
+    if "lora" in loaded.meta and not merge:
+        return _export_peft(loaded, workdir, out, overwrite)
     weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported to Hugging Face")
     tokenizer = None if loaded.tokenizer_meta is None else loaded.tokenizer(bpe_file)
     hf_tokenizer.require_transformers()  # before anything is written: an export without its tokenizer is no use
@@ -106,6 +115,21 @@ def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str |
         notes.append("no tokenizer: the run records none")
     files = ", ".join(sorted(p.name for p in root.iterdir()))
     return f"wrote {root} from {workdir} ({which}): {files}" + "".join(f" ({n})" for n in notes)
+
+
+def _export_peft(loaded: weights.Weights, workdir: str, out: str, overwrite: bool) -> str:
+    """Write a LoRA run's adapters (`loaded` unmerged) as a PEFT directory; the report line."""
+    root = Path(out)
+    if root.exists() and any(root.iterdir()) and not overwrite:
+        raise UserError(f"{out} exists and is not empty: choose a new directory or pass --overwrite")
+    settings = loaded.meta["lora"]
+    base = settings["base"]["source"]
+    if loaded.model.vocab_size > weights.describe(base)[0].vocab_size:
+        raise UserError(f"{workdir} grew {base}'s vocabulary (a chat run's special tokens), which a PEFT adapter "
+                        "cannot carry: export the merged model with --merge")
+    peft.write_peft(jax.device_get(loaded.params), loaded.model, settings, root, base.removeprefix("hf:"))
+    return (f"wrote a PEFT adapter {root} from {workdir} ({loaded.description}): {peft.CONFIG_FILE}, "
+            f"{peft.TENSORS_FILE}; its base is {base} (--merge writes the merged model instead)")
 
 
 def push_to_hub(out: str, repo: str) -> str:
@@ -133,7 +157,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     no_arguments(args[1:])
     if flags_.push_to_hub is not None and not weights.HUB_ID.fullmatch(flags_.push_to_hub):
         raise UserError(f"--push_to_hub={flags_.push_to_hub} is not a Hub repository id: use OWNER/NAME")
-    print(export(flags_.workdir, flags_.out, flags_.which, flags_.overwrite, flags_.bpe_file))
+    print(export(flags_.workdir, flags_.out, flags_.which, flags_.overwrite, flags_.bpe_file, flags_.merge))
     if flags_.push_to_hub is not None:
         print(push_to_hub(flags_.out, flags_.push_to_hub))
 

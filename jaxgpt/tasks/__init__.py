@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 
 from jaxgpt.train.config import TrainConfig
+from jaxgpt.train.lora import adapt
 from jaxgpt.train.task import TASKS, Task
 
 
 def build(cfg: TrainConfig) -> Task:
     """The task `cfg.task` names (`TASKS`, which the config schema checks it against), with its data opened and
-    checked (before anything is compiled)."""
+    checked (before anything is compiled); with config.lora, its adapters on its frozen init_from (`train.lora`)."""
     module, _, name = TASKS[cfg.task][2].rpartition(".")
-    return getattr(importlib.import_module(module), name)(cfg)
+    return adapt(getattr(importlib.import_module(module), name)(cfg), cfg)

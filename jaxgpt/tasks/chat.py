@@ -73,30 +73,6 @@ def chat_loss(logits_BWV: jax.Array, batch: Batch, label_smoothing: float = 0.0)
     return jnp.sum(tok_BW * mask_BW) / jnp.maximum(jnp.sum(mask_BW), 1.0)
 
 
-def grow_vocab(params: dict[str, Any], vocab_size: int, key: jax.Array) -> dict[str, Any]:
-    """`params` with the token table (and an untied head) extended to `vocab_size` entries: each new entry is
-    the existing entries' mean plus Gaussian noise of their per-coordinate spread."""
-    def extend(table: np.ndarray, axis: int, k: jax.Array) -> np.ndarray:
-        extra = vocab_size - table.shape[axis]
-        mean, std = table.mean(axis, keepdims=True), table.std(axis, keepdims=True)
-        shape = list(table.shape)
-        shape[axis] = extra
-        noise = np.asarray(jax.random.normal(k, shape, jnp.float32))
-        return np.concatenate([table, (mean + std * noise).astype(table.dtype)], axis)
-
-    table = np.asarray(params["wte"]["embedding"])
-    if table.shape[0] >= vocab_size:
-        return params
-    k_table, k_head = jax.random.split(key)
-    grown = {**params, "wte": {"embedding": extend(table, 0, k_table)}}
-    if "lm_head" in params:  # untied: every leaf's last axis is the vocabulary (kernel (C, V), bias (V,))
-        leaves = sorted(params["lm_head"])
-        keys = jax.random.split(k_head, len(leaves))
-        grown["lm_head"] = {name: extend(np.asarray(params["lm_head"][name]), -1, k) for name, k in zip(leaves, keys,
-                                                                                                          strict=True)}
-    return grown
-
-
 def configured_conversations(c: Conversations, seed: int) -> tuple[list[Conversation], list[str], list[str], str]:
     """(conversations, where each comes from, its kind (its built-in dataset) for per-dataset accuracy, a
     description) of config.chat, or of config.rl for RL's prompts."""
@@ -269,8 +245,7 @@ class Chat:
 
     def pretrained(self) -> Any:
         loaded = weights.load_for(self.cfg.init_from, self.base_cfg)
-        key = jax.random.fold_in(jax.random.key(self.cfg.seed), 1)
-        return grow_vocab(jax.device_get(loaded.params), self.model_cfg.vocab_size, key)
+        return weights.grow_vocab(jax.device_get(loaded.params), self.model_cfg.vocab_size, self.cfg.seed)
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         if (weights.changed_model_settings(saved_meta, self.model_cfg)

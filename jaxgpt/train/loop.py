@@ -96,8 +96,9 @@ def _train(cfg: TrainConfig, task: Task, workdir: storage.Location, lock: rundir
                 print(optim.describe_groups(prog.param_axes, state["params"], cfg.optim), flush=True)
         t0 = time.perf_counter()
         options = {"xla_gpu_deterministic_ops": True} if cfg.deterministic else None
-        compiled = prog.train_step.lower(state, feed.batch(start, state["params"]), dropout_key).compile(
+        step_fn = prog.train_step.lower(state, feed.batch(start, state["params"]), dropout_key, *prog.frozen).compile(
             compiler_options=options)
+        compiled = lambda state, batch, key: step_fn(state, batch, key, *prog.frozen)
         compile_s = time.perf_counter() - t0
         meter = Meter(cfg, task, workdir, start, is_main)
         with GracefulStop() as stop:
@@ -204,7 +205,8 @@ class Feed:
 
     def evaluate(self, params: Any) -> dict[str, Any]:
         self._use_weights(params)
-        metrics = self.task.summarize({split: jax.device_get([self.prog.eval_step(params, b) for b in batches])
+        run = lambda b: self.prog.eval_step(params, b, *self.prog.frozen)
+        metrics = self.task.summarize({split: jax.device_get([run(b) for b in batches])
                                        for split, batches in self.evals.items()})
         return metrics | (self.task.benchmarks(params, self.benchmark_rows) if self.benchmark_rows else {})
 

@@ -53,6 +53,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("classes", None),
     ("norm", None),
     ("layers", None),
+    ("lora", None),  # a LoRA adapter's rank (`jaxgpt.model.lora`): small, replicated
 )
 
 
@@ -181,8 +182,9 @@ class Program:
     batch_sh: dict[str, NamedSharding]  # training batches (A micro-batches, b rows, ...): rows over data x fsdp
     eval_sh: dict[str, NamedSharding]  # evaluation batches (b rows, ...)
     abstract_state: dict[str, Any]  # ShapeDtypeStructs carrying state_sh: the shapes of a real state
-    train_step: Callable[..., Any]  # jitted (state, batch, key) -> (state, metrics); donates state
-    eval_step: Callable[..., Any]  # jitted (params, batch) -> the task's evaluation outputs
+    train_step: Callable[..., Any]  # jitted (state, batch, key, *frozen) -> (state, metrics); donates state
+    eval_step: Callable[..., Any]  # jitted (params, batch, *frozen) -> the task's evaluation outputs
+    frozen: tuple[Any, ...] = ()  # placed inputs every step and evaluation takes untrained: a LoRA run's base
 
     def activate(self) -> contextlib.AbstractContextManager[None]:
         return activate(self.mesh, self.rules)
@@ -222,6 +224,8 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
     rules = rules_for(cfg, mesh)
     boxed = jax.eval_shape(task.model.init, jax.random.key(0), *task.example_inputs())["params"]  # nothing allocated
     axes = nn.get_partition_spec(boxed)
+    frozen = task.frozen(logical_to_sharding(task.base_axes, mesh, rules)) if hasattr(task, "frozen") else ()
+    frozen_sh = tuple(jax.tree.map(lambda a: a.sharding, f) for f in frozen)
     tx = make_optimizer(optim, d_model=cfg.n_embd, axes=axes)
     param_sh = logical_to_sharding(axes, mesh, rules)
     repl = replicated(mesh)
@@ -232,11 +236,12 @@ def build_program(task: Any, optim: Any, mesh: Mesh, batch_size: int, grad_accum
                                                                                               sharding=repl)}
     batch_sh = {k: batch_sharding(mesh, n, leading=1) for k, n in task.batch_ndims.items()}
     eval_sh = {k: batch_sharding(mesh, n) for k, n in task.batch_ndims.items()}
-    train_step = jax.jit(make_train_step(task.loss, tx), in_shardings=(state_sh, batch_sh, repl),
+    train_step = jax.jit(make_train_step(task.loss, tx), in_shardings=(state_sh, batch_sh, repl, *frozen_sh),
                          out_shardings=(state_sh, repl), donate_argnums=(0,))
-    eval_step = jax.jit(task.evaluate, in_shardings=(param_sh, eval_sh), out_shardings=repl)
+    eval_step = jax.jit(task.evaluate, in_shardings=(param_sh, eval_sh, *frozen_sh), out_shardings=repl)
     return Program(mesh=mesh, rules=rules, tx=tx, param_axes=axes, state_sh=state_sh, batch_sh=batch_sh,
-                   eval_sh=eval_sh, abstract_state=abstract_state, train_step=train_step, eval_step=eval_step)
+                   eval_sh=eval_sh, abstract_state=abstract_state, train_step=train_step, eval_step=eval_step,
+                   frozen=frozen)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ from jaxgpt.train.optim import current_lr
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
-# loss(params, batch, key) -> (scalar loss, {name: scalar}): the key is for dropout.
-Loss = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+# loss(params, batch, key, *frozen) -> (scalar loss, {name: scalar}): the key is for dropout; frozen are inputs
+# that are never trained (a LoRA run's base, `jaxgpt.train.lora`), none for most tasks.
+Loss = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 def make_train_step(loss: Loss, tx: optax.GradientTransformation) -> Callable[..., tuple[State, dict]]:
-    """Build `train_step(state, batch, key) -> (state, metrics)`.
+    """Build `train_step(state, batch, key, *frozen) -> (state, metrics)`: `frozen` go to the loss undifferentiated.
 
     Every leaf of `batch` has a leading micro-batch axis A: their gradients are averaged in a `lax.scan`
     (gradient accumulation without a Python loop or extra optimizer state). One micro-batch takes no loop:
@@ -33,13 +34,13 @@ def make_train_step(loss: Loss, tx: optax.GradientTransformation) -> Callable[..
     """
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def train_step(state: State, batch: Batch, key: jax.Array) -> tuple[State, dict]:
+    def train_step(state: State, batch: Batch, key: jax.Array, *frozen: Any) -> tuple[State, dict]:
         step_key = jax.random.fold_in(key, state["step"])
         n_micro = jax.tree.leaves(batch)[0].shape[0]
 
         def one(micro_batch: Batch, i: Any) -> tuple[dict, Any]:
             """({"loss", the task's terms}, gradients) of micro-batch i."""
-            (value, terms), grads = grad_fn(state["params"], micro_batch, jax.random.fold_in(step_key, i))
+            (value, terms), grads = grad_fn(state["params"], micro_batch, jax.random.fold_in(step_key, i), *frozen)
             return {"loss": value, **terms}, grads
 
         first = jax.tree.map(lambda x: x[0], batch)

@@ -28,9 +28,10 @@ from jaxgpt.data.conversations import (
 )
 from jaxgpt.data.tokenizer import EOT_TEXT, CharTokenizer, WordTokenizer, load_bpe, tokenizer_from_meta
 from jaxgpt.errors import UserError
+from jaxgpt.io.weights import grow_vocab
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT, init_params
-from jaxgpt.tasks.chat import chat_loss, grow_vocab
+from jaxgpt.tasks.chat import chat_loss
 
 
 def test_loss_mask_covers_exactly_the_assistant_tokens_of_a_hand_checked_conversation() -> None:
@@ -228,7 +229,7 @@ def test_builtin_answers_are_right_and_held_out_prompts_are_new_to_training() ->
 def test_new_tokens_grow_the_table_and_leave_existing_rows() -> None:
     params = {"wte": {"embedding": np.arange(12, dtype=np.float32).reshape(4, 3)},
               "lm_head": {"kernel": np.ones((3, 4), np.float32), "bias": np.zeros(4, np.float32)}}
-    grown = grow_vocab(params, 6, jax.random.key(0))
+    grown = grow_vocab(params, 6, 0)
     assert grown["wte"]["embedding"].shape == (6, 3) and grown["lm_head"]["kernel"].shape == (3, 6)
     assert np.array_equal(grown["wte"]["embedding"][:4], params["wte"]["embedding"])
     assert np.allclose(grown["lm_head"]["kernel"][:, 4:], 1.0) and grown["lm_head"]["bias"].shape == (6,)

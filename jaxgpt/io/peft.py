@@ -1,0 +1,189 @@
+"""LoRA adapters in PEFT's format, out and in: what `peft.PeftModel.from_pretrained` loads onto transformers' base.
+
+A PEFT adapter directory is `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, ...) and
+`adapter_model.safetensors` with, per adapted module, `base_model.model.<HF module>.lora_A.weight` (r, in) and
+`.lora_B.weight` (out, r): torch's Linear layout, whatever the base stores (GPT-2's Conv1D too). The HF module of
+each of jaxgpt's adapters comes from the family's tensor specs (`jaxgpt.io.hf`), the one table of HF names: the
+spec of a kernel (and its slot of a fused q/k/v kernel) names the module. GPT-2's c_attn holds q, k and v in one
+module, which PEFT adapts as one: its adapters are written as one LoRA of rank 3r (A stacked, B block-diagonal), with
+rank_pattern and alpha_pattern keeping its scale, the exact sum of the three updates.
+
+Written as vLLM accepts it: no modules_to_save, one rank and alpha for every module except that c_attn. Read back,
+a file with anything else (DoRA, per-module ranks, unknown keys, other shapes) is refused with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt.errors import UserError, optional_import
+from jaxgpt.io.hf import export_family
+from jaxgpt.model import lora
+from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.gpt import stack_layers, unstack_layers
+
+CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where one of jaxgpt's adapters goes in the HF model: its module, and for a module that fuses several targets
+    (GPT-2's c_attn: q, k, v) the target's slot of `n`."""
+
+    module: str  # e.g. model.layers.0.self_attn.q_proj
+    slot: int | None
+    n: int
+    conv1d: bool  # the HF weight is (in, out) (GPT-2's Conv1D), which PEFT calls fan_in_fan_out
+
+
+def module_names(cfg: ModelConfig) -> dict[tuple[tuple[str, ...], str], Place]:
+    """(kernel module path, target) -> its `Place` in the family's HF model (unscanned paths)."""
+    names = {}
+    for spec in export_family(cfg).tensor_specs(cfg):
+        module = spec.path[:-1]
+        key = (module[-2] if len(module) > 1 else "", module[-1])
+        if spec.path[-1] != "kernel" or key not in lora.MODULES:
+            continue
+        hf = spec.hf_name.removesuffix(".weight")
+        for i, (target, slot) in enumerate(lora.MODULES[key]):
+            if slot == spec.part:
+                names[(module, target)] = Place(hf, None, 1, not spec.transpose)
+            elif spec.part is None:  # fused in HF as in jaxgpt
+                names[(module, target)] = Place(hf, i, len(lora.MODULES[key]), not spec.transpose)
+    return names
+
+
+def _unscanned(adapters: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    return unstack_layers(adapters, cfg.n_layer) if cfg.scan_layers else adapters
+
+
+def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, Any], out: str | os.PathLike[str],
+               base_name: str) -> Path:
+    """Write a run's adapters (host arrays) and its config.lora `settings` (meta["lora"]) as a PEFT directory."""
+    safetensors = optional_import("safetensors.numpy", "hf")
+    names = module_names(cfg)
+    tensors, fused, places = {}, {}, []
+    for module, target, ab in lora.adapter_leaves(_unscanned(adapters, cfg)):
+        place = names[(module, target)]
+        a, b = np.asarray(ab["lora_a"], np.float32), np.asarray(ab["lora_b"], np.float32)
+        r = a.shape[-1]
+        a_rI, b_Or = a.reshape(-1, r).T, b.reshape(r, -1).T
+        places.append(place)
+        if place.slot is None:
+            tensors[f"{PREFIX}{place.module}.lora_A.weight"] = np.ascontiguousarray(a_rI)
+            tensors[f"{PREFIX}{place.module}.lora_B.weight"] = np.ascontiguousarray(b_Or)
+        else:
+            fused.setdefault((place.module, place.n), {})[place.slot] = (a_rI, b_Or)
+    patterns = {name: _fused_module(tensors, name, n, parts) for (name, n), parts in fused.items()}
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    modules = sorted({name.split(".")[-3] for name in tensors})  # ...q_proj.lora_A.weight: PEFT matches q_proj
+    s = lora.scale(settings["alpha"], settings["rank"], settings["rslora"])
+    # a fused module's rank is n r (`_fused_module`); its alpha keeps the scale of every other module
+    ranks = {name.split(".")[-1]: r_n for name, r_n in patterns.items()}
+    alphas = {k: s * (math.sqrt(v) if settings["rslora"] else v) for k, v in ranks.items()}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name,
+              "r": settings["rank"], "lora_alpha": settings["alpha"], "use_rslora": settings["rslora"],
+              "target_modules": modules, "rank_pattern": ranks, "alpha_pattern": alphas, "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": any(p.conv1d for p in places), "modules_to_save": None,
+              "use_dora": False, "inference_mode": True}
+    (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    safetensors.save_file(tensors, str(root / TENSORS_FILE), metadata={"format": "pt"})
+    return root
+
+
+def _fused_module(tensors: dict[str, np.ndarray], name: str, n: int, parts: dict[int, tuple]) -> int:
+    """One LoRA of rank n r for an HF module that fuses n targets (GPT-2's c_attn): A stacks each slot's A (zero for
+    a slot not adapted), B is block-diagonal, so B A is each slot's own update in its own rows. Returns n r."""
+    a_rI, b_Or = next(iter(parts.values()))
+    r, d_in, d_out = a_rI.shape[0], a_rI.shape[1], b_Or.shape[0]
+    a_all, b_all = np.zeros((n * r, d_in), np.float32), np.zeros((n * d_out, n * r), np.float32)
+    for slot, (a, b) in parts.items():
+        a_all[slot * r:(slot + 1) * r] = a
+        b_all[slot * d_out:(slot + 1) * d_out, slot * r:(slot + 1) * r] = b
+    tensors[f"{PREFIX}{name}.lora_A.weight"], tensors[f"{PREFIX}{name}.lora_B.weight"] = a_all, b_all
+    return n * r
+
+
+def _read_config(directory: str) -> dict[str, Any]:
+    root = Path(directory)
+    if not (root / CONFIG_FILE).is_file() or not (root / TENSORS_FILE).is_file():
+        raise UserError(f"peft:{directory} is not a PEFT adapter directory ({CONFIG_FILE} and {TENSORS_FILE})")
+    return json.loads((root / CONFIG_FILE).read_text())
+
+
+def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found: list[lora.Site]) -> dict[str, Any]:
+    """A PEFT adapter directory as jaxgpt adapters for `found` (the run's sites): rank, alpha, rsLoRA and targets
+    must be the run's config.lora, and every tensor must be one of them with its shape."""
+    safetensors = optional_import("safetensors.numpy", "hf")
+    root = Path(directory)
+    c = _read_config(directory)
+    where = f"peft:{directory}"
+    if c.get("use_dora") or c.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{where} is a {'DoRA' if c.get('use_dora') else c.get('peft_type')} adapter: only plain LoRA "
+                        "loads (train it with use_dora=False)")
+    if c.get("modules_to_save") or c.get("rank_pattern") or c.get("alpha_pattern"):
+        raise UserError(f"{where} has modules_to_save or per-module ranks (rank_pattern/alpha_pattern): only one "
+                        "rank and alpha for every module, and no fully trained modules, load")
+    theirs = (c["r"], float(c["lora_alpha"]), bool(c.get("use_rslora")))
+    if theirs != (settings.rank, settings.alpha, settings.rslora):
+        raise UserError(f"{where} has r={theirs[0]}, lora_alpha={theirs[1]:g}, use_rslora={theirs[2]}: pass "
+                        f"--config.lora.rank={theirs[0]} --config.lora.alpha={theirs[1]:g} "
+                        f"--config.lora.rslora={theirs[2]}")
+    names = {f"{PREFIX}{place.module}.lora_{m}.weight": (module, target, m)
+             for (module, target), place in module_names(cfg).items() if place.slot is None for m in "AB"}
+    tensors = safetensors.load_file(str(root / TENSORS_FILE))
+    if unknown := sorted(set(tensors) - set(names)):
+        raise UserError(f"{where} has {len(unknown)} tensors that are no LoRA weight of this {export_family(cfg).name} "
+                        f"model, e.g. {unknown[0]}: it adapts another model")
+    shapes = {(s.path, s.target): s for s in lora.sites_unscanned(found, cfg.n_layer)}
+    adapters: dict[str, Any] = {}
+    for name, array in tensors.items():
+        module, target, m = names[name]
+        site = shapes.get((module, target))
+        if site is None:
+            raise UserError(f"{where} adapts {target} ({name}), which config.lora.targets leaves out: pass "
+                            f"--config.lora.targets with the adapter's targets")
+        want = (settings.rank, math.prod(site.a_shape[:-1])) if m == "A" else (math.prod(site.b_shape[1:]),
+                                                                                settings.rank)
+        if array.shape != want:
+            raise UserError(f"{where}: {name} is {array.shape}, this model's is {want}: the adapter is for another "
+                            "base model")
+        node = adapters
+        for key in (*module, target):
+            node = node.setdefault(key, {})
+        node["lora_a" if m == "A" else "lora_b"] = (array.T.reshape(site.a_shape) if m == "A"
+                                                    else array.T.reshape(site.b_shape)).astype(np.float32)
+    if len(tensors) != 2 * len(shapes):
+        raise UserError(f"{where} adapts {len(tensors) // 2} modules, config.lora.targets {len(shapes)}: pass "
+                        "--config.lora.targets with the adapter's targets")
+    return stack_layers(adapters, cfg.n_layer) if cfg.scan_layers else adapters
+
+
+def base_source(directory: str) -> str:
+    """The weights source of an adapter's base: `hf:` its base_model_name_or_path (a directory or a Hub id)."""
+    config = _read_config(directory)
+    if not config.get("base_model_name_or_path"):
+        raise UserError(f"peft:{directory} names no base_model_name_or_path: train with its base as "
+                        f"--config.init_from and --config.lora.init_from=peft:{directory}")
+    return f"hf:{config['base_model_name_or_path']}"
+
+
+def read_adapter(directory: str, cfg: ModelConfig, abstract_params: Any) -> tuple[dict[str, Any], float]:
+    """(adapters, scale) of a PEFT directory on a model of `cfg` (its boxed abstract parameters), taking rank,
+    alpha, rsLoRA and targets from the adapter itself."""
+    config = _read_config(directory)
+    targets = {target for (_, target), place in module_names(cfg).items() if place.slot is None
+               and place.module.split(".")[-1] in config.get("target_modules", [])}
+    settings = lora.LoRAConfig(rank=config["r"], alpha=float(config["lora_alpha"]),
+                               rslora=bool(config.get("use_rslora")), targets=",".join(sorted(targets)))
+    found = lora.sites(abstract_params, settings.target_names, settings.rank)
+    return read_peft(directory, cfg, settings, found), lora.scale(settings.alpha, settings.rank, settings.rslora)

@@ -1,0 +1,235 @@
+"""LoRA's math: which kernels a target names, the adapters (A, B) beside them, and the merged weights.
+
+A LoRA adapter of a projection with kernel W (in, out) is A (in, r), B (r, out); the adapted projection is
+W + s B-after-A, s = alpha / r (alpha / sqrt(r) with rsLoRA). A starts as PEFT starts it (uniform within
+1/sqrt(fan_in), its kaiming_uniform(a=sqrt(5))) and B at zero, so an adapted model begins exactly as its base.
+
+Adapters mirror the model's parameter tree: the kernel of module `.../attn/qkv` gets `.../attn/qkv/{q,k,v}/{lora_a,
+lora_b}`, one adapter per target, so the fused (C, 3, H, D) q/k/v kernel adapts each slot on its own (as PEFT's
+separate q_proj, k_proj, v_proj do) and an adapter is self-describing: `merge` needs only the tree and the scale.
+Multi-axis kernels keep their axes: A of `out` (H, D, C) is (H, D, r), B of `qkv`'s slot (r, H, D); scanned
+layers put their L axis first on both. Every adapter axis has the kernel's logical name, and the rank "lora",
+which the sharding rules replicate.
+
+Training computes the merged kernels inside the step (`merge`): the simplest path that is exact, leaves every
+model module untouched and lets the loss, evaluation, sampling and export read ordinary weights. It costs one
+transient copy of the targeted kernels per step; computing x A B beside x W in the projections would avoid it and
+is the path LoRA dropout needs (not built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.errors import UserError
+
+# (parent module, kernel module) -> the targets it holds and each one's slot of a fused kernel (None: all of it)
+MODULES: dict[tuple[str, str], tuple[tuple[str, int | None], ...]] = {
+    ("attn", "qkv"): (("q", 0), ("k", 1), ("v", 2)),
+    ("attn", "q"): (("q", None),),
+    ("attn", "kv"): (("k", 0), ("v", 1)),
+    ("attn", "out"): (("o", None),),
+    ("mlp", "gate"): (("gate", None),),
+    ("mlp", "fc"): (("up", None),),
+    ("mlp", "proj"): (("down", None),),
+    ("", "lm_head"): (("head", None),),
+}
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "head")
+LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # the default: every linear layer of the blocks (gate if gated)
+RANK_AXIS = "lora"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """config.lora: LoRA fine-tuning (`jaxgpt.train.lora`), low-rank adapters beside the frozen init_from weights.
+
+    It lives with the math it configures, as ModelConfig does; the run's config (`jaxgpt.train.config`) holds it.
+    """
+
+    rank: int = 0  # r of every adapter; 0: off (every weight trains)
+    alpha: float = 16.0  # the update is (alpha / r) B A (alpha / sqrt(r) with rslora)
+    rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r)
+    targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head; "": every linear layer of the blocks
+    init_from: str = ""  # peft:DIR: start the adapters from a PEFT adapter directory (its r, alpha, targets)
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise UserError(f"config.lora.rank={self.rank} must be >= 0 (0 turns LoRA off)")
+        if not self.rank and (self.targets or self.init_from):
+            raise UserError("config.lora.targets/init_from are set but config.lora.rank=0 (LoRA off): set "
+                            "--config.lora.rank (e.g. 16) or clear them")
+        if unknown := [t for t in self.target_names if t not in TARGETS]:
+            raise UserError(f"config.lora.targets has {', '.join(unknown)}: choose from {', '.join(TARGETS)}")
+        if self.init_from and not self.init_from.startswith("peft:"):
+            raise UserError(f"config.lora.init_from={self.init_from!r}: use peft:DIR (a PEFT adapter directory)")
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+
+def _n_in(module: str) -> int:
+    """Input axes of a kernel: the attention's output projection reads (H, D), every other one C."""
+    return 2 if module == "out" else 1
+
+
+def _slot(module_path: tuple[str, ...], target: str) -> int | None:
+    parent = module_path[-2] if len(module_path) > 1 else ""
+    return dict(MODULES[(parent, module_path[-1])])[target]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One adapter: the kernel module it adapts, its target name, and A's and B's shapes and logical names."""
+
+    path: tuple[str, ...]  # the kernel's module, e.g. ("h_0", "attn", "qkv")
+    target: str
+    a_shape: tuple[int, ...]
+    a_names: tuple[str | None, ...]
+    b_shape: tuple[int, ...]
+    b_names: tuple[str | None, ...]
+    fan_in: int
+
+
+def scale(alpha: float, rank: int, rslora: bool) -> float:
+    """s of W + s B A: alpha / r, or rsLoRA's alpha / sqrt(r) (stable as the rank grows)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def sites(abstract_params: Any, targets: tuple[str, ...], rank: int) -> list[Site]:
+    """The adapters of `targets` at rank r on a model's boxed abstract parameters (`nn.Partitioned` leaves); no
+    targets: every linear layer of the blocks that the model has (`LINEAR`).
+
+    A target named that matches no kernel, or a rank above a kernel's smaller side (then B A is no longer low-rank),
+    is a UserError.
+    """
+    found: list[Site] = []
+    wanted = targets or LINEAR
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    for key_path, leaf in flat:
+        path = tuple(k.key for k in key_path)
+        parent = path[-3] if len(path) > 2 else ""
+        if path[-1] != "kernel" or (parent, path[-2]) not in MODULES or not isinstance(leaf, nn.Partitioned):
+            continue
+        module, shape, names = path[:-1], leaf.value.shape, leaf.names
+        lead = 1 if names[0] == "layers" else 0
+        n_in = _n_in(path[-2])
+        for target, slot in MODULES[(parent, path[-2])]:
+            if target not in wanted:
+                continue
+            skip = lead + n_in + (slot is not None)
+            in_shape, out_shape = shape[lead:lead + n_in], shape[skip:]
+            fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
+            if rank > min(fan_in, fan_out):
+                raise UserError(f"config.lora.rank={rank} is larger than {'/'.join(module)} ({target}: {fan_in} in, "
+                                f"{fan_out} out): use a rank of at most {min(fan_in, fan_out)}")
+            found.append(Site(module, target, (*shape[:lead], *in_shape, rank),
+                              (*names[:lead], *names[lead:lead + n_in], RANK_AXIS),
+                              (*shape[:lead], rank, *out_shape), (*names[:lead], RANK_AXIS, *names[skip:]), fan_in))
+    missing = sorted(set(targets) - {s.target for s in found})
+    if missing:
+        raise UserError(f"config.lora.targets names {', '.join(missing)}, which this model does not have (an untied "
+                        "head is needed for 'head'; q, k, v, o, gate, up, down are the blocks'): drop them")
+    return found
+
+
+def sites_unscanned(found: list[Site], n_layer: int) -> list[Site]:
+    """The sites of scanned layers (a leading "layers" axis) as one per layer `h_i`, as listed layers have them."""
+    out = []
+    for s in found:
+        if s.a_names[0] != "layers":
+            out.append(s)
+            continue
+        out += [dataclasses.replace(s, path=(f"h_{i}", *s.path[1:]), a_shape=s.a_shape[1:], a_names=s.a_names[1:],
+                                    b_shape=s.b_shape[1:], b_names=s.b_names[1:]) for i in range(n_layer)]
+    return out
+
+
+def init_adapters(found: list[Site], key: jax.Array) -> dict[str, Any]:
+    """Adapters boxed with logical names (`nn.LogicallyPartitioned`, as `nn.with_logical_partitioning` boxes):
+    A uniform within 1/sqrt(fan_in) as PEFT's default, B zero."""
+    tree: dict[str, Any] = {}
+    for i, site in enumerate(found):
+        bound = 1.0 / math.sqrt(site.fan_in)
+        a = jax.random.uniform(jax.random.fold_in(key, i), site.a_shape, jnp.float32, -bound, bound)
+        node = tree
+        for name in (*site.path, site.target):
+            node = node.setdefault(name, {})
+        node["lora_a"] = nn.LogicallyPartitioned(a, site.a_names)
+        node["lora_b"] = nn.LogicallyPartitioned(jnp.zeros(site.b_shape, jnp.float32), site.b_names)
+    return tree
+
+
+class Adapters:
+    """The "model" a LoRA run initializes: only its adapters (`init` as a Flax module's, boxed, nothing else)."""
+
+    def __init__(self, found: list[Site]) -> None:
+        self.found = found
+
+    def init(self, key: jax.Array, *_: Any) -> dict[str, Any]:
+        return {"params": init_adapters(self.found, key)}
+
+
+def delta(a: jax.Array, b: jax.Array, n_in: int) -> jax.Array:
+    """A (..., *in, r) @ B (..., r, *out) -> (..., *in, *out), in float32."""
+    lead = a.shape[:a.ndim - n_in - 1]
+    in_shape, out_shape = a.shape[len(lead):-1], b.shape[len(lead) + 1:]
+    a2 = a.astype(jnp.float32).reshape(*lead, math.prod(in_shape), a.shape[-1])
+    b2 = b.astype(jnp.float32).reshape(*lead, b.shape[len(lead)], math.prod(out_shape))
+    return jnp.matmul(a2, b2).reshape(*lead, *in_shape, *out_shape)
+
+
+def adapter_leaves(adapters: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str,
+                                                                                              dict[str, Any]]]:
+    """(kernel module path, target, {"lora_a", "lora_b"}) of every adapter in a tree."""
+    if "lora_a" in adapters:
+        return [(prefix[:-1], prefix[-1], dict(adapters))]
+    return [leaf for name, sub in adapters.items() for leaf in adapter_leaves(sub, (*prefix, name))]
+
+
+def merge(base: Mapping[str, Any], adapters: Mapping[str, Any], s: float) -> dict[str, Any]:
+    """`base` with every adapted kernel replaced by W + s A B (its slot of a fused kernel), in W's dtype.
+
+    Works on device arrays under jit (the training step) and on host arrays (loading, export) alike.
+    """
+    merged = dict(base)
+    for module, target, ab in adapter_leaves(adapters):
+        kernel = jnp.asarray(_get(merged, (*module, "kernel")))
+        a, b = jnp.asarray(ab["lora_a"]), jnp.asarray(ab["lora_b"])
+        slot = _slot(module, target)
+        index = (slice(None),) * (a.ndim - 1) + (() if slot is None else (slot,))  # the lead and input axes, the slot
+        d = s * delta(a, b, _n_in(module[-1]))
+        merged = _set(merged, (*module, "kernel"), kernel.at[index].add(d.astype(kernel.dtype)))
+    return merged
+
+
+def _get(tree: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
+def _set(tree: Mapping[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    """A copy of `tree` with `path` set: only the dicts along the path are copied."""
+    if len(path) == 1:
+        return {**tree, path[0]: value}
+    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+
+
+def digest(params: Any) -> str:
+    """A content hash of parameters (every leaf's path, shape, dtype and bytes): which base an adapter belongs to."""
+    h = hashlib.sha256()
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        array = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{jax.tree_util.keystr(key_path)}:{array.shape}:{array.dtype}".encode())
+        h.update(array.tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,158 @@
+"""LoRA runs and PEFT (`jaxgpt.io.peft`): a jaxgpt adapter loaded by `peft` onto transformers' base gives jaxgpt's
+logits, a `peft` adapter loaded into jaxgpt gives peft's, the merged export equals adapter + base, and bad adapter
+files are one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import load_tiny, train_run
+
+from jaxgpt.errors import UserError
+from jaxgpt.io import weights
+from jaxgpt.model import lora
+from jaxgpt.model.gpt import GPT
+from jaxgpt.train.config import base_config, from_config_dict
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TOKENS = np.array([[5, 17, 33, 2, 90, 64, 7, 11, 3, 40, 21, 9]])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (grouped-query attention, untied head) as transformers saves it."""
+    root = tmp_path_factory.mktemp("llama") / "base"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root)
+    return root
+
+
+def lora_config(workdir: Path, data_dir: Path, base: Path, max_steps: int = 3,
+                targets: str = "q,k,v,o,gate,up,down,head"):
+    c = load_tiny(workdir=str(workdir), data_dir=str(data_dir), max_steps=max_steps, eval_interval=max_steps,
+                  init_from=f"hf:{base}")
+    c.model = base_config().model
+    c.model.block_size = 32
+    c.lora.rank, c.lora.alpha, c.lora.targets = 4, 8.0, targets
+    return c
+
+
+def hf_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy()
+
+
+def jax_logits(params, cfg) -> np.ndarray:
+    return np.asarray(GPT(cfg.replace(dropout=0.0) if hasattr(cfg, "dropout") else cfg).apply({"params": params},
+                                                                                              TOKENS))
+
+
+def test_export_loads_in_peft_and_merged_export_equals_it(tmp_path: Path, data_dir: Path, llama: Path) -> None:
+    from jaxgpt.commands.hf import export
+
+    train_run(lora_config(tmp_path / "run", data_dir, llama))
+    print(export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["modules_to_save"] is None
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj", "lm_head"])
+    base = transformers.LlamaForCausalLM.from_pretrained(llama)
+    base_logits = hf_logits(base)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    theirs = hf_logits(adapted)
+    loaded = weights.load(f"workdir:{tmp_path / 'run'}")
+    ours = jax_logits(loaded.params, loaded.model)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    assert np.abs(theirs - base_logits).max() > 1e-3  # the adapter changed the model
+    print(export(str(tmp_path / "run"), str(tmp_path / "merged"), "latest", False, merge=True))
+    merged = hf_logits(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    np.testing.assert_allclose(merged, theirs, atol=1e-4, rtol=0)
+
+
+def test_a_gpt2_export_with_q_k_v_loads_in_peft(tmp_path: Path, data_dir: Path) -> None:
+    """GPT-2 fuses q, k, v into c_attn in Hugging Face: their adapters export as one block-diagonal LoRA of it."""
+    from jaxgpt.commands.hf import export
+
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2,
+                                                         n_head=4)).save_pretrained(tmp_path / "base")
+    c = lora_config(tmp_path / "run", data_dir, tmp_path / "base", targets="")
+    train_run(c)
+    export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False)
+    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    base_logits = hf_logits(base)
+    theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    loaded = weights.load(f"workdir:{tmp_path / 'run'}")
+    np.testing.assert_allclose(jax_logits(loaded.params, loaded.model), theirs, atol=1e-4, rtol=0)
+    assert np.abs(theirs - base_logits).max() > 1e-3
+
+
+def peft_adapter(llama: Path, out: Path) -> None:
+    """An adapter made by `peft` on transformers' base, its B randomized (a trained adapter's). Not on lm_head:
+    peft then saves the head's base weight beside the adapter (save_embedding_layers), which jaxgpt refuses."""
+    base = transformers.LlamaForCausalLM.from_pretrained(llama)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"])
+    model = peft.get_peft_model(base, config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+
+
+def test_a_peft_adapter_loads_into_jaxgpt_with_peft_logits(tmp_path: Path, data_dir: Path, llama: Path) -> None:
+    from jaxgpt.tasks import build
+
+    peft_adapter(llama, tmp_path / "adapter")
+    base = transformers.LlamaForCausalLM.from_pretrained(llama)
+    theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    c = lora_config(tmp_path / "run", data_dir, llama, targets="")
+    c.lora.init_from = f"peft:{tmp_path / 'adapter'}"
+    task = build(from_config_dict(c))
+    params = lora.merge(task.base, task.pretrained(), task.scale)
+    np.testing.assert_allclose(jax_logits(params, task.model_cfg), theirs, atol=1e-4, rtol=0)
+    direct = weights.load(f"peft:{tmp_path / 'adapter'}")  # the weights source sample and serve take
+    np.testing.assert_allclose(jax_logits(direct.params, direct.model), theirs, atol=1e-4, rtol=0)
+    out = train_run(c)  # and trains further from it
+    assert np.isfinite(out["val_loss"])
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda c, t: c.update(use_dora=True), "DoRA"),
+    (lambda c, t: c.update(modules_to_save=["lm_head"]), "modules_to_save"),
+    (lambda c, t: c.update(r=8), "r=8"),
+    (lambda c, t: t.update({"base_model.model.model.extra.lora_A.weight": np.zeros((4, 32), np.float32)}), "no LoRA"),
+    (lambda c, t: t.update({k: np.zeros((4, 7), np.float32) for k in list(t) if "q_proj.lora_A" in k}),
+     "another base"),
+])
+def test_bad_peft_files_are_one_line_errors(tmp_path: Path, data_dir: Path, llama: Path, change, message) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    from jaxgpt.tasks import build
+
+    peft_adapter(llama, tmp_path / "adapter")
+    config_file, tensors_file = tmp_path / "adapter" / "adapter_config.json", tmp_path / "adapter" / \
+        "adapter_model.safetensors"
+    config, tensors = json.loads(config_file.read_text()), load_file(tensors_file)
+    change(config, tensors)
+    config_file.write_text(json.dumps(config))
+    save_file(tensors, tensors_file)
+    c = lora_config(tmp_path / "run", data_dir, llama, targets="")
+    c.lora.init_from = f"peft:{tmp_path / 'adapter'}"
+    with pytest.raises(UserError, match=message) as e:
+        build(from_config_dict(c))
+    assert "\n" not in str(e.value)
+    assert jax.devices()
