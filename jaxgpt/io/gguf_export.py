@@ -120,8 +120,9 @@ def _tokenizer(writer: Any, tokenizer: JsonTokenizer, vocab_size: int, template:
         writer.add_bos_token_id(tokenizer.bos_token)
     if tokenizer.eot_token is not None:
         writer.add_eos_token_id(tokenizer.eot_token)
-    if tokenizer.tokens.get("pad_token") in ids:
-        writer.add_pad_token_id(ids[tokenizer.tokens["pad_token"]])
+    for name, add in (("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        if tokenizer.tokens.get(name) in ids:
+            add(ids[tokenizer.tokens[name]])
     writer.add_add_bos_token(tokenizer.add_bos)
     if template is not None:
         writer.add_chat_template(template)
