@@ -34,7 +34,7 @@ from jaxgpt.data.tokenizer_json import TYPE as JSON_TYPE
 from jaxgpt.data.tokenizer_json import JsonTokenizer
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import weights
-from jaxgpt.io.gguf_export import GGUF_TYPES, check_exportable, save_gguf
+from jaxgpt.io.gguf_export import GGUF_TYPES, check_exportable, check_type, save_gguf
 from jaxgpt.io.hf import export_family, load_hf, save_hf
 from jaxgpt.tools.summary import count_params
 
@@ -120,6 +120,7 @@ def _export(workdir: str, out: str, which: str, overwrite: bool, bpe_file: str |
 
 def export_gguf(workdir: str, out: str, which: str, overwrite: bool, gguf_type: str) -> str:
     """Write the run as one GGUF file (a local path): weights, and a byte-level BPE tokenizer and chat template."""
+    check_type(gguf_type)
     if storage.is_bucket(out):
         raise UserError(f"--out={out}: a GGUF export is written to a local file; copy it to the bucket afterwards")
     path = Path(out)

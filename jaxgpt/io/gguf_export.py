@@ -53,10 +53,14 @@ def permute(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, 2, head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def check_exportable(cfg: ModelConfig, gguf_type: str) -> None:
-    """One line for what the GGUF exporter cannot write: another family, a scaled rotary, an unknown type."""
+def check_type(gguf_type: str) -> None:
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf_type={gguf_type} is not a type jaxgpt writes: use one of {', '.join(GGUF_TYPES)}")
+
+
+def check_exportable(cfg: ModelConfig, gguf_type: str) -> None:
+    """One line for what the GGUF exporter cannot write: another family, a scaled rotary, an unknown type."""
+    check_type(gguf_type)
     family = export_family(cfg)
     if family.name != "Llama":
         raise UserError(f"this run's model is a {family.name} model: jaxgpt writes GGUF for Llama-family models "
