@@ -2,6 +2,7 @@
 
     jaxgpt hf inspect PATH       # what a HF directory (or hf:OWNER/NAME Hub repository) maps to, tensor by tensor
     jaxgpt hf export --workdir DIR --out PATH [--which best] [--overwrite] [--merge] [--push_to_hub OWNER/NAME]
+    jaxgpt hf export --workdir DIR --out FILE.gguf --format gguf [--gguf_type F32|F16|Q8_0]
 
 An export is `config.json` + `model.safetensors` as the family whose architecture the run's model has
 (`GPT2LMHeadModel`, `NanoChatForCausalLM` for nanochat's options, `LlamaForCausalLM` and its kin: `jaxgpt.io.hf`),
@@ -13,7 +14,8 @@ writes. Writing the tokenizer needs transformers. A classifier's head, which a l
 left out. `--push_to_hub` then uploads the directory to that Hub repository (creating it; needs a login: hf auth
 login). A LoRA run (config.lora) exports as a PEFT adapter (`jaxgpt.io.peft`: adapter_config.json +
 adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on its base), or with `--merge` as the full model
-with its adapters merged."""
+with its adapters merged. `--format gguf` writes a Llama-family run (a LoRA run merged) as one llama.cpp GGUF file
+instead (`jaxgpt.io.gguf_export`), with a byte-level BPE tokenizer and chat template inside it."""
 
 from __future__ import annotations
 
@@ -31,8 +33,11 @@ from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data import hf_tokenizer
 from jaxgpt.data.conversations import END, load_template
 from jaxgpt.data.tokenizer import WithSpecialTokens
+from jaxgpt.data.tokenizer_json import TYPE as JSON_TYPE
+from jaxgpt.data.tokenizer_json import JsonTokenizer
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io import peft, weights
+from jaxgpt.io.gguf_export import GGUF_TYPES, check_exportable, check_type, save_gguf
 from jaxgpt.io.hf import export_family, load_hf, save_hf
 from jaxgpt.tools.summary import count_params
 
@@ -51,7 +56,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     if list(argv[1:2]) != ["export"]:
         return
     flags.DEFINE_string("workdir", None, "a jaxgpt training work directory", flag_values=flags_)
-    flags.DEFINE_string("out", None, "the directory to write (config.json + model.safetensors)", flag_values=flags_)
+    flags.DEFINE_string("out", None, "the directory to write (config.json + model.safetensors), or the .gguf file "
+                        "(--format gguf)", flag_values=flags_)
     flags.mark_flags_as_required(["workdir", "out"], flag_values=flags_)
     flags.DEFINE_enum("which", "latest", ("latest", "best"), "checkpoint of --workdir", flag_values=flags_)
     flags.DEFINE_bool("overwrite", False, "replace the checkpoint in a non-empty --out", flag_values=flags_)
@@ -60,6 +66,10 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("push_to_hub", None, "then upload --out to this Hugging Face Hub repository (OWNER/NAME)",
                         flag_values=flags_)
     flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE runs", flag_values=flags_)
+    flags.DEFINE_enum("format", "hf", ("hf", "gguf"), "a Hugging Face directory, or one GGUF file (Llama family)",
+                      flag_values=flags_)
+    flags.DEFINE_string("gguf_type", "F32", f"the tensor type of --format gguf: {', '.join(GGUF_TYPES)}",
+                        flag_values=flags_)
 
 
 def inspect(path: str) -> str:
@@ -132,6 +142,29 @@ def _export_peft(loaded: weights.Weights, workdir: str, out: str, overwrite: boo
             f"{peft.TENSORS_FILE}; its base is {base} (--merge writes the merged model instead)")
 
 
+def export_gguf(workdir: str, out: str, which: str, overwrite: bool, gguf_type: str) -> str:
+    """Write the run as one GGUF file (a local path): weights, and a byte-level BPE tokenizer and chat template."""
+    check_type(gguf_type)
+    if storage.is_bucket(out):
+        raise UserError(f"--out={out}: a GGUF export is written to a local file; copy it to the bucket afterwards")
+    path = Path(out)
+    if path.is_dir() or path.suffix != ".gguf":
+        raise UserError(f"--out={out} must name a .gguf file for --format gguf")
+    if path.exists() and not overwrite:
+        raise UserError(f"{out} exists: choose a new file or pass --overwrite to replace it")
+    loaded = weights.load(f"workdir:{workdir}", which=which)
+    weights.require_gpt(f"workdir:{workdir}", loaded.model, "be exported to GGUF")
+    check_exportable(loaded.model, gguf_type)
+    meta = loaded.tokenizer_meta or {}
+    json_tokenizer = JsonTokenizer.from_meta(meta) if meta.get("type") == JSON_TYPE else None
+    params = {k: v for k, v in loaded.params.items() if k != "cls_head"}
+    save_gguf(params, loaded.model, path, gguf_type, json_tokenizer, load_template(workdir, None),
+              name=Path(workdir).name)
+    note = "" if json_tokenizer is not None else (" (no tokenizer: GGUF holds a byte-level BPE tokenizer.json, "
+                                                  "the run's is another kind or none)")
+    return f"wrote {path} ({gguf_type}) from {workdir} ({which}){note}"
+
+
 def push_to_hub(out: str, repo: str) -> str:
     """Upload an export directory to a Hub repository, creating it if needed."""
     HfApi = optional_import("huggingface_hub", "--push_to_hub").HfApi
@@ -157,6 +190,11 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     no_arguments(args[1:])
     if flags_.push_to_hub is not None and not weights.HUB_ID.fullmatch(flags_.push_to_hub):
         raise UserError(f"--push_to_hub={flags_.push_to_hub} is not a Hub repository id: use OWNER/NAME")
+    if flags_.format == "gguf":
+        if flags_.push_to_hub is not None:
+            raise UserError("--push_to_hub uploads a Hugging Face directory: export with --format hf to push")
+        print(export_gguf(flags_.workdir, flags_.out, flags_.which, flags_.overwrite, flags_.gguf_type))
+        return
     print(export(flags_.workdir, flags_.out, flags_.which, flags_.overwrite, flags_.bpe_file, flags_.merge))
     if flags_.push_to_hub is not None:
         print(push_to_hub(flags_.out, flags_.push_to_hub))

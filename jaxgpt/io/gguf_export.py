@@ -1,0 +1,157 @@
+"""A Llama-family jaxgpt model as a GGUF file that llama.cpp and transformers' GGUF loader read (`jaxgpt hf export
+--format gguf`).
+
+The file is what llama.cpp's converter writes for a Llama checkpoint: `general.architecture` "llama", the sizes,
+rotary base (and linear scaling), norm epsilon as `llama.*` metadata; every tensor under its GGUF name (the
+inverse of `jaxgpt.io.gguf`'s tables: the loader's names are the one home of the mapping), with each query and
+key head's rows permuted back into llama.cpp's interleaved rotary order (`permute`, the inverse of
+`gguf.unpermute`), and no `output` tensor when the head is tied. Types: F32 (exact), F16 for matrices (norms stay
+F32, as llama.cpp keeps them), or Q8_0 for matrices whose rows split into its 32-value blocks (quantized by the
+`gguf` package; F16 for any other).
+
+A run's `JsonTokenizer` of byte-level BPE becomes `tokenizer.ggml.*` (model "gpt2", the vocabulary by id, the
+merges, a type per token, the pre-tokenizer's name from `gguf_tokenizer.PRE_TOKENIZERS`, special ids,
+add_bos_token) and the run's chat template `tokenizer.chat_template`; rows past the tokenizer's vocabulary (a
+padded embedding) get unused placeholder tokens, since llama.cpp wants one token per row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt.data.tokenizer_json import JsonTokenizer
+from jaxgpt.errors import UserError, optional_import
+from jaxgpt.io.gguf import LAYER_NAMES, TOP_NAMES
+from jaxgpt.io.gguf_tokenizer import CONTROL, PRE_TOKENIZERS, USER_DEFINED
+from jaxgpt.io.hf import export_family, params_to_hf
+from jaxgpt.model.config import ModelConfig
+
+GGUF_TYPES = ("F32", "F16", "Q8_0")
+NORMAL, UNUSED = 1, 5  # llama.cpp's token types for a plain vocabulary entry and a placeholder row
+_TOP = {hf: gguf for gguf, hf in TOP_NAMES.items()}
+_LAYER = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
+
+
+def gguf_name(hf: str) -> str:
+    """llama.cpp's name of a Llama tensor (`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`)."""
+    stem, _, suffix = hf.rpartition(".")
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{suffix}"
+    _, _, index, rest = stem.split(".", 3)  # model.layers.N.rest
+    return f"blk.{index}.{_LAYER[rest]}.{suffix}"
+
+
+def permute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Llama q/k order: within each head, row s * D/2 + i goes to 2i + s (`gguf.unpermute` undoes it)."""
+    head = rows.shape[0] // n_head
+    return rows.reshape(n_head, 2, head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def check_type(gguf_type: str) -> None:
+    if gguf_type not in GGUF_TYPES:
+        raise UserError(f"--gguf_type={gguf_type} is not a type jaxgpt writes: use one of {', '.join(GGUF_TYPES)}")
+
+
+def check_exportable(cfg: ModelConfig, gguf_type: str) -> None:
+    """One line for what the GGUF exporter cannot write: another family, a scaled rotary, an unknown type."""
+    check_type(gguf_type)
+    family = export_family(cfg)
+    if family.name != "Llama":
+        raise UserError(f"this run's model is a {family.name} model: jaxgpt writes GGUF for Llama-family models "
+                        "only (llama architecture); export it as a Hugging Face directory (--format hf)")
+    if cfg.rope_scaling not in (None, "linear"):
+        raise UserError(f"rope_scaling={cfg.rope_scaling!r} is not something jaxgpt writes to GGUF (it writes "
+                        "unscaled and linear rotary): export it as a Hugging Face directory (--format hf)")
+
+
+def _tensor(writer: Any, gguf: Any, name: str, array: np.ndarray, gguf_type: str) -> None:
+    array = np.ascontiguousarray(array, np.float32)
+    Q = gguf.GGMLQuantizationType
+    if gguf_type == "F32" or array.ndim == 1:
+        writer.add_tensor(name, array)
+    elif gguf_type == "Q8_0" and array.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] == 0:
+        writer.add_tensor(name, gguf.quants.quantize(array, Q.Q8_0), raw_dtype=Q.Q8_0)
+    else:
+        writer.add_tensor(name, array.astype(np.float16))
+
+
+def _metadata(writer: Any, cfg: ModelConfig) -> None:
+    writer.add_block_count(cfg.n_layer)
+    writer.add_context_length(cfg.block_size)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_feed_forward_length(cfg.d_ff)
+    writer.add_head_count(cfg.n_head)
+    writer.add_head_count_kv(cfg.n_kv_head)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_theta))
+    writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_scaling == "linear":
+        writer.add_rope_scaling_type(optional_import("gguf", "GGUF export").RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(cfg.rope_factor))
+
+
+def _tokenizer(writer: Any, tokenizer: JsonTokenizer, vocab_size: int, template: str | None) -> None:
+    """`tokenizer.ggml.*` of a byte-level BPE tokenizer.json; refused (one line) when GGUF cannot name it."""
+    spec = json.loads(tokenizer.json_text)
+    model = spec.get("model") or {}
+    pre = next((name for name, value in PRE_TOKENIZERS.items() if value == spec.get("pre_tokenizer")), None)
+    if model.get("type") != "BPE" or pre is None:
+        raise UserError("the run's tokenizer.json is not a byte-level BPE with a pre-tokenizer GGUF names "
+                        f"(known: {', '.join(PRE_TOKENIZERS)}): export it as a Hugging Face directory (--format hf)")
+    tokens = {i: token for token, i in model["vocab"].items()}
+    types = dict.fromkeys(tokens, NORMAL)
+    for added in spec.get("added_tokens") or []:
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+    if max(tokens) >= vocab_size:
+        raise UserError(f"the run's tokenizer has ids up to {max(tokens)}, past the model's {vocab_size} rows")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list([tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)])
+    writer.add_token_types([types.get(i, UNUSED) for i in range(vocab_size)])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])])
+    ids = {token: i for i, token in tokens.items()}
+    if tokenizer.bos_token is not None:
+        writer.add_bos_token_id(tokenizer.bos_token)
+    if tokenizer.eot_token is not None:
+        writer.add_eos_token_id(tokenizer.eot_token)
+    for name, add in (("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        if tokenizer.tokens.get(name) in ids:
+            add(ids[tokenizer.tokens[name]])
+    writer.add_add_bos_token(tokenizer.add_bos)
+    if template is not None:
+        writer.add_chat_template(template)
+
+
+def save_gguf(params: Mapping, cfg: ModelConfig, path: str | os.PathLike[str], gguf_type: str = "F32",
+              tokenizer: JsonTokenizer | None = None, chat_template: str | None = None, name: str = "jaxgpt") -> Path:
+    """Write a Llama-family model (and its byte-level BPE tokenizer and chat template) as one GGUF file."""
+    gguf = optional_import("gguf", "GGUF export")
+    check_exportable(cfg, gguf_type)
+    tensors = params_to_hf(params, cfg)
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type])
+    _metadata(writer, cfg)
+    if tokenizer is not None:
+        _tokenizer(writer, tokenizer, cfg.vocab_size, chat_template)
+    heads = {".self_attn.q_proj.": cfg.n_head, ".self_attn.k_proj.": cfg.n_kv_head}
+    for hf, array in tensors.items():
+        n = next((n for part, n in heads.items() if part in hf), None)
+        _tensor(writer, gguf, gguf_name(hf), array if n is None else permute(array, n), gguf_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
