@@ -26,7 +26,7 @@ from jaxgpt import storage
 from jaxgpt.errors import StorageError, UserError
 
 CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
-_LISTING_ATTEMPTS = 3  # a reader lists again when a step vanishes under it (another process's cleanup)
+_LISTING_ATTEMPTS = 5  # a reader lists again when a step vanishes under it (another process's cleanup)
 
 
 class CheckpointReadError(UserError):
@@ -135,7 +135,7 @@ class Checkpointer:
                 with storage.guard(self.directory, "opening checkpoints in"):
                     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
                 break
-            except FileNotFoundError:  # a step deleted (by a trainer's keep policy) while the manager listed it
+            except (FileNotFoundError, NotADirectoryError):  # a step deleted (a trainer's keep policy) while listed
                 if attempt == _LISTING_ATTEMPTS - 1:
                     raise
         self._bytes = 0  # of the last state saved, for the message of a full disk
