@@ -22,6 +22,7 @@ from ml_collections import ConfigDict, config_dict
 
 from jaxgpt import storage
 from jaxgpt.data.conversations import Conversations
+from jaxgpt.data.preferences import PreferenceConfig
 from jaxgpt.errors import UserError
 from jaxgpt.generate.sampling import MAX_NEW_TOKENS
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
@@ -40,6 +41,7 @@ _UNSET_TYPES = {"head_dim": int, "d_ff": int, "n_kv_head": int, "pad_id": int, "
 LOCATION_KEYS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "data.dir": storage.ANYWHERE,
                  "data.bpe_file": storage.LOCAL, "data.csv": storage.LOCAL, "classify.data": storage.LOCAL,
                  "seq2seq.data": storage.LOCAL, "chat.data": storage.LOCAL, "rl.data": storage.LOCAL,
+                 "dpo.data": storage.LOCAL,
                  "eval.hellaswag_data": storage.LOCAL,
                  "compilation_cache_dir": storage.ANYWHERE}
 
@@ -153,7 +155,6 @@ class RLConfig(Conversations):
             raise UserError(f"config.rl: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
                             f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high} and beta={self.beta} >= 0")
 
-
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """The device mesh's axis sizes; one -1 takes the remaining devices."""
@@ -233,6 +234,7 @@ class TrainConfig:
     seq2seq: Seq2SeqTaskConfig = dataclasses.field(default_factory=Seq2SeqTaskConfig)
     chat: ChatConfig = dataclasses.field(default_factory=ChatConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    dpo: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
     label_smoothing: float = 0.0  # lm and seq2seq: targets smoothed toward uniform (optax.smooth_labels; paper: 0.1)
     loss_chunk: int = 0  # language modelling: positions per chunk of the cross-entropy (0: all logits at once)
     z_loss: float = 0.0  # lm: weight of mean(logsumexp(logits)^2) added to the training loss (PaLM: 1e-4; 0: off)

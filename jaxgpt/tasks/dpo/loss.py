@@ -28,10 +28,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.data.preferences import REFERENCE_FREE_LOSSES as REFERENCE_FREE
 from jaxgpt.tasks.rl.loss import token_logprobs
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")  # no reference model: none is run, held or precomputed
 AVERAGED = ("ipo", "simpo", "orpo")  # take each reply's log-probability per token (its sum over its length)
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from reference.numpy_reference_dpo import dpo_loss_and_grad
 
-from jaxgpt.tasks.dpo.loss import LOSS_TYPES, REFERENCE_FREE, preference_loss, reply_logps
+from jaxgpt.data.preferences import DPO_LOSSES
+from jaxgpt.tasks.dpo.loss import REFERENCE_FREE, preference_loss, reply_logps
 
 OPTIONS = {"sigmoid": {"beta": 0.1}, "ipo": {"beta": 0.5}, "hinge": {"beta": 0.3},
            "simpo": {"beta": 2.0, "simpo_gamma": 0.5}, "orpo": {"beta": 0.1, "orpo_lambda": 0.2}}
@@ -31,7 +32,7 @@ def _jax_loss(logits_c, y_c, m_c, logits_r, y_r, m_r, ref_c, ref_r, **options):
     return preference_loss(*sums, m_c.sum(1), m_r.sum(1), ref_c, ref_r, **options)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", DPO_LOSSES)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 def test_each_loss_equals_the_float64_reference_in_value_gradient_and_metrics(loss_type: str,
                                                                               label_smoothing: float) -> None:
