@@ -3,15 +3,20 @@ and read back on resume, gradient accumulation, a live reference, SIGKILL and re
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
+import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from helpers.chat import ALPHABET
 from helpers.models import save_random_lm
 
 from jaxgpt.data.tokenizer import CharTokenizer
+from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.train.config import base_config
 
@@ -62,8 +67,12 @@ def _records(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_reward_accuracy_rises_from_ln_2_and_the_run_is_a_chat_run(tmp_path: Path, base_run: Path) -> None:
+def test_reward_accuracy_rises_from_ln_2_and_the_run_is_a_chat_run(tmp_path: Path, base_run: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
     from helpers import train_run
+
+    from jaxgpt.commands import sample
 
     from jaxgpt.generate.chat import ChatModel
     from jaxgpt.io import weights
@@ -80,5 +89,77 @@ def test_reward_accuracy_rises_from_ln_2_and_the_run_is_a_chat_run(tmp_path: Pat
     assert (workdir / "reference_logps.npz").exists() and (workdir / "chat_template.jinja").exists()
     loaded = weights.load(f"workdir:{workdir}")  # sample.py --chat and jaxgpt serve read a run through these
     chat = ChatModel.from_run(loaded.params, loaded.model, loaded.tokenizer(), loaded.meta, None)
-    assert len(chat.replies([("q", [{"role": "user", "content": "What is 1 + 1?"}])], max_new_tokens=3, seed=0,
-                            temperature=0.0, top_p=1.0, slots=1)) == 1
+    [reply] = chat.replies([("q", [{"role": "user", "content": "Say xyzwx"}])], max_new_tokens=3, seed=0,
+                           temperature=0.0, top_p=1.0, slots=1)
+    pytest.importorskip("jinja2")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say xyzwx\n"))
+    capsys.readouterr()
+    code = sample.main(["jaxgpt sample", f"--workdir={workdir}", "--chat", "--temperature=0", "--max_new_tokens=3"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == reply + "\n", err
+
+
+def _params_equal(a: dict, b: dict) -> None:
+    for x, y in zip(jax.tree.leaves(a["state"]["params"]), jax.tree.leaves(b["state"]["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resumed_it_reads_the_reference_back_and_equals_the_uninterrupted_run(tmp_path: Path, base_run: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import train_run
+
+    from jaxgpt.tasks.dpo.task import DPO
+
+    overrides = {"max_steps": 8, "ckpt_interval": 4, "eval_interval": 8}
+    whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
+    whole = train_run(dpo_config(whole_dir, base_run, **overrides))
+    shutil.copytree(whole_dir, split_dir)  # the run as a kill after step 4's checkpoint leaves it
+    shutil.rmtree(split_dir / "checkpoints" / "8")
+
+    def no_reference_pass(*_: object) -> None:
+        raise AssertionError("a resumed run computed the reference log-probabilities again")
+
+    monkeypatch.setattr(DPO, "_score_all", no_reference_pass)
+    resumed = train_run(dpo_config(split_dir, base_run, **overrides))
+    assert resumed["steps"] == 4 and resumed["val_loss"] == whole["val_loss"]
+    _params_equal(whole, resumed)
+    with pytest.raises(UserError, match=r"config.dpo settings \(beta\)"):
+        train_run(dpo_config(split_dir, base_run, **{**overrides, "max_steps": 12, "dpo.beta": 0.2}))
+
+
+def test_gradient_accumulation_equals_the_larger_batch(tmp_path: Path, base_run: Path) -> None:
+    """8 pairs a step as one batch and as 8 micro-batches of 1: the losses within 1e-5, and the first step's
+    gradient norm (both from the same weights) within 1e-6 (later, the weights drift apart by more than that: Adam
+    divides tiny gradient entries by their own size, which magnifies float32's rounding)."""
+    from helpers import logged_losses, train_run
+
+    runs = {}
+    for accum in (1, 8):
+        workdir = tmp_path / f"accum{accum}"
+        runs[accum] = train_run(dpo_config(workdir, base_run, batch_size=8, grad_accum=accum, max_steps=4,
+                                           eval_interval=4, ckpt_interval=4))
+        runs[accum]["losses"] = [v for _, v in logged_losses(workdir)]
+    np.testing.assert_allclose(runs[1]["losses"], runs[8]["losses"], atol=1e-5, rtol=0)
+    assert abs(runs[1]["val_loss"] - runs[8]["val_loss"]) < 1e-5
+    norms = {accum: [r["grad_norm"] for r in _records(tmp_path / f"accum{accum}") if "grad_norm" in r]
+             for accum in (1, 8)}
+    np.testing.assert_allclose(norms[1][0], norms[8][0], rtol=1e-6)
+
+
+def test_a_live_reference_equals_the_precomputed_one_and_reference_free_losses_compute_none(
+        tmp_path: Path, base_run: Path) -> None:
+    from helpers import logged_losses, train_run
+
+    short = {"max_steps": 4, "eval_interval": 4, "ckpt_interval": 4}
+    losses = {}
+    for mode in ("precomputed", "live"):
+        workdir = tmp_path / mode
+        train_run(dpo_config(workdir, base_run, **short, **{"dpo.reference": mode}))
+        losses[mode] = [v for _, v in logged_losses(workdir)]
+        assert (workdir / "reference_logps.npz").exists() == (mode == "precomputed")
+    np.testing.assert_allclose(losses["live"], losses["precomputed"], atol=1e-6, rtol=0)
+    for loss_type in ("simpo", "orpo"):
+        workdir = tmp_path / loss_type
+        result = train_run(dpo_config(workdir, base_run, **short, **{"dpo.loss_type": loss_type}))
+        assert not (workdir / "reference_logps.npz").exists() and np.isfinite(result["val_loss"])
+    assert "val_nll_loss" in result and "val_log_odds_ratio" in result
