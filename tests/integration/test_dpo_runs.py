@@ -73,7 +73,6 @@ def test_reward_accuracy_rises_from_ln_2_and_the_run_is_a_chat_run(tmp_path: Pat
     from helpers import train_run
 
     from jaxgpt.commands import sample
-
     from jaxgpt.generate.chat import ChatModel
     from jaxgpt.io import weights
 
