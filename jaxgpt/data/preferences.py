@@ -19,7 +19,8 @@ rows of a prompt and a completion). `PreferenceConfig` is config.dpo, the task's
 The built-in pairs (`builtin_pairs`) are the built-in conversations (`builtin_conversations`, the same seed and
 datasets as SFT's): chosen is the right answer and rejected a wrong one close to it, made by a deterministic
 corruption (`wrong_answer`: a number off by one or two, one letter changed), so the stage runs offline and the set
-is a pure function of the seed. Pairs are held out by `split_held_out`'s hash of the prompt, SFT's split: an SFT run
+is a pure function of the seed (config.dpo.rejected=sampled puts the starting model's own wrong replies in their
+place: `jaxgpt.tasks.dpo.rejected`). Pairs are held out by `split_held_out`'s hash of the prompt, SFT's split: an SFT run
 on the same settings held out the same prompts.
 """
 
@@ -67,6 +68,9 @@ class PreferenceConfig(Conversations):
     reference: str = "precomputed"
     max_prompt_length: int = 0  # a pair longer than the context has its prompt cut to this many tokens first (0: no)
     truncation_mode: str = "keep_end"  # which of a cut prompt's tokens stay: "keep_end" (its last) or "keep_start"
+    # "builtin": the rejected replies: "corrupted" (the right answer with a number or a letter changed) or "sampled"
+    # (the starting model's own wrong replies, sampled once before training; corrupted where it answers right)
+    rejected: str = "corrupted"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,6 +81,9 @@ class PreferenceConfig(Conversations):
         if self.reference == "live" and self.loss_type in REFERENCE_FREE_LOSSES:
             raise UserError(f"config.dpo.loss_type={self.loss_type} uses no reference model: a live reference would "
                             "be run for nothing; leave config.dpo.reference=precomputed (nothing is then computed)")
+        if self.rejected not in ("corrupted", "sampled") or (self.rejected == "sampled" and self.data != "builtin"):
+            raise UserError(f"config.dpo.rejected={self.rejected!r}: choose corrupted or sampled, which applies to the "
+                            "built-in pairs only (config.dpo.data=builtin; a file's pairs have their rejected replies)")
         if self.truncation_mode not in TRUNCATION_MODES:
             raise UserError(f"config.dpo.truncation_mode={self.truncation_mode!r} is unknown: choose "
                             f"{' or '.join(TRUNCATION_MODES)}")

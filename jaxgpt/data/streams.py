@@ -20,3 +20,4 @@ BUILTIN_STREAM = 5
 ROLLOUT_STREAM = 7  # RL's training rollouts: the sampling seed of each completion
 RL_EVAL_STREAM = 8  # RL's evaluation samples (pass@k)
 PREFERENCE_STREAM = 9  # the built-in preference pairs' rejected answers (`jaxgpt.data.preferences`)
+REJECTED_STREAM = 10  # task dpo's rejected replies sampled from the starting model (`tasks.dpo.rejected`)

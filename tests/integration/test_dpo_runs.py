@@ -179,3 +179,29 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run
         "--config.eval_interval=16", "--config.log_interval=1", "--config.optim.lr=0.01", "--config.cpu_devices=0",
         "--config.compilation_cache_dir="]
     killed_twice_equals_straight(flags, tmp_path, 16)
+
+
+def test_sampled_rejections_are_the_models_own_kept_with_the_run_and_read_back(tmp_path: Path, base_run: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import train_run
+
+    from jaxgpt.data.preferences import builtin_pairs
+    from jaxgpt.tasks import build
+    from jaxgpt.tasks.dpo import task as dpo_task
+    from jaxgpt.train.config import from_config_dict
+
+    workdir = tmp_path / "run"
+    c = dpo_config(workdir, base_run, max_steps=2, eval_interval=2, ckpt_interval=2,
+                   **{"dpo.data": "builtin", "dpo.rejected": "sampled", "dpo.examples": 60})
+    train_run(c)
+    kept = [json.loads(line) for line in (workdir / "rejected.jsonl").read_text().splitlines()]
+    corrupted = [p.rejected for p in builtin_pairs(0, 60, ["arithmetic", "reverse"])]
+    own = [r for r, k in zip(kept, corrupted, strict=True) if r != k]
+    assert len(kept) == 60 and 0 < len(own) < 60  # the random model ends some replies, never with the answer
+
+    def no_sampling(*_: object) -> None:
+        raise AssertionError("the rejected replies were sampled again")
+
+    monkeypatch.setattr(dpo_task, "sample_rejections", no_sampling)
+    task = build(from_config_dict(c))
+    assert sorted(p.rejected for p in task.pairs) == sorted(kept)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import io
 from collections import defaultdict
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,13 @@ from jaxgpt.errors import UserError
 from jaxgpt.model.gpt import GPT, dummy_tokens
 from jaxgpt.tasks.chat import Chat, chat_architecture
 from jaxgpt.tasks.dpo.loss import pair_losses, reply_logps, summary
+from jaxgpt.tasks.dpo.rejected import (
+    REJECTED_FILE,
+    rejections_file,
+    sample_rejections,
+    saved_rejections,
+    with_rejections,
+)
 from jaxgpt.tasks.rl.rollouts import token_rows
 from jaxgpt.tasks.rl.task import local_weights, on_one_device
 from jaxgpt.train.config import TrainConfig, base_config
@@ -73,8 +80,6 @@ def configured_pairs(d: PreferenceConfig, seed: int) -> tuple[list[Pair], str]:
 class DPO:
     """Preference tuning from a chat (or base) run: pairs, reference log-probabilities, the preference losses."""
 
-    run_files: ClassVar[dict[str, str]] = {TEMPLATE_FILE: CHAT_TEMPLATE}
-
     def __init__(self, cfg: TrainConfig) -> None:
         if not cfg.init_from:
             raise UserError("config.init_from is empty: DPO starts from a model, e.g. "
@@ -88,7 +93,11 @@ class DPO:
         self.base_cfg, self.tokenizer, self.model_cfg = chat_architecture(cfg, "to write pairs with")
         self.model = GPT(self.model_cfg)
         self.tokenizer_meta = self.tokenizer.to_meta()
+        self.run_files = {TEMPLATE_FILE: CHAT_TEMPLATE}  # written into the work directory when the run starts
+        if d.rejected == "sampled":
+            pairs, description = self._sampled(pairs, description)
         limit = self.model_cfg.block_size + 1
+        self.pairs = pairs
         parts = dict(zip(("train", "val"), split_pairs(pairs, d.val_fraction), strict=True))
         encoded = {split: [encode_pair(self.tokenizer, p, limit, d.max_prompt_length, d.truncation_mode)
                            for p in items] for split, items in parts.items()}
@@ -213,6 +222,20 @@ class DPO:
     def final_line(self, metrics: dict[str, Any]) -> str | None:
         return (f"done: held-out reward accuracy {metrics['val_rewards/accuracies']:.3f}, exact match "
                 f"{metrics['val_exact_match']:.3f}; chat template in {self.cfg.workdir}/{TEMPLATE_FILE}")
+
+    def _sampled(self, pairs: list[Pair], description: str) -> tuple[list[Pair], str]:
+        """The pairs with the starting model's own wrong replies as rejected (`rejected`): read back from the work
+        directory, else sampled now (kept there when the run starts, as a run file)."""
+        rejected = saved_rejections(self.cfg.workdir, len(pairs))
+        if rejected is None:
+            with on_one_device():
+                rejected = sample_rejections(pairs, local_weights(Chat.pretrained(self)), self.model_cfg,
+                                             self.tokenizer, self.tokenizer.special_ids[END], self.cfg.seed, 64)
+        self.run_files[REJECTED_FILE] = rejections_file(rejected)
+        own = sum(r != p.rejected for p, r in zip(pairs, rejected, strict=True))
+        return with_rejections(pairs, rejected), description.replace(
+            "rejected: a corrupted answer", f"rejected: the model's own wrong reply for {own}, a corrupted answer "
+            f"for {len(pairs) - own} it answered right")
 
     # ------------------------------------------------------------------------------------------ the reference
 
