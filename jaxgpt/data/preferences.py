@@ -20,8 +20,8 @@ The built-in pairs (`builtin_pairs`) are the built-in conversations (`builtin_co
 datasets as SFT's): chosen is the right answer and rejected a wrong one close to it, made by a deterministic
 corruption (`wrong_answer`: a number off by one or two, one letter changed), so the stage runs offline and the set
 is a pure function of the seed (config.dpo.rejected=sampled puts the starting model's own wrong replies in their
-place: `jaxgpt.tasks.dpo.rejected`). Pairs are held out by `split_held_out`'s hash of the prompt, SFT's split: an SFT run
-on the same settings held out the same prompts.
+place: `jaxgpt.tasks.dpo.rejected`). Pairs are held out by `split_held_out`'s hash of the prompt, SFT's split: an
+SFT run on the same settings held out the same prompts.
 """
 
 from __future__ import annotations
