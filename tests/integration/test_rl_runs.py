@@ -12,12 +12,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers.chat import ALPHABET
-from helpers.models import save_random_lm
+from helpers.chat import save_char_base
 
-from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.rewards import RewardError
 from jaxgpt.train.config import base_config
 
@@ -28,10 +25,7 @@ VOWELS_REWARD = "def vowels(messages, completion):\n    return float(sum(c in 'a
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    workdir = tmp_path_factory.mktemp("base")
-    save_random_lm(workdir, ModelConfig(vocab_size=len(ALPHABET), block_size=64, n_layer=1, n_head=2, n_embd=32),
-                   CharTokenizer(ALPHABET))
-    return workdir
+    return save_char_base(tmp_path_factory.mktemp("base"))
 
 
 def rl_config(workdir: Path, base: Path, reward: str, **overrides: object):
