@@ -11,11 +11,12 @@ trained into --base if it holds no run) fine-tuned by configs/chat_sft.py for --
 holds no run). Each seed's run draws its own pairs, its own held-out pairs among them (SFT's split, by a hash of the
 prompt: none of them was an SFT training prompt) and its own batches. Before a run, the SFT model is scored on that
 run's held-out pairs as the run's evaluation scores them (the task's own `evaluate` on every held-out pair); after,
-the DPO model: reward accuracy and margin (0 and 0 for the SFT model, the reference itself), the chosen reward (its
-fall below 0 is DPO's known failure: the chosen reply made less likely), and greedy exact match of the right answers
-per built-in dataset (whether greedy decoding writes the chosen reply). It prints each seed, the mean and the minimum
-over the seeds, and the targets: held-out reward accuracy >= 0.9 and greedy exact match >= +0.05 over the SFT model on
-the mean, the chosen rewards not below their start, within 20 minutes of DPO (all seeds).
+the DPO model: reward accuracy and margin (0 and 0 for the SFT model, the reference itself), the chosen reward's
+change from the SFT model's (a fall is DPO's known failure: the chosen reply made less likely; for the reference-free
+losses the reward is beta x the averaged log-probability, not 0 at the start), and greedy exact match of the right
+answers per built-in dataset (whether greedy decoding writes the chosen reply). It prints each seed, the mean and the
+minimum over the seeds, and the targets: held-out reward accuracy >= 0.9 and greedy exact match >= +0.05 over the SFT
+model on the mean, the chosen rewards not below their start, within 20 minutes of DPO (all seeds).
 """
 
 from __future__ import annotations
@@ -90,16 +91,16 @@ def main() -> None:
     print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps), "
           f"DPO {sum(m for _, _, m in rows.values()):.1f} for {len(seeds)} seeds of {c.max_steps} steps "
           f"(evaluations included)")
-    print("\n| seed | held-out pairs | reward accuracy | margin | chosen reward | exact match SFT -> DPO | change | "
-          "per dataset (DPO) |\n|---|---|---|---|---|---|---|---|")
+    print("\n| seed | held-out pairs | reward accuracy | margin | chosen reward's change | exact match SFT -> DPO | "
+          "change | per dataset (DPO) |\n|---|---|---|---|---|---|---|---|")
     gains = {}
     for s, (b, a, _) in rows.items():
         gains[s] = {"rewards/accuracies": a["val_rewards/accuracies"], "rewards/margins": a["val_rewards/margins"],
-                    "rewards/chosen": a["val_rewards/chosen"],
+                    "rewards/chosen": a["val_rewards/chosen"] - b["val_rewards/chosen"],
                     "exact_match": a["val_exact_match"] - b["val_exact_match"]}
         per = ", ".join(f"{k} {v:.2f}" for k, v in a["val_exact_match_by_dataset"].items())
         print(f"| {s} | {a['val_pairs']} | {a['val_rewards/accuracies']:.3f} | {a['val_rewards/margins']:+.3f} | "
-              f"{a['val_rewards/chosen']:+.3f} | {b['val_exact_match']:.3f} -> {a['val_exact_match']:.3f} | "
+              f"{gains[s]['rewards/chosen']:+.3f} | {b['val_exact_match']:.3f} -> {a['val_exact_match']:.3f} | "
               f"{gains[s]['exact_match']:+.3f} | {per} |")
     for name, reduce in (("mean", statistics.mean), ("min", min)):
         g = {k: reduce(v[k] for v in gains.values()) for k in METRICS}
