@@ -19,3 +19,5 @@ EXAMPLE_STREAM = 3  # the shuffles of a set of examples, one per epoch (`jaxgpt.
 BUILTIN_STREAM = 5
 ROLLOUT_STREAM = 7  # RL's training rollouts: the sampling seed of each completion
 RL_EVAL_STREAM = 8  # RL's evaluation samples (pass@k)
+PREFERENCE_STREAM = 9  # the built-in preference pairs' rejected answers (`jaxgpt.data.preferences`)
+REJECTED_STREAM = 10  # task dpo's rejected replies sampled from the starting model (`tasks.dpo.rejected`)

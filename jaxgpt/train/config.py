@@ -22,6 +22,7 @@ from ml_collections import ConfigDict, config_dict
 
 from jaxgpt import storage
 from jaxgpt.data.conversations import Conversations
+from jaxgpt.data.preferences import PreferenceConfig
 from jaxgpt.errors import UserError
 from jaxgpt.generate.sampling import MAX_NEW_TOKENS
 from jaxgpt.model.config import ModelConfig, model_config_from_dict
@@ -43,7 +44,7 @@ _UNSET_TYPES = {"vocab_size": int, **{f.name: _TYPES[f.type.split(" | ")[0]] for
 LOCATION_KEYS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "data.dir": storage.ANYWHERE,
                  "data.bpe_file": storage.LOCAL, "data.csv": storage.LOCAL, "classify.data": storage.LOCAL,
                  "seq2seq.data": storage.LOCAL, "chat.data": storage.LOCAL, "rl.data": storage.LOCAL,
-                 "eval.hellaswag_data": storage.LOCAL,
+                 "dpo.data": storage.LOCAL, "eval.hellaswag_data": storage.LOCAL,
                  "compilation_cache_dir": storage.ANYWHERE}
 
 
@@ -115,9 +116,7 @@ class ChatConfig(Conversations):
     init_from, the chat format's special tokens added to that tokenizer."""
 
     group: ClassVar[str] = "chat"
-    # Training rows: False, one conversation per row, right-padded; True, several packed into each row, none seeing
-    # another (document masks: GPT.hidden's segments). Held-out rows hold one each either way.
-    pack: bool = False
+    pack: bool = False  # training rows hold several conversations, none seeing another (GPT.hidden's segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +236,7 @@ class TrainConfig:
     chat: ChatConfig = dataclasses.field(default_factory=ChatConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # lm and chat: adapters on a frozen init_from
+    dpo: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
     label_smoothing: float = 0.0  # lm and seq2seq: targets smoothed toward uniform (optax.smooth_labels; paper: 0.1)
     loss_chunk: int = 0  # language modelling: positions per chunk of the cross-entropy (0: all logits at once)
     z_loss: float = 0.0  # lm: weight of mean(logsumexp(logits)^2) added to the training loss (PaLM: 1e-4; 0: off)

@@ -30,6 +30,8 @@ TASKS = {
     "seq2seq": ("the encoder-decoder on source/target pairs", "docs/seq2seq.md", "jaxgpt.tasks.seq2seq.Seq2Seq"),
     "chat": ("supervised fine-tuning on conversations", "docs/chat.md", "jaxgpt.tasks.chat.Chat"),
     "rl": ("reinforcement learning (GRPO) on rewards a program checks", "docs/rl.md", "jaxgpt.tasks.rl.task.RL"),
+    "dpo": ("preference tuning (DPO, IPO, SimPO, ORPO) on chosen and rejected replies", "docs/dpo.md",
+            "jaxgpt.tasks.dpo.task.DPO"),
 }
 
 Rows = dict[str, np.ndarray]  # a batch's rows held by one process: every leaf has the rows first

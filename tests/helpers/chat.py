@@ -11,6 +11,18 @@ from jaxgpt.train.config import base_config
 ALPHABET = "".join(sorted(set(" !'+-.:?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")))
 
 
+def save_char_base(workdir: Path) -> Path:
+    """A one-layer character model of the built-in conversations' alphabet, random weights, saved as a run: the
+    start of the chat tasks' runs on the loop (RL, DPO)."""
+    from helpers.models import save_random_lm
+    from jaxgpt.data.tokenizer import CharTokenizer
+    from jaxgpt.model.config import ModelConfig
+
+    save_random_lm(workdir, ModelConfig(vocab_size=len(ALPHABET), block_size=64, n_layer=1, n_head=2, n_embd=32),
+                   CharTokenizer(ALPHABET))
+    return workdir
+
+
 def render(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
     """The template as `jaxgpt serve` renders it (the one ChatTemplate, as `jaxgpt serve` builds it)."""
     return ChatTemplate(CHAT_TEMPLATE, eos_token=END).render(messages, add_generation_prompt)

@@ -6,17 +6,15 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers.chat import ALPHABET
-from helpers.models import save_random_lm
+from helpers.chat import save_char_base
 
-from jaxgpt.data.tokenizer import CharTokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.rewards import RewardError
 from jaxgpt.train.config import base_config
 
@@ -27,10 +25,7 @@ VOWELS_REWARD = "def vowels(messages, completion):\n    return float(sum(c in 'a
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    workdir = tmp_path_factory.mktemp("base")
-    save_random_lm(workdir, ModelConfig(vocab_size=len(ALPHABET), block_size=64, n_layer=1, n_head=2, n_embd=32),
-                   CharTokenizer(ALPHABET))
-    return workdir
+    return save_char_base(tmp_path_factory.mktemp("base"))
 
 
 def rl_config(workdir: Path, base: Path, reward: str, **overrides: object):
@@ -137,13 +132,8 @@ def test_a_reward_that_turns_nan_stops_the_run_with_one_line_and_keeps_its_check
 def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run: Path) -> None:
     """train.py killed with SIGKILL after its checkpoint at step 4 or later, twice, then resumed to the end: the
     weights equal an uninterrupted run's bit for bit (two updates per batch of rollouts: a kill may land inside one)."""
-    import signal
-    import subprocess
-    import sys
-
     from helpers import ROOT
-
-    from jaxgpt.io.checkpoint import Checkpointer
+    from helpers.runs import killed_twice_equals_straight
 
     (tmp_path / "toy.py").write_text(A_REWARD)
     flags = lambda workdir: [
@@ -154,19 +144,4 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run
         "--config.rl.eval_prompts=4", "--config.rl.pass_k=2", "--config.max_steps=16", "--config.ckpt_interval=3",
         "--config.eval_interval=16", "--config.log_interval=1", "--config.optim.lr=0.03", "--config.rl.beta=0.1",
         "--config.compilation_cache_dir="]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    done = subprocess.run(flags(straight), capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    for target in (5, 11):
-        proc = subprocess.Popen(flags(killed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for line in proc.stderr:
-            if line.startswith("step ") and int(line.split("/")[0].split()[1]) >= target:
-                break
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    resumed = subprocess.run(flags(killed), capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert resumed.returncode == 0 and "resuming at step" in resumed.stdout, resumed.stderr[-2000:]
-    want, got = Checkpointer(straight, read_only=True), Checkpointer(killed, read_only=True)
-    assert want.latest_step() == got.latest_step() == 16
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), want.restore_params(16),
-                 got.restore_params(16))
+    killed_twice_equals_straight(flags, tmp_path, 16)

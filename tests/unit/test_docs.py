@@ -382,33 +382,33 @@ def test_a_planted_task_config_package_and_command_fail_until_documented(tmp_pat
         (tmp_path / folder).mkdir()
         for path in (ROOT / folder).iterdir():
             (tmp_path / folder / path.name).symlink_to(path)
-    (tmp_path / "configs" / "chat_dpo.py").write_text("")
+    (tmp_path / "configs" / "chat_kto.py").write_text("")
     (tmp_path / "configs" / "seq2seq_copy.py").unlink()
     (tmp_path / "jaxgpt" / "adapters").mkdir()
     (tmp_path / "jaxgpt" / "adapters" / "__init__.py").write_text("")
-    tasks = {**TASKS, "dpo": ("preference tuning", "docs/chat.md", "jaxgpt.tasks.dpo.DPO")}
+    tasks = {**TASKS, "kto": ("preference tuning", "docs/chat.md", "jaxgpt.tasks.kto.KTO")}
     command_table = {**commands.COMMANDS, "lint": ("check a config", "docs/training.md")}
     config_rows = table_names(Doc.read(ROOT / "docs" / "training.md"), "config", TABLES["config"][2])
     assert undocumented(tmp_path, tasks, command_table) == [
-        "docs/training.md: task 'dpo' has no row in the table headed 'task'",
-        "docs/training.md: config 'chat_dpo' has no row in the table headed 'config'",
+        "docs/training.md: task 'kto' has no row in the table headed 'task'",
+        "docs/training.md: config 'chat_kto' has no row in the table headed 'config'",
         f"docs/training.md:{config_rows['seq2seq_copy']}: the 'config' table names config 'seq2seq_copy', "
         "which does not exist",
         "README.md: subpackage 'adapters' has no row in the table headed 'folder'",
         "README.md: command 'lint' has no row in the table headed 'command'",
-        "docs/chat.md: never names task 'dpo' (as task `dpo` or config.task = \"dpo\")",
+        "docs/chat.md: never names task 'kto' (as task `kto` or config.task = \"kto\")",
         "docs/training.md: never shows `jaxgpt lint`"]
     (tmp_path / "configs" / "seq2seq_copy.py").symlink_to(ROOT / "configs" / "seq2seq_copy.py")
-    for where, row in (("docs/training.md", "| `dpo` | preference pairs | `chat_dpo` | [chat](chat.md) |"),
-                       ("docs/training.md", "| `chat_dpo` | preference tuning (task `dpo`; `jaxgpt lint`) |"),
+    for where, row in (("docs/training.md", "| `kto` | preference pairs | `chat_kto` | [chat](chat.md) |"),
+                       ("docs/training.md", "| `chat_kto` | preference tuning (task `kto`; `jaxgpt lint`) |"),
                        ("README.md", "| `jaxgpt/adapters/` | low-rank adapters |"),
                        ("README.md", "| `jaxgpt lint` | check a config | [training](docs/training.md) |")):
         text = (tmp_path / where).read_text()
-        header = {"`dpo`": "| `rl` |", "`chat_dpo`": "| `chat_rl` |", "`jaxgpt/adapters/`": "| `jaxgpt/ops/` |",
+        header = {"`kto`": "| `rl` |", "`chat_kto`": "| `chat_rl` |", "`jaxgpt/adapters/`": "| `jaxgpt/ops/` |",
                   "`jaxgpt lint`": "| `jaxgpt aot "}[row.split(" | ")[0][2:]]
         at = text.index(header)
         (tmp_path / where).write_text(text[:at] + row + "\n" + text[at:])
-    (tmp_path / "docs" / "chat.md").write_text((tmp_path / "docs" / "chat.md").read_text() + "\nAnd task `dpo`.\n")
+    (tmp_path / "docs" / "chat.md").write_text((tmp_path / "docs" / "chat.md").read_text() + "\nAnd task `kto`.\n")
     assert undocumented(tmp_path, tasks, command_table) == []
 
 

@@ -1,0 +1,120 @@
+"""DPO after SFT, measured: the SFT model and the DPO model it becomes, on held-out pairs and held-out prompts, for
+3 seeds from the same SFT start, in one run.
+
+    python benchmarks/bench_dpo.py                                  # base and early SFT trained here if missing
+    python benchmarks/bench_dpo.py --sft runs/chat_sft --out /tmp/bench_dpo --dpo_steps 200
+    python benchmarks/bench_dpo.py --config my_dpo.py --seeds 0,1,2
+
+The DPO runs are configs/chat_dpo.py or --config (task dpo on the built-in pairs: chosen the right answer, rejected
+a wrong one close to it) from an SFT model that leaves room: the quick start's base model (configs/stdlib_char.py,
+trained into --base if it holds no run) fine-tuned by configs/chat_sft.py for --sft_steps steps (into --sft if it
+holds no run). Each seed's run draws its own pairs, its own held-out pairs among them (SFT's split, by a hash of the
+prompt: none of them was an SFT training prompt) and its own batches. Before a run, the SFT model is scored on that
+run's held-out pairs as the run's evaluation scores them (the task's own `evaluate` on every held-out pair); after,
+the DPO model: reward accuracy and margin (0 and 0 for the SFT model, the reference itself), the chosen reward's
+change from the SFT model's (a fall is DPO's known failure: the chosen reply made less likely; for the reference-free
+losses the reward is beta x the averaged log-probability, not 0 at the start), and greedy exact match of the right
+answers per built-in dataset (whether greedy decoding writes the chosen reply). It prints each seed, the mean and the
+minimum over the seeds, and the targets: held-out reward accuracy >= 0.9 and greedy exact match >= +0.05 over the SFT
+model on the mean, the chosen rewards not below their start, within 20 minutes of DPO (all seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from bench_rl import config, trained
+
+from jaxgpt.io.checkpoint import Checkpointer
+from jaxgpt.tasks import build
+from jaxgpt.tasks.rl.task import local_weights, on_one_device
+from jaxgpt.train.config import from_config_dict
+from jaxgpt.train.loop import train
+
+METRICS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "exact_match")
+
+
+def held_out_scores(task, params) -> dict[str, float]:
+    """The task's evaluation of `params` on its held-out pairs, as the loop runs it (one device)."""
+    evaluate = jax.jit(task.evaluate)
+    with on_one_device():
+        params = local_weights(params)
+        outputs = [jax.device_get(evaluate(params, batch)) for batch in task.eval_rows(0, 1)["val"]]
+    return task.summarize({"val": outputs})
+
+
+def one_seed(c, seed: int, out: Path) -> tuple[dict, dict, float]:
+    """(the SFT model's held-out scores, the DPO model's, the minutes DPO took) for `seed`."""
+    c.seed, c.workdir = seed, str(out / f"sft_scored{seed}")  # the scoring writes the reference: not in a run's
+    task = build(from_config_dict(c))
+    before = held_out_scores(task, task.pretrained())
+    c.workdir = str(out / f"seed{seed}")
+    t = time.perf_counter()
+    after = train(from_config_dict(c), build)
+    return before, after, (time.perf_counter() - t) / 60
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/chat_dpo.py", help="the DPO runs' configuration file")
+    parser.add_argument("--base", default="runs/stdlib_char")
+    parser.add_argument("--base_steps", type=int, default=0, help="0: configs/stdlib_char.py's max_steps")
+    parser.add_argument("--sft", default="runs/chat_sft_early")
+    parser.add_argument("--sft_steps", type=int, default=175)
+    parser.add_argument("--out", default="/tmp/bench_dpo", help="where the DPO runs go (must not hold them)")
+    parser.add_argument("--dpo_steps", type=int, default=0, help="0: the config's max_steps")
+    parser.add_argument("--examples", type=int, default=0, help="built-in pairs drawn per seed (0: the config's)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--data_dir", default="data/stdlib_char")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    if any(Checkpointer(out / f"seed{s}").latest_step() is not None for s in seeds):
+        parser.error(f"{args.out} already holds a run: give a new --out")
+    base = {"data.dir": args.data_dir, **({"max_steps": args.base_steps} if args.base_steps else {})}
+    minutes = {"base": trained(Path(args.base), "configs/stdlib_char.py", **base),
+               "sft": trained(Path(args.sft), "configs/chat_sft.py", max_steps=args.sft_steps,
+                              init_from=f"workdir:{args.base}", eval_interval=args.sft_steps)}
+    c = config(args.config, init_from=f"workdir:{args.sft}", cpu_devices=0)
+    c.max_steps = args.dpo_steps or c.max_steps
+    c.optim.decay_steps = c.max_steps
+    c.eval_interval = c.max_steps
+    c.dpo.examples = args.examples or c.dpo.examples
+    c.eval_batches = -(-int(c.dpo.examples * c.dpo.val_fraction * 1.5) // c.batch_size)  # every held-out pair
+    rows = {s: one_seed(c, s, out) for s in seeds}
+    print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps), "
+          f"DPO {sum(m for _, _, m in rows.values()):.1f} for {len(seeds)} seeds of {c.max_steps} steps "
+          f"(evaluations included)")
+    print("\n| seed | held-out pairs | reward accuracy | margin | chosen reward's change | exact match SFT -> DPO | "
+          "change | per dataset (DPO) |\n|---|---|---|---|---|---|---|---|")
+    gains = {}
+    for s, (b, a, _) in rows.items():
+        gains[s] = {"rewards/accuracies": a["val_rewards/accuracies"], "rewards/margins": a["val_rewards/margins"],
+                    "rewards/chosen": a["val_rewards/chosen"] - b["val_rewards/chosen"],
+                    "exact_match": a["val_exact_match"] - b["val_exact_match"]}
+        per = ", ".join(f"{k} {v:.2f}" for k, v in a["val_exact_match_by_dataset"].items())
+        print(f"| {s} | {a['val_pairs']} | {a['val_rewards/accuracies']:.3f} | {a['val_rewards/margins']:+.3f} | "
+              f"{gains[s]['rewards/chosen']:+.3f} | {b['val_exact_match']:.3f} -> {a['val_exact_match']:.3f} | "
+              f"{gains[s]['exact_match']:+.3f} | {per} |")
+    for name, reduce in (("mean", statistics.mean), ("min", min)):
+        g = {k: reduce(v[k] for v in gains.values()) for k in METRICS}
+        print(f"| {name} | | {g['rewards/accuracies']:.3f} | {g['rewards/margins']:+.3f} | {g['rewards/chosen']:+.3f} "
+              f"| | {g['exact_match']:+.3f} | |")
+    mean = {k: float(np.mean([v[k] for v in gains.values()])) for k in METRICS}
+    dpo_minutes = sum(m for _, _, m in rows.values())
+    print(f"\ntargets (mean of {len(seeds)} seeds): reward accuracy {mean['rewards/accuracies']:.3f} >= 0.9 "
+          f"{'met' if mean['rewards/accuracies'] >= 0.9 else 'missed'}; exact match {mean['exact_match']:+.3f} >= "
+          f"+0.05 {'met' if mean['exact_match'] >= 0.05 else 'missed'}; chosen rewards not below their start (worst "
+          f"seed {min(v['rewards/chosen'] for v in gains.values()):+.3f}) "
+          f"{'met' if all(v['rewards/chosen'] >= 0 for v in gains.values()) else 'missed'}; DPO within 20 minutes "
+          f"({dpo_minutes:.1f}) {'met' if dpo_minutes <= 20 else 'missed'}; devices: {jax.devices()[0].device_kind}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
