@@ -12,10 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 from ml_collections import ConfigDict
+
+from jaxgpt.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = Path(__file__).resolve().parent / "tiny_config.py"
@@ -78,6 +81,15 @@ def logged_losses(workdir: Path) -> list[tuple[int, float]]:
     """(step, train loss) of every periodic record in a run's metrics.jsonl, in the order written."""
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["train_loss"]) for r in rows if "lr" in r]
+
+
+def user_error_line(fn: Callable[..., object], *args: object, **kwargs: object) -> str:
+    """The message of the UserError `fn(*args, **kwargs)` raises, checked to be one line."""
+    with pytest.raises(UserError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
 
 
 def one_line_error(proc: subprocess.CompletedProcess | tuple[int, str], status: int = 2) -> str:

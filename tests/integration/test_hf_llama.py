@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import user_error_line
 from helpers.models import assert_trees_equal
-from test_hf import one_line_error
 
 from jaxgpt.generate import sampling
 from jaxgpt.io import hf, weights
@@ -175,16 +175,16 @@ def test_bad_directories_and_configs_are_one_line(root, tmp_path):
     _, path = _checkpoint("llama", root)
     config = _config(path)
     (tmp_path / "empty").mkdir()
-    assert "no config.json" in one_line_error(hf.load_hf, tmp_path / "empty")
+    assert "no config.json" in user_error_line(hf.load_hf, tmp_path / "empty")
     (tmp_path / "no_weights").mkdir()
     (tmp_path / "no_weights" / "config.json").write_text(json.dumps(config))
-    assert "no weights" in one_line_error(hf.load_hf, tmp_path / "no_weights")
+    assert "no weights" in user_error_line(hf.load_hf, tmp_path / "no_weights")
     for change, expected in [({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}, "'falcon'"),
                              ({"model_type": "gemma3"}, "'gemma3'"),
                              ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
                              ({"mlp_bias": True}, "mlp_bias"),
                              ({"hidden_act": "tanh"}, "hidden_act")]:
-        message = one_line_error(hf.hf_config_to_model_config, {**config, **change})
+        message = user_error_line(hf.hf_config_to_model_config, {**config, **change})
         assert expected in message
 
 
@@ -192,7 +192,7 @@ def test_unexpressible_window_layers_are_refused(root):
     _, path = _checkpoint("qwen3", root)
     config = _config(path)
     config.update(use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None)
-    assert "windowed layers [1]" in one_line_error(hf.hf_config_to_model_config, config)
+    assert "windowed layers [1]" in user_error_line(hf.hf_config_to_model_config, config)
     config["max_window_layers"] = 0
     assert hf.hf_config_to_model_config(config).sliding_window == 16
 
@@ -201,7 +201,7 @@ def test_gemma_attention_softcap_is_refused(root):
     """transformers' Gemma3 attention ignores attn_logit_softcapping (Gemma 2's): no logits could agree."""
     _, path = _checkpoint("gemma3_text", root)
     config = _config(path)
-    assert "attn_logit_softcapping" in one_line_error(hf.hf_config_to_model_config,
+    assert "attn_logit_softcapping" in user_error_line(hf.hf_config_to_model_config,
                                                       {**config, "attn_logit_softcapping": 50.0})
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from helpers import user_error_line
 
 gguf = pytest.importorskip("gguf")
 
 from helpers.models import assert_trees_equal, save_run  # noqa: E402
 from test_gguf import source_tensors, write_gguf  # noqa: E402
-from test_hf import one_line_error  # noqa: E402
 
 from jaxgpt.commands import hf as hf_command  # noqa: E402
 from jaxgpt.data.conversations import TEMPLATE_FILE  # noqa: E402
@@ -97,12 +97,12 @@ def test_transformers_gguf_loader_agrees(run, tmp_path):
 
 def test_refusals_are_one_line(run, tmp_path):
     workdir, loaded = run
-    assert "F32, F16, Q8_0" in one_line_error(hf_command.export_gguf, str(workdir), str(tmp_path / "m.gguf"),
+    assert "F32, F16, Q8_0" in user_error_line(hf_command.export_gguf, str(workdir), str(tmp_path / "m.gguf"),
                                               "latest", False, "Q4_0")
-    assert ".gguf file" in one_line_error(hf_command.export_gguf, str(workdir), str(tmp_path / "m.bin"), "latest",
+    assert ".gguf file" in user_error_line(hf_command.export_gguf, str(workdir), str(tmp_path / "m.bin"), "latest",
                                           False, "F32")
     qwen, cfg = tmp_path / "qwen", loaded.model.replace(qkv_bias=True)  # (Qwen2's q/k/v biases)
     save_run(qwen, cfg, init_params(cfg, jax.random.key(0)), loaded.tokenizer_meta)
-    message = one_line_error(hf_command.export_gguf, str(qwen), str(tmp_path / "q.gguf"), "latest", False, "F32")
+    message = user_error_line(hf_command.export_gguf, str(qwen), str(tmp_path / "q.gguf"), "latest", False, "F32")
     assert "Qwen2" in message and "Llama-family" in message
 
