@@ -1,7 +1,8 @@
 """A model with its own tokenizer and chat template (a tiny random Llama directory made by transformers, its
 vocabulary padded past the tokenizer's) through the commands: chat SFT from it saves and resumes and
 `sample --chat` answers from the run with the model's template; `jaxgpt serve` answers a chat completion with
-transformers' greedy answer and never samples a padded (phantom) id."""
+transformers' greedy answer and never samples a padded (phantom) id; `jaxgpt data --tokenizer_from` prepares text
+in its tokenizer for continued pretraining from it; `jaxgpt eval` of it gives transformers' loss."""
 
 from __future__ import annotations
 
@@ -78,3 +79,39 @@ def test_serve_answers_with_transformers_greedy_reply_and_no_phantom_id(llama):
     assert choice["message"]["content"] == expected
     assert choice["finish_reason"] == ("stop" if stopped else "length")
     assert all(c["finish_reason"] in ("stop", "length") for c in sampled["choices"]), sampled  # decodable: no phantom
+
+
+TEXT = "the quick brown fox jumps over the lazy dog. Hello! How are you today? " * 12
+
+
+def test_data_with_the_models_tokenizer_trains_the_lm_task_from_it(llama, tmp_path):
+    root, _, tokenizer = llama
+    (tmp_path / "my.txt").write_text(TEXT)
+    data = tmp_path / "data"
+    run([sys.executable, "-m", "jaxgpt", "data", "--text", str(tmp_path / "my.txt"), f"--tokenizer_from=hf:{root}",
+         f"--out={data}", "--workers=1", "--val_fraction=0.2"], check=True)
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["tokenizer"]["type"] == "tokenizer.json" and meta["vocab_size"] == len(tokenizer)
+    assert meta["n_train"] + meta["n_val"] == len(tokenizer(TEXT)["input_ids"])  # its ids of the text
+    proc = run([sys.executable, "train.py", "--config", "configs/mytext_gpt2.py", f"--config.init_from=hf:{root}",
+                f"--config.data.dir={data}", f"--config.workdir={tmp_path / 'run'}", "--config.max_steps=2",
+                "--config.batch_size=2", "--config.model.block_size=32", "--config.eval_interval=2",
+                "--config.eval_batches=1", "--config.sample.max_new_tokens=4"], check=True)
+    assert "starting from step 0" in proc.stdout and "val loss" in proc.stdout
+
+
+def test_eval_of_the_directory_is_transformers_loss(llama, tmp_path, capsys):
+    from jaxgpt.commands import eval as eval_command
+    from jaxgpt.data.tokenizer_json import read_json_tokenizer
+    from jaxgpt.evals.text import text_ids
+
+    root, model, _ = llama
+    (tmp_path / "short.txt").write_text(TEXT[:150])
+    ids = text_ids([TEXT[:150]], read_json_tokenizer(root))
+    assert len(ids) <= 65  # one window of 64 predictions
+    assert eval_command.main(["eval", f"--init_from=hf:{root}", "--text", str(tmp_path / "short.txt"),
+                              "--block_size=64"]) in (0, None)
+    ours = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+    with torch.no_grad():
+        theirs = float(model(torch.as_tensor(ids[None]), labels=torch.as_tensor(ids[None])).loss)
+    assert ours == pytest.approx(theirs, abs=1e-4)
