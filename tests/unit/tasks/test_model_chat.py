@@ -84,3 +84,19 @@ def test_a_template_that_rewrites_earlier_turns_is_one_line(llama):
     with pytest.raises(UserError, match=r"renders message 2 .* differently") as info:
         encode_chat(chat, CONVERSATION)
     assert "\n" not in str(info.value)
+
+
+def test_rl_prompts_with_the_models_generation_prompt_and_stops_at_its_end(llama, tmp_path):
+    from jaxgpt.tasks.rl.task import RL
+
+    root, _, theirs = llama
+    c = base_config()
+    c.task, c.init_from, c.workdir, c.batch_size = "rl", f"hf:{root}", str(tmp_path / "run"), 4
+    c.model.block_size = 128
+    c.rl.examples, c.rl.datasets, c.rl.num_generations = 40, "arithmetic", 2
+    task = RL(from_config_dict(c))
+    assert task.end_id == 2 and task.model_cfg.vocab_size == task.tokenizer.vocab_size + PADDED
+    assert task.meta["chat"]["template"] == TEMPLATE == task.run_files[TEMPLATE_FILE]
+    prompt = task.train.prompts[0]
+    assert task.train.ids[0] == theirs.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=True)["input_ids"]
