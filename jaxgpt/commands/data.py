@@ -7,6 +7,7 @@
     jaxgpt data --text 'corpus/*.jsonl' --tokenizer gpt2 --out data/corpus --workers 8 [--text_field text]
     jaxgpt data --hf_dataset HuggingFaceFW/fineweb-edu:sample-10BT --tokenizer gpt2 --out data/edu
     jaxgpt data --text a.txt --tokenizer word --vocab_size 10000 --out data/mine_words
+    jaxgpt data --text a.txt --tokenizer_from hf:path/to/Llama-3.2-1B --out data/mine_llama   # or gguf:smollm2
     jaxgpt data --dataset wine_reviews --csv winemag-data-130k-v2.csv --out data/wine_reviews
 
 --text takes files, directories (every file below, sorted) and glob patterns, several after one --text or
@@ -38,7 +39,7 @@ from jaxgpt.data.corpora import BUILTIN_DATASETS, WINE_VOCAB_SIZE, prepare_built
 from jaxgpt.data.dataset import unknown_summary
 from jaxgpt.data.prepare import SHARD_TOKENS, prepare, prepare_text
 from jaxgpt.data.sources import hub_stream
-from jaxgpt.data.tokenizer import WordTokenizer, load_bpe
+from jaxgpt.data.tokenizer import Tokenizer, WordTokenizer, load_bpe, tokenizer_from_meta
 from jaxgpt.errors import UserError
 
 # The flags that name a file or directory, and what each takes (`storage.check`, before anything is read).
@@ -59,6 +60,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_enum("tokenizer", "char", ("char", "gpt2", "cl100k_base", "o200k_base", "word"), "a character "
                       "vocabulary of the text, GPT-2's BPE, tiktoken's larger BPEs (uint32 ids), or seed 004's words "
                       "(lower-cased, punctuation split off)", flag_values=flags_)
+    flags.DEFINE_string("tokenizer_from", None, "instead of --tokenizer, the tokenizer of these weights (hf:DIR, "
+                        "gguf:PATH or NAME, workdir:RUN): continued pretraining of that model on your text",
+                        flag_values=flags_)
     flags.DEFINE_integer("vocab_size", None, f"word tokens: keep the most frequent words, [PAD] and [UNK] included "
                          f"(default {WINE_VOCAB_SIZE})", flag_values=flags_)
     flags.DEFINE_string("csv", None, "wine_reviews: Kaggle's winemag-data-130k-v2.csv", flag_values=flags_)
@@ -103,7 +107,9 @@ def _prepare(flags_: flags.FlagValues, args: list[str], out: str) -> dict:
     if flags_.csv is not None or (flags_.vocab_size is not None and flags_.tokenizer != "word"):
         raise UserError("--csv goes with --dataset wine_reviews and --vocab_size with --tokenizer word: drop it")
     tokenizer = None  # char: the text's own characters
-    if flags_.tokenizer not in ("char", "word"):
+    if flags_.tokenizer_from is not None:
+        tokenizer = _model_tokenizer(flags_)
+    elif flags_.tokenizer not in ("char", "word"):
         tokenizer = load_bpe(flags_.tokenizer, flags_.bpe_file)
     elif flags_.tokenizer == "word":
         words = WINE_VOCAB_SIZE if flags_.vocab_size is None else flags_.vocab_size
@@ -120,6 +126,18 @@ def _prepare(flags_: flags.FlagValues, args: list[str], out: str) -> dict:
         storage.check(path, "--text", storage.LOCAL)
     paths = [Path(p) for p in [*flags_.text, *args]]
     return prepare_text(paths, out, tokenizer, text_field=flags_.text_field, **options)
+
+
+def _model_tokenizer(flags_: flags.FlagValues) -> Tokenizer:
+    """The tokenizer of --tokenizer_from's weights (read without their tensors), which --tokenizer must not name."""
+    from jaxgpt.io import weights
+
+    if flags_["tokenizer"].present:
+        raise UserError("--tokenizer and --tokenizer_from both name a tokenizer: give one")
+    meta = weights.describe(flags_.tokenizer_from)[1]
+    if meta is None:
+        raise UserError(f"--tokenizer_from={flags_.tokenizer_from} has no tokenizer of its own: give --tokenizer")
+    return tokenizer_from_meta(meta, flags_.bpe_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,10 +68,16 @@ class JsonTokenizer(Tokenizer):
         self.tokens = dict(tokens or {})
 
     def encode_array(self, text: str) -> np.ndarray:
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return self.encode_offsets(text)[0]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """`encode_array(text)` and, per id, the offset in `text` of its first character (0 for a BOS put before
+        it): what finds the tokens of a span of rendered text (a chat template's assistant turn)."""
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        ids, starts = list(encoding.ids), [start for start, _ in encoding.offsets]
         if self.add_bos and (not ids or ids[0] != self.bos_token):
-            ids = [self.bos_token, *ids]
-        return np.asarray(ids, dtype=np.int64)
+            ids, starts = [self.bos_token, *ids], [0, *starts]
+        return np.asarray(ids, dtype=np.int64), np.asarray(starts, dtype=np.int64)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]

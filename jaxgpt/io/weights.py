@@ -207,6 +207,25 @@ def describe(source: str, which: str = "latest") -> tuple[ModelConfig | Seq2SeqC
     return loaded.model, loaded.tokenizer_meta
 
 
+def describe_chat(source: str) -> dict[str, Any] | None:
+    """The chat of `source` as a chat run's meta["chat"] holds it (the template, end-of-turn and stop ids, the
+    special tokens' text), without reading its tensors: a chat run's, a Hugging Face directory's or a GGUF file's
+    that has a template; None for any other source."""
+    kind, _, arg = source.partition(":")
+    if kind == "workdir" and arg and _is_run_dir(arg):
+        ckpt, _, meta = open_checkpoint(arg, "latest", f"train a model in {arg} first or pass the right work directory")
+        ckpt.close()
+        return meta.get("chat")
+    if kind == "hf" and arg:
+        tokenizer_meta = describe(source)[1]
+        return _hf_meta(hf_directory(arg), tokenizer_meta).get("chat")
+    if kind == "gguf" and arg:
+        from jaxgpt.io.gguf import model_config, open_gguf
+
+        return _gguf_tokenizer(file := open_gguf(arg), model_config(file))[1].get("chat")
+    return None
+
+
 def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int | None = None,
          merge_lora: bool = True) -> Weights:
     """Weights from `source` (see the module docstring).

@@ -32,6 +32,9 @@ class _Named(dict):
 _GPT2 = dict(vocab_size=50257, block_size=1024, activation="gelu_tanh", norm_placement="pre", final_norm=True,
              tie_embeddings=True, use_bias=True, norm_eps=1e-5, init="gpt2")
 
+_OPEN = dict(position="none", norm_placement="pre", final_norm=True, norm="rmsnorm", activation="silu",
+             gated_mlp=True, use_bias=False)
+
 PRESETS: dict[str, ModelConfig] = _Named({
     # Seed 000: the Annotated Transformer's decoder stack as a GPT (`make_model`), with tiktoken's r50k vocabulary.
     # Dropout on the embedding + position sum, inside attention and the feed-forward, and on each sub-layer's
@@ -81,6 +84,35 @@ PRESETS: dict[str, ModelConfig] = _Named({
         norm_placement="pre", final_norm=True, norm="rmsnorm", norm_scale=False, norm_eps=1e-6, embd_norm=True,
         qk_norm=True, activation="relu2", use_bias=False, tie_embeddings=False, logit_softcap=15.0,
         zero_init_proj=True),
+    # Open-weight models at their published sizes (what their config.json gives, `jaxgpt.io.hf_llama`), for
+    # `jaxgpt summary` and `jaxgpt aot`; the weights themselves load with init_from=hf:DIR or gguf:PATH. Each is
+    # rotary, RMSNorm before each sub-layer, grouped-query attention, a SwiGLU (Gemma: GeGLU) feed-forward, no biases.
+    # Llama 3.1 8B: 8,030,261,248 parameters (llama3 RoPE scaling to 128k positions, untied head).
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, block_size=131072, n_layer=32, n_head=32, n_embd=4096, d_ff=14336, n_kv_head=8,
+        rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_original_positions=8192,
+        tie_embeddings=False, **_OPEN),
+    # Mistral 7B v0.1: 7,241,732,096 (a 4096-token window on every layer).
+    "mistral-7b-v0.1": ModelConfig(
+        vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_embd=4096, d_ff=14336, n_kv_head=8,
+        rope_theta=10000.0, sliding_window=4096, tie_embeddings=False, **_OPEN),
+    # Qwen3 8B: 8,190,735,360 (RMSNorm on each query and key head before the rotary).
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, block_size=40960, n_layer=36, n_head=32, n_embd=4096, head_dim=128, d_ff=12288,
+        n_kv_head=8, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, qk_norm_site="before_rope",
+        tie_embeddings=False, **_OPEN),
+    # SmolLM2 135M (the Instruct model of gguf:smollm2): 134,515,008 (tied head).
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_embd=576, d_ff=1536, n_kv_head=3,
+        rope_theta=100000.0, tie_embeddings=True, **_OPEN),
+    # Gemma 3 1B (text): 999,885,952 ((1 + w) sandwich norms, embeddings times sqrt(C), GeGLU, a query scale of
+    # 256^-0.5, 512-token windows with every 6th layer global at its own rotary base, tied head).
+    "gemma-3-1b": ModelConfig(
+        vocab_size=262144, block_size=32768, n_layer=26, n_head=4, n_embd=1152, head_dim=256, d_ff=6912,
+        n_kv_head=1, rope_theta=1000000.0, rope_local_theta=10000.0, norm_eps=1e-6, qk_norm=True,
+        qk_norm_site="before_rope", norm_scale_offset=1.0, sandwich_norm=True, scale_embeddings=True,
+        query_scale=0.0625, sliding_window=512, window_pattern=6, tie_embeddings=True,
+        **{**_OPEN, "activation": "gelu_tanh"}),
 })
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,17 +35,13 @@ import numpy as np
 
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
 from jaxgpt.data.conversations import (
-    CHAT_TEMPLATE,
-    END,
     HUB_SPEC,
-    SPECIAL_TOKENS,
     TEMPLATE_FILE,
     Conversation,
     Conversations,
     Encoded,
     builtin_conversations,
     chat_tokenizer,
-    encode_conversation,
     fit_context,
     load_hub,
     load_jsonl,
@@ -53,7 +49,9 @@ from jaxgpt.data.conversations import (
     split_held_out,
     to_rows,
 )
-from jaxgpt.data.tokenizer import WithSpecialTokens, tokenizer_from_meta
+from jaxgpt.data.model_chat import ModelChat, chat_format, describe_format, encode_chat
+from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens, tokenizer_from_meta
+from jaxgpt.data.tokenizer_json import JsonTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig
@@ -106,7 +104,7 @@ def _layout(row_lengths: Sequence[int], width: int, n_conversations: int) -> str
 Fitted = tuple[Encoded, str, Conversation]  # a conversation's ids as they fit the context, its kind, its messages
 
 
-def _fit(conversations: list[Conversation], origins: list[str], kinds: list[str], tokenizer: WithSpecialTokens,
+def _fit(conversations: list[Conversation], origins: list[str], kinds: list[str], tokenizer: Tokenizer,
          block_size: int) -> tuple[list[Fitted], int, int]:
     """The conversations encoded, each cut after its last assistant turn that fits a row of `block_size` inputs or
     dropped: (those kept, how many were cut, how many dropped). One that cannot be encoded is a UserError naming
@@ -116,7 +114,7 @@ def _fit(conversations: list[Conversation], origins: list[str], kinds: list[str]
     cut = dropped = 0
     for messages, origin, kind in zip(conversations, origins, kinds, strict=True):
         try:
-            encoded = encode_conversation(tokenizer, messages)
+            encoded = encode_chat(tokenizer, messages)
         except UserError as e:
             raise UserError(f"{origin}: {e}") from None
         fitted = fit_context(encoded, limit)
@@ -144,7 +142,7 @@ def _through_turn(messages: Conversation, n: int) -> Conversation:
     return messages[:ends[n - 1]]
 
 
-def held_out_conversations(c: ChatConfig, seed: int, tokenizer: WithSpecialTokens,
+def held_out_conversations(c: ChatConfig, seed: int, tokenizer: Tokenizer,
                            block_size: int) -> list[tuple[Conversation, str]]:
     """The held-out conversations a chat run of config.chat scores, as it scores them, each with its kind (its
     built-in dataset): those that fit its context (`tokenizer` and `block_size`: the run's), each up to its last
@@ -154,22 +152,25 @@ def held_out_conversations(c: ChatConfig, seed: int, tokenizer: WithSpecialToken
     return [(_through_turn(m, len(e.turn_ends)), kind) for e, kind, m in _split(kept, c.val_fraction)["val"]]
 
 
-def chat_architecture(cfg: TrainConfig, purpose: str) -> tuple[ModelConfig, WithSpecialTokens, ModelConfig]:
-    """(init_from's architecture, its tokenizer with the chat tokens, that architecture with the vocabulary grown to
-    hold them): what a chat fine-tune (SFT, RL) trains. `purpose` completes the error for a tokenizer-less source."""
+def chat_architecture(cfg: TrainConfig, purpose: str
+                      ) -> tuple[ModelConfig, WithSpecialTokens | ModelChat, ModelConfig]:
+    """(init_from's architecture, its chat tokenizer, that architecture with the vocabulary grown to hold the
+    tokenizer): what a chat fine-tune (SFT, RL) trains. The chat tokenizer is the model's own with its chat template
+    when it has one (`ModelChat`: a Hugging Face directory's, a GGUF file's, a run fine-tuned from one; nothing
+    grows), else its tokenizer with jaxgpt's chat tokens. `purpose` completes the error for a tokenizer-less source."""
     base_cfg, tokenizer_meta = weights.fit_architecture(cfg.init_from, cfg.model, base_config().model.to_dict(),
                                                         cfg.vocab_from_data)
     if tokenizer_meta is None:
         raise UserError(f"init_from {cfg.init_from} has no known tokenizer {purpose}: use a jaxgpt run or a Hugging "
-                        "Face GPT-2 or NanoChat directory")
-    tokenizer = chat_tokenizer(tokenizer_from_meta(tokenizer_meta, cfg.data.bpe_file or None))
+                        "Face directory or GGUF file with its tokenizer")
+    base = tokenizer_from_meta(tokenizer_meta, cfg.data.bpe_file or None)
+    own = weights.describe_chat(cfg.init_from) if isinstance(base, JsonTokenizer) else None
+    tokenizer = ModelChat(base, own) if own is not None else chat_tokenizer(base)
     return base_cfg, tokenizer, base_cfg.replace(vocab_size=max(base_cfg.vocab_size, tokenizer.vocab_size))
 
 
 class Chat:
     """Supervised fine-tuning on conversations: data, chat tokenizer, grown vocabulary, masked loss, exact match."""
-
-    run_files: ClassVar[dict[str, str]] = {TEMPLATE_FILE: CHAT_TEMPLATE}
 
     def __init__(self, cfg: TrainConfig) -> None:
         if not cfg.init_from:
@@ -185,6 +186,7 @@ class Chat:
         if pack:  # an attention that would not keep packed conversations apart: one line now, not at the first step
             check_segments(self.model_cfg)
         self.tokenizer_meta = tokenizer.to_meta()
+        self.run_files = {TEMPLATE_FILE: chat_format(tokenizer)["template"]}  # what sample --chat and serve render
 
         block_size = self.model_cfg.block_size
         kept, cut, dropped = _fit(conversations, origins, kinds, tokenizer, block_size)
@@ -212,11 +214,10 @@ class Chat:
             f"train rows, one conversation each: {_layout(lengths, self.width, n_train)}; packed: "
             f"{_layout([sum(lengths[i] for i in row) for row in plan], self.width, n_train)}"
             f" (config.chat.pack={pack}: training samples the {'packed' if pack else 'one-conversation'} rows)\n"
-            f"{self.tokenizer.name} tokenizer + {len(SPECIAL_TOKENS)} chat tokens {list(SPECIAL_TOKENS)}"
+            f"{describe_format(tokenizer)}"
             + (f"; vocabulary grown from {self.base_cfg.vocab_size} to {self.model_cfg.vocab_size}" if grown else ""))
         self.meta = {"chat": {
-            "special_tokens": list(SPECIAL_TOKENS), "end_token": END, "end_id": tokenizer.special_ids[END],
-            "template": CHAT_TEMPLATE, "init_from": cfg.init_from, "data": description, "n_train": n_train,
+            **chat_format(tokenizer), "init_from": cfg.init_from, "data": description, "n_train": n_train,
             "n_val": n_val, "cut": cut, "dropped": dropped, "pack": pack,
             "train_sha256": rows_sha256(self.train, ("x", "loss_mask", "segments") if pack else ("x", "loss_mask")),
             "val_sha256": rows_sha256(self.data["val"], ("x", "loss_mask"))}}

@@ -425,20 +425,20 @@ def schedule(c: ConfigDict, *, max_steps: int, lr: float, min_lr: float, warmup_
 
 
 def pod_config(preset: str, workdir: str, *, batch_size: int, grad_accum: int, max_steps: int, lr: float,
-               min_lr: float, eval_batches: int) -> ConfigDict:
+               min_lr: float, eval_batches: int, vocab_size: int = 50304) -> ConfigDict:
     """A large GPT on the OpenWebText-style corpus (GPT-2 BPE), laid out for pod slices.
 
     bf16 compute with fp32 parameters and optimizer state, the platform's fused attention (splash on TPU,
     cuDNN on GPU), a chunked loss (never all float32 logits at once), scanned and fully rematerialized
     layers, parameters and optimizer state sharded over every chip (FSDP), the vocabulary padded to 50304
     so it splits over tensor-parallel devices. The configs/gpt2_*.py and gpt_6.7b.py files differ only in
-    the arguments.
+    the arguments; an open-weight model's (configs/llama_3.1_8b.py) keeps its own `vocab_size`.
     """
     c = base_config()
     c.workdir = workdir
     c.data.name = "openwebtext"
     c.data.dir = "data/openwebtext"
-    c.model = model_fields(get_preset(preset), vocab_size=50304, dtype="bfloat16", param_dtype="float32",
+    c.model = model_fields(get_preset(preset), vocab_size=vocab_size, dtype="bfloat16", param_dtype="float32",
                            attention_impl="auto", scan_layers=True, remat="full")
     c.loss_chunk = 128
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1

@@ -168,3 +168,15 @@ def test_gpt2_small_and_xl_compile_for_v5e_and_v5p(path: str, topology: str, bat
     r = aot.analyze(c, topology, extrapolate_scan=False)
     assert r["fits"] and r["total_bytes"] < r["hbm_bytes"]
     assert r["param_bytes"] > 0 and r["opt_bytes"] > r["param_bytes"] and r["step_time"] > 0
+
+
+@pytest.mark.slow
+def test_llama_and_qwen3_8b_fit_a_v5e_slice_with_their_published_sizes() -> None:
+    """configs/llama_3.1_8b.py and configs/qwen3_8b.py (the presets of the published configs) plan on v5e:4x4:
+    every parameter of the published count, sharded to fit, with a roofline time (docs/scaling.md)."""
+    from jaxgpt.tools import aot
+
+    for path, n_params in (("configs/llama_3.1_8b.py", 8_030_261_248), ("configs/qwen3_8b.py", 8_190_735_360)):
+        r = aot.analyze(config(str(ROOT / path)), "v5e:4x4", extrapolate_scan=False)
+        assert r["n_params"] == n_params and r["fits"] and r["total_bytes"] < r["hbm_bytes"], path
+        assert r["step_time"] > 0 and "DOES NOT FIT" not in aot.format_report(r)

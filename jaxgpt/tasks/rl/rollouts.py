@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.data.conversations import encode_conversation
+from jaxgpt.data.model_chat import chat_prompt_ids
 from jaxgpt.data.streams import RL_EVAL_STREAM
-from jaxgpt.data.tokenizer import WithSpecialTokens
+from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate.engine import generate_many
 from jaxgpt.model.config import ModelConfig
@@ -42,20 +42,20 @@ class PromptSet:
     room: list[int]
 
 
-def encode_prompts(prompts: Sequence[Prompt], tokenizer: WithSpecialTokens, block_size: int,
+def encode_prompts(prompts: Sequence[Prompt], tokenizer: Tokenizer, block_size: int,
                    max_new_tokens: int) -> tuple[PromptSet, int]:
     """(the prompts that leave room for a completion, how many were dropped for filling the context). A prompt
     the tokenizer cannot encode is a UserError naming its origin."""
     kept, ids, room = [], [], []
     for p in prompts:
-        try:  # the conversation with an empty reply, less its end token: the prompt the reply follows
-            encoded = encode_conversation(tokenizer, [*p.messages, {"role": "assistant", "content": ""}])
+        try:
+            prompt = chat_prompt_ids(tokenizer, p.messages)
         except UserError as e:
             raise UserError(f"{p.origin}: {e}") from None
-        left = min(max_new_tokens, block_size - len(encoded.ids) + 1)
+        left = min(max_new_tokens, block_size - len(prompt))
         if left >= 1:
             kept.append(p)
-            ids.append(encoded.ids[:-1].tolist())
+            ids.append(prompt)
             room.append(left)
     return PromptSet(kept, ids, room), len(prompts) - len(kept)
 
@@ -68,7 +68,7 @@ def request_seed(*entropy: int) -> int:
 class Sampler:
     """Samples completions through the engine and scores them with the run's rewards."""
 
-    def __init__(self, model_cfg: ModelConfig, tokenizer: WithSpecialTokens, end_id: int, rl: RLConfig,
+    def __init__(self, model_cfg: ModelConfig, tokenizer: Tokenizer, end_id: int, rl: RLConfig,
                  rewards: list[Reward]) -> None:
         self.model_cfg, self.tokenizer, self.end_id, self.rl, self.rewards = model_cfg, tokenizer, end_id, rl, rewards
 

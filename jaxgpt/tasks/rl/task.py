@@ -29,7 +29,7 @@ import io
 import re
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,7 +38,8 @@ from jax.experimental import multihost_utils
 
 from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, spread_indices
-from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
+from jaxgpt.data.conversations import TEMPLATE_FILE
+from jaxgpt.data.model_chat import chat_format
 from jaxgpt.data.streams import ROLLOUT_STREAM
 from jaxgpt.errors import UserError
 from jaxgpt.io.checkpoint import checkpoint_dir
@@ -87,8 +88,6 @@ def local_weights(params: Any) -> Any:
 class RL:
     """GRPO from a chat (or base) run: prompts, rewards, rollouts through the engine, the clipped loss, pass@k."""
 
-    run_files: ClassVar[dict[str, str]] = {TEMPLATE_FILE: CHAT_TEMPLATE}
-
     def __init__(self, cfg: TrainConfig) -> None:
         if not cfg.init_from:
             raise UserError("config.init_from is empty: RL starts from a model, e.g. "
@@ -100,7 +99,8 @@ class RL:
         self.base_cfg, self.tokenizer, self.model_cfg = chat_architecture(cfg, "to write prompts with")
         self.model = GPT(self.model_cfg)
         self.tokenizer_meta = self.tokenizer.to_meta()
-        self.end_id = self.tokenizer.special_ids[END]
+        self.end_id = chat_format(self.tokenizer)["end_id"]
+        self.run_files = {TEMPLATE_FILE: chat_format(self.tokenizer)["template"]}  # what sample --chat and serve render
         train, held = split_prompts(prompts, rl.val_fraction)
         block_size = self.model_cfg.block_size
         self.train, dropped = encode_prompts(train, self.tokenizer, block_size, rl.max_new_tokens)
@@ -132,8 +132,7 @@ class RL:
             f"{self.width} tokens\nreward {rl.reward}; loss {rl.loss_type}, epsilon {rl.epsilon}, beta {rl.beta}, "
             f"{rl.num_iterations} update(s) per batch of rollouts; evaluations: {len(self.held.prompts)} held-out "
             f"prompts, greedy pass@1 and pass@{rl.pass_k}")
-        self.meta = {"chat": {"special_tokens": list(SPECIAL_TOKENS), "end_token": END, "end_id": self.end_id,
-                              "template": CHAT_TEMPLATE, "init_from": cfg.init_from, "data": description},
+        self.meta = {"chat": {**chat_format(self.tokenizer), "init_from": cfg.init_from, "data": description},
                      "rl": {"settings": self.settings, "n_train": len(self.train.prompts)}}
         self._params: Any = None  # the weights `use_weights` gave last (on one device)
         self._reference: Any = None  # the starting model's weights (on one device), for the KL
