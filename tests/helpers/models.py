@@ -25,9 +25,12 @@ TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_embd=32, n_head=4, d_ff=4
 
 
 def shrink(cfg: ModelConfig, **changes) -> ModelConfig:
-    """A preset at test size, keeping every architectural choice (including head_dim = n_embd)."""
+    """A preset at test size, keeping every architectural choice (including head_dim = n_embd, and grouped-query
+    attention: 2 key/value heads for the 4 query heads)."""
     head_dim = TINY["n_embd"] if cfg.head_dim == cfg.n_embd else None
-    return cfg.replace(**{**TINY, "head_dim": head_dim, "pad_id": None if cfg.pad_id is None else 0, **changes})
+    n_kv_head = None if cfg.is_derived("n_kv_head") else 2
+    return cfg.replace(**{**TINY, "head_dim": head_dim, "n_kv_head": n_kv_head,
+                          "pad_id": None if cfg.pad_id is None else 0, **changes})
 
 
 @functools.cache
