@@ -39,6 +39,7 @@ from jaxgpt.io import hf_llama, hf_nanochat
 from jaxgpt.io.hf_tensors import (
     CONFIG_FILE,
     TensorSpec,
+    config_int,
     hf_tensors_to_params,
     open_hf_tensors,
     params_to_hf_tensors,
@@ -109,11 +110,6 @@ def hf_family(hf: Mapping[str, Any], where: str | os.PathLike[str]) -> Family:
     return family
 
 
-def _hf_int(hf: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
-    value = hf.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"{where}: {key}={value!r} must be a positive integer")
-    return value
 
 
 def hf_config_to_model_config(hf: Mapping[str, Any], where: str = CONFIG_FILE, **overrides: Any) -> ModelConfig:
@@ -140,8 +136,8 @@ def _gpt2_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key, bad_values in unsupported.items():
         if hf.get(key) in bad_values:
             raise UserError(f"{where}: {key}={hf[key]} changes GPT-2's attention in a way jaxgpt does not implement")
-    n_embd = _hf_int(hf, "n_embd", where, 768)
-    n_head = _hf_int(hf, "n_head", where, 12)
+    n_embd = config_int(hf, "n_embd", where, 768)
+    n_head = config_int(hf, "n_head", where, 12)
     if n_embd % n_head:
         raise UserError(f"{where}: n_embd={n_embd} is not divisible by n_head={n_head}")
     eps = hf.get("layer_norm_epsilon", 1e-5)
@@ -151,9 +147,9 @@ def _gpt2_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
                 for ours, theirs in (("embd_dropout", "embd_pdrop"), ("attn_dropout", "attn_pdrop"),
                                      ("resid_dropout", "resid_pdrop"))}
     return dict(
-        vocab_size=_hf_int(hf, "vocab_size", where, 50257), block_size=_hf_int(hf, "n_positions", where, 1024),
-        n_layer=_hf_int(hf, "n_layer", where, 12), n_head=n_head, n_embd=n_embd,
-        d_ff=None if hf.get("n_inner") is None else _hf_int(hf, "n_inner", where),  # None: ModelConfig's rule
+        vocab_size=config_int(hf, "vocab_size", where, 50257), block_size=config_int(hf, "n_positions", where, 1024),
+        n_layer=config_int(hf, "n_layer", where, 12), n_head=n_head, n_embd=n_embd,
+        d_ff=None if hf.get("n_inner") is None else config_int(hf, "n_inner", where),  # None: ModelConfig's rule
         position="learned", norm_placement="pre", final_norm=True, norm="layernorm", norm_eps=float(eps),
         activation=HF_ACTIVATIONS[activation], use_bias=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init="gpt2", **dropouts)

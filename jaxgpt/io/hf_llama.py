@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxgpt.errors import UserError
-from jaxgpt.io.hf_tensors import TensorSpec
+from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number
 from jaxgpt.model.config import ModelConfig
 
 # transformers' activation names (hidden_act, Gemma's hidden_activation) -> ours; the MLP is always gated.
@@ -68,19 +68,8 @@ GEMMA_LOCAL_THETA = 10000.0  # Gemma 3's sliding layers' base when config.json g
 GEMMA_PATTERN = 6  # sliding_window_pattern's default: every 6th layer global
 
 
-def _int(hf: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
-    value = hf.get(key, default)
-    if value is None:
-        value = default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"{where}: {key}={value!r} must be a positive integer")
-    return value
 
 
-def _number(key: str, value: Any, where: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"{where}: {key}={value!r} must be a positive number")
-    return float(value)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,20 +106,20 @@ def _rope_fields(hf: Mapping[str, Any], traits: Traits, where: str) -> dict[str,
     if full.get("partial_rotary_factor", 1.0) != 1.0:
         raise UserError(f"{where}: partial_rotary_factor={full['partial_rotary_factor']} (rotary on part of each "
                         "head) has no jaxgpt equivalent: jaxgpt rotates whole heads")
-    fields: dict[str, Any] = {"rope_theta": _number("rope_theta", full["rope_theta"], where)}
+    fields: dict[str, Any] = {"rope_theta": config_number("rope_theta", full["rope_theta"], where)}
     if traits.gemma:
-        fields["rope_local_theta"] = _number("rope_local_base_freq", local["rope_theta"], where)
+        fields["rope_local_theta"] = config_number("rope_local_base_freq", local["rope_theta"], where)
     kind = kinds[""]
     if kind == "default":
         return fields
-    fields.update(rope_scaling=kind, rope_factor=_number("factor", full.get("factor"), where))
+    fields.update(rope_scaling=kind, rope_factor=config_number("factor", full.get("factor"), where))
     if kind == "linear":
         return fields
     original = hf.get("original_max_position_embeddings") or full.get("original_max_position_embeddings")
-    fields["rope_original_positions"] = _int({"o": original}, "o", where, hf.get("max_position_embeddings"))
+    fields["rope_original_positions"] = config_int({"o": original}, "o", where, hf.get("max_position_embeddings"))
     if kind == "llama3":
-        return {**fields, "rope_low_freq_factor": _number("low_freq_factor", full.get("low_freq_factor"), where),
-                "rope_high_freq_factor": _number("high_freq_factor", full.get("high_freq_factor"), where)}
+        return {**fields, "rope_low_freq_factor": config_number("low_freq_factor", full.get("low_freq_factor"), where),
+                "rope_high_freq_factor": config_number("high_freq_factor", full.get("high_freq_factor"), where)}
     if full.get("truncate", True) is not True:
         raise UserError(f"{where}: yarn with truncate=false has no jaxgpt equivalent (its correction range is "
                         "rounded to whole dimensions)")
@@ -141,7 +130,7 @@ def _rope_fields(hf: Mapping[str, Any], traits: Traits, where: str) -> dict[str,
         attention = mscale(mscales[0]) / mscale(mscales[1]) if all(mscales) else mscale(1.0)
     return {**fields, "rope_beta_fast": float(full.get("beta_fast") or 32.0),
             "rope_beta_slow": float(full.get("beta_slow") or 1.0),
-            "rope_attention_factor": _number("attention_factor", attention, where)}
+            "rope_attention_factor": config_number("attention_factor", attention, where)}
 
 
 def _sliding_layers(hf: Mapping[str, Any], traits: Traits, n_layer: int, where: str) -> list[bool]:
@@ -157,7 +146,7 @@ def _sliding_layers(hf: Mapping[str, Any], traits: Traits, n_layer: int, where: 
         first = hf.get("max_window_layers", 28) if hf.get("use_sliding_window") else n_layer
         return [i >= first for i in range(n_layer)]
     if traits.windows == "pattern":
-        every = _int(hf, "sliding_window_pattern", where, GEMMA_PATTERN)
+        every = config_int(hf, "sliding_window_pattern", where, GEMMA_PATTERN)
         return [(i + 1) % every != 0 for i in range(n_layer)]
     return [False] * n_layer
 
@@ -167,7 +156,7 @@ def _window_fields(hf: Mapping[str, Any], traits: Traits, n_layer: int, where: s
     sliding = _sliding_layers(hf, traits, n_layer, where)
     if not any(sliding):
         return {}
-    window = _int(hf, "sliding_window", where)
+    window = config_int(hf, "sliding_window", where)
     if all(sliding):
         return {"sliding_window": window}
     every = sliding.index(False) + 1
@@ -196,15 +185,16 @@ def config_fields(traits: Traits) -> Callable[[Mapping[str, Any], str], dict[str
         if activation not in ACTIVATIONS:
             raise UserError(f"{where}: hidden_act={activation!r} has no jaxgpt equivalent "
                             f"(supported: {sorted(ACTIVATIONS)})")
-        n_embd, n_head, n_layer = (_int(hf, k, where) for k in ("hidden_size", "num_attention_heads",
+        n_embd, n_head, n_layer = (config_int(hf, k, where) for k in ("hidden_size", "num_attention_heads",
                                                                 "num_hidden_layers"))
-        head_dim = _int(hf, "head_dim", where, n_embd // n_head)
+        head_dim = config_int(hf, "head_dim", where, n_embd // n_head)
         out = dict(
-            vocab_size=_int(hf, "vocab_size", where), block_size=_int(hf, "max_position_embeddings", where),
+            vocab_size=config_int(hf, "vocab_size", where), block_size=config_int(hf, "max_position_embeddings", where),
             n_layer=n_layer, n_head=n_head, n_embd=n_embd, head_dim=head_dim,
-            d_ff=_int(hf, "intermediate_size", where), n_kv_head=_int(hf, "num_key_value_heads", where, n_head),
+            d_ff=config_int(hf, "intermediate_size", where),
+            n_kv_head=config_int(hf, "num_key_value_heads", where, n_head),
             position="none", norm_placement="pre", final_norm=True, norm="rmsnorm", norm_scale=True,
-            norm_eps=_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), where), use_bias=False,
+            norm_eps=config_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), where), use_bias=False,
             activation=ACTIVATIONS[activation], gated_mlp=True,
             tie_embeddings=bool(hf.get("tie_word_embeddings", traits.tie)),
             attn_dropout=float(hf.get("attention_dropout") or 0.0),
@@ -220,9 +210,9 @@ def config_fields(traits: Traits) -> Callable[[Mapping[str, Any], str], dict[str
                 raise UserError(f"{where}: attn_logit_softcapping={hf['attn_logit_softcapping']}: transformers' "
                                 "Gemma3 attention ignores it, so no logits would agree; set it to null")
             cap = hf.get("final_logit_softcapping")
-            scalar = _number("query_pre_attn_scalar", hf.get("query_pre_attn_scalar", head_dim), where)
+            scalar = config_number("query_pre_attn_scalar", hf.get("query_pre_attn_scalar", head_dim), where)
             out.update(norm_scale_offset=1.0, sandwich_norm=True, scale_embeddings=True, query_scale=scalar ** -0.5,
-                       logit_softcap=None if cap is None else _number("final_logit_softcapping", cap, where))
+                       logit_softcap=None if cap is None else config_number("final_logit_softcapping", cap, where))
         return out
 
     return fields

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxgpt.errors import UserError
-from jaxgpt.io.hf_tensors import TensorSpec
+from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number
 from jaxgpt.model.config import OPEN_WEIGHT_KNOBS, ModelConfig
 
 MODEL_TYPE = "nanochat"
@@ -41,16 +41,7 @@ DEFAULTS = {"vocab_size": 50304, "hidden_size": 768, "intermediate_size": 8192, 
 
 
 def _int(hf: Mapping[str, Any], key: str, where: str) -> int:
-    value = hf.get(key, DEFAULTS.get(key))
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"{where}: {key}={value!r} must be a positive integer")
-    return value
-
-
-def _positive(key: str, value: Any, where: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"{where}: {key}={value!r} must be a positive number")
-    return float(value)
+    return config_int(hf, key, where, DEFAULTS.get(key))  # NanoChat's defaults where config.json is silent
 
 
 def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
@@ -59,7 +50,7 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
         raise UserError(f"{where}: rotary scaling {rope!r} has no jaxgpt equivalent (only rope_type 'default')")
-    return _positive("rope_theta", rope.get("rope_theta", hf.get("rope_theta", DEFAULTS["rope_theta"])), where)
+    return config_number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", DEFAULTS["rope_theta"])), where)
 
 
 def config_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -80,10 +71,11 @@ def config_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         d_ff=_int(hf, "intermediate_size", where),
         n_kv_head=_int(hf, "num_key_value_heads", where) if hf.get("num_key_value_heads") is not None else n_head,
         position="none", rope_theta=_rope_theta(hf, where), norm_placement="pre", final_norm=True, norm="rmsnorm",
-        norm_scale=False, norm_eps=_positive("rms_norm_eps", hf.get("rms_norm_eps", DEFAULTS["rms_norm_eps"]), where),
+        norm_scale=False,
+        norm_eps=config_number("rms_norm_eps", hf.get("rms_norm_eps", DEFAULTS["rms_norm_eps"]), where),
         embd_norm=True, qk_norm=True, activation=HF_ACTIVATIONS[activation], use_bias=False,
         tie_embeddings=bool(hf.get("tie_word_embeddings", DEFAULTS["tie_word_embeddings"])),
-        logit_softcap=None if softcap is None else _positive("final_logit_softcapping", softcap, where),
+        logit_softcap=None if softcap is None else config_number("final_logit_softcapping", softcap, where),
         attn_dropout=float(hf.get("attention_dropout") or 0.0))
 
 

@@ -30,6 +30,22 @@ TORCH_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_FILES = (SAFETENSORS_FILE, SAFETENSORS_INDEX, TORCH_FILE, TORCH_INDEX)
 
 
+def config_int(hf: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """config.json's positive integer `key` (absent or null: `default`), or one line naming it and `where`."""
+    value = hf.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{where}: {key}={value!r} must be a positive integer")
+    return value
+
+
+def config_number(key: str, value: Any, where: str) -> float:
+    """A positive number of config.json (`value` of `key`) as a float, or one line naming it and `where`."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"{where}: {key}={value!r} must be a positive number")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One HF tensor and where it lives in jaxgpt's (unscanned) parameter tree."""
