@@ -162,7 +162,7 @@ class EinsumDense(nn.Module):
         adapters = {k: v for k, v in self.variables.get("params", {}).items() if k not in ("kernel", "bias")}
         if not adapters:  # no adapter beside the kernel: the projection alone, as it always was
             return y
-        return lora.project_adapters(self.spec, self.name, x, y, adapters, cfg.dtype, lambda: self.make_rng("dropout"))
+        return lora.project_adapters(self.spec, self.name, x, y, adapters, cfg.dtype)
 
 
 class MLP(nn.Module):

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -63,6 +63,7 @@ class LoRAConfig:
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r)
     targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head; "": every linear layer of the blocks
     init_from: str = ""  # peft:DIR: start the adapters from a PEFT adapter directory (its r, alpha, targets)
+    dropout: float = 0.0  # PEFT's lora_dropout (its default 0 too): drops x before A, training only
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -70,6 +71,8 @@ class LoRAConfig:
         if not self.rank and (self.targets or self.init_from):
             raise UserError("config.lora.targets/init_from are set but config.lora.rank=0 (LoRA off): set "
                             "--config.lora.rank (e.g. 16) or clear them")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"config.lora.dropout={self.dropout} must be in [0, 1) (PEFT's lora_dropout, e.g. 0.05)")
         if unknown := [t for t in self.target_names if t not in TARGETS]:
             raise UserError(f"config.lora.targets has {', '.join(unknown)}: choose from {', '.join(TARGETS)}")
         if self.init_from and not self.init_from.startswith("peft:"):
@@ -238,21 +241,26 @@ def digest(params: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1.0,
-            dropout: float = 0.0) -> dict[str, Any]:
+def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1.0, dropout: float = 0.0,
+            key: Array | None = None) -> dict[str, Any]:
     """`params` with each adapter entry put beside the kernel it adapts (a deep merge: no kernel is copied), its B
     times the scale `s` so the projection needs no alpha or rank; `EinsumDense` then applies them unmerged.
 
-    `dropout` > 0 adds each entry's LoRA dropout rate as an array over the adapter's leading (layers) axis, so
-    scanned layers slice it like the kernels; give it only to a training forward, which passes the model a dropout
-    rng. Stacked entries (A (N, *in, r) beside "rows") have their scales folded in by the stacker: s = 1.
+    `dropout` > 0 (training only) gives each entry its LoRA dropout rate and a key of its own drawn from `key`, both
+    with the adapter's leading (layers) axis, so scanned layers slice them like the kernels and every layer and
+    target drops its own units. The key travels in the tree rather than as the model's dropout rng because the tasks
+    pass that rng only to models with dropout of their own. Stacked entries (A (N, *in, r) beside "rows") have their
+    scales folded in by the stacker: s = 1.
     """
     out = dict(params)
-    for module, target, ab in adapter_leaves(adapters):
+    for i, (module, target, ab) in enumerate(adapter_leaves(adapters)):
         entry = {**ab, "lora_b": ab["lora_b"] if s == 1.0 else ab["lora_b"] * s}
         if dropout:
             a = ab["lora_a"]
-            entry["dropout"] = jnp.full(a.shape[:a.ndim - _n_in(module[-1]) - 1], dropout, jnp.float32)
+            lead = a.shape[:a.ndim - _n_in(module[-1]) - 1]
+            keys = jax.random.split(jax.random.fold_in(key, i), math.prod(lead))
+            entry["dropout"] = jnp.full(lead, dropout, jnp.float32)
+            entry["dropout_key"] = jax.random.key_data(keys).reshape(*lead, -1)
         out = _set(out, (*module, target), entry)
     return out
 
@@ -267,15 +275,14 @@ def _letters(spec: str, n: int) -> str:
     return "".join([c for c in "rnzyxwvu" if c not in spec][:n])
 
 
-def project_adapters(spec: str, module: str, x: Array, y: Array, entries: Mapping[str, Any], dtype: str,
-                     dropout_key: Callable[[], Array]) -> Array:
+def project_adapters(spec: str, module: str, x: Array, y: Array, entries: Mapping[str, Any], dtype: str) -> Array:
     """y (the projection `einsum(spec, x, W) + b`) plus each adapter entry's (x A) B in its slot: `EinsumDense`'s
     unmerged LoRA (the module docstring; the entries as `overlay` or a stacker leave them).
 
     Single form A (*in, r), B (r, *out). Stacked form A (N, *in, r), B (N, r, *out) and "rows" (Bt, N): x A is
     computed for every adapter and masked by each row's one-hot, then contracted with B over (n, r), so each
     adapter's weights are read once per call whatever the batch. Products run in the compute `dtype` with float32
-    accumulation; "dropout" (a rate) drops x before A with a key from `dropout_key` (the model's dropout rng).
+    accumulation; an entry's "dropout" rate drops x before A, with its own "dropout_key" (`overlay`).
     """
     x_axes, k_axes = spec.split("->")[0].split(",")
     out_axes = spec.split("->")[1]
@@ -290,7 +297,8 @@ def project_adapters(spec: str, module: str, x: Array, y: Array, entries: Mappin
         xt = x
         if "dropout" in entry:
             keep = 1.0 - entry["dropout"]
-            xt = jnp.where(jax.random.bernoulli(dropout_key(), keep, x.shape), x / keep.astype(x.dtype), 0)
+            kept = jax.random.bernoulli(jax.random.wrap_key_data(entry["dropout_key"]), keep, x.shape)
+            xt = jnp.where(kept, x / keep.astype(x.dtype), 0)
         a, b = entry["lora_a"].astype(dtype), entry["lora_b"].astype(dtype)
         if "rows" in entry:
             xa = dot(f"{x_axes},{n}{k_axes[:n_in]}{r}->{free}{n}{r}", xt.astype(dtype), a)

@@ -3,6 +3,7 @@ one adapter (training's form) or several stacked in one batch (serving's), and c
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,11 +35,13 @@ def test_overlay_equals_merge(name: str) -> None:
 def test_overlay_puts_entries_beside_kernels_without_copying_them() -> None:
     cfg = MODELS["scanned"]
     base, adapters = random_params(cfg), randomized(sites_of(cfg), 1)
-    out = lora.overlay(base, adapters, 2.0, dropout=0.1)
+    out = lora.overlay(base, adapters, 2.0, dropout=0.1, key=jax.random.key(0))
     qkv = out["h"]["attn"]["qkv"]
     assert qkv["kernel"] is base["h"]["attn"]["qkv"]["kernel"] and set(qkv) >= {"kernel", "q", "k", "v"}
     np.testing.assert_array_equal(qkv["q"]["lora_b"], 2.0 * adapters["h"]["attn"]["qkv"]["q"]["lora_b"])
     assert qkv["q"]["dropout"].shape == (cfg.n_layer,) and out["h"]["attn"]["out"]["o"]["dropout"].shape == (2,)
+    assert qkv["q"]["dropout_key"].shape[0] == cfg.n_layer
+    assert not np.array_equal(qkv["q"]["dropout_key"], qkv["k"]["dropout_key"])  # each target drops its own units
 
 
 def test_without_adapters_the_model_is_bit_identical() -> None:
@@ -107,3 +110,24 @@ def test_cached_decoding_with_overlaid_adapters_equals_the_merged_model(name: st
 
     np.testing.assert_allclose(decode(lora.overlay(base, adapters, s)), decode(lora.merge(base, adapters, s)),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.3])
+def test_lora_dropout_drops_x_before_a_at_the_rate_and_is_unbiased(rate: float) -> None:
+    """With A and B identities, the output projection's adapter adds drop(x) itself: a share `rate` of it zero, the
+    rest x / (1 - rate); the same key drops the same units, another key others."""
+    H, D = 4, 8
+    x_BTHD = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64, H, D)), jnp.float32)
+    eye = {"out": {"o": {"lora_a": jnp.eye(H * D).reshape(H, D, H * D), "lora_b": jnp.eye(H * D)}}}
+
+    def added(seed: int) -> np.ndarray:
+        entries = lora.overlay({}, eye, dropout=rate, key=jax.random.key(seed))["out"]
+        return np.asarray(lora.project_adapters("bthd,hdc->btc", "out", x_BTHD, jnp.zeros((4, 64, H * D)), entries,
+                                                "float32"))
+
+    d, x = added(1), np.asarray(x_BTHD).reshape(4, 64, H * D)
+    dropped = d == 0
+    assert abs(dropped.mean() - rate) < 0.02
+    np.testing.assert_allclose(d[~dropped], x[~dropped] / (1 - rate), rtol=1e-5)
+    np.testing.assert_array_equal(added(1), d)
+    assert not np.array_equal(added(2) == 0, dropped)
