@@ -8,7 +8,7 @@ Every parameter carries logical axis names (`nn.with_logical_partitioning`); the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.model import lora
+from jaxgpt.model import lora, quant
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.ops import activation, projection
 
@@ -130,7 +130,8 @@ class EinsumDense(nn.Module):
 
     Keeping heads as their own kernel axis lets the sharding rules split them (tensor parallelism)
     without reshapes, and the initializer sees the true shape (DenseGeneral flattens it). LoRA adapters found
-    beside the kernel in `params` (`jaxgpt.model.lora.overlay` puts them there) add their low-rank products unmerged.
+    beside the kernel in `params` (`jaxgpt.model.lora.overlay` puts them there) add their low-rank products unmerged;
+    a quantized kernel there (`jaxgpt.model.quant`, QLoRA's base) is dequantized inside the projection.
     """
 
     cfg: ModelConfig
@@ -148,18 +149,26 @@ class EinsumDense(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.cfg
-        init = param_init(cfg, self.kernel_names, residual=self.residual, fans=self.fans, role=self.role)
         n_out = len(self.bias_names)  # the kernel's output axes, its last ones
-        kernel = self.param("kernel", projection.stored_init(init, self.kernel_shape, n_out, self.kernel_storage),
-                            projection.stored_shape(self.kernel_shape, n_out, self.kernel_storage), cfg.param_dtype)
+        params = self.variables.get("params", {})
+        quantized = "kernel_q" in params  # a QLoRA base's quantized kernel (`jaxgpt.model.quant`)
+        if not quantized:  # created before the bias: the params rng's order
+            init = param_init(cfg, self.kernel_names, residual=self.residual, fans=self.fans, role=self.role)
+            kernel = self.param("kernel", projection.stored_init(init, self.kernel_shape, n_out, self.kernel_storage),
+                                projection.stored_shape(self.kernel_shape, n_out, self.kernel_storage), cfg.param_dtype)
         bias = None
         if cfg.use_bias if self.bias is None else self.bias:
             fan_in = self.fans[0] if self.fans else math.prod(self.kernel_shape[:-n_out])
             bias = self.param("bias", bias_init(cfg, self.bias_names, fan_in), self.kernel_shape[-n_out:],
                               cfg.param_dtype)
-        y = projection.project(self.spec, x, kernel, bias, kernel_shape=self.kernel_shape, dtype=cfg.dtype,
-                               out_dtype=self.out_dtype or cfg.dtype, storage=self.kernel_storage)
-        adapters = {k: v for k, v in self.variables.get("params", {}).items() if k not in ("kernel", "bias")}
+        out_dtype = self.out_dtype or cfg.dtype
+        if quantized:
+            y = quant.project(self.spec, x, params["kernel_q"], params["kernel_scale"], bias,
+                              kernel_shape=self.kernel_shape, dtype=cfg.dtype, out_dtype=out_dtype)
+        else:
+            y = projection.project(self.spec, x, kernel, bias, kernel_shape=self.kernel_shape, dtype=cfg.dtype,
+                                   out_dtype=out_dtype, storage=self.kernel_storage)
+        adapters = {k: v for k, v in params.items() if isinstance(v, Mapping) and "lora_a" in v}
         if not adapters:  # no adapter beside the kernel: the projection alone, as it always was
             return y
         return lora.project_adapters(self.spec, self.name, x, y, adapters, cfg.dtype)

@@ -49,6 +49,7 @@ MODULES: dict[tuple[str, str], tuple[tuple[str, int | None], ...]] = {
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "head")
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # the default: every linear layer of the blocks (gate if gated)
 RANK_AXIS = "lora"
+QUANTIZE = ("int8", "nf4")  # config.lora.quantize's formats (`jaxgpt.model.quant`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +65,21 @@ class LoRAConfig:
     targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head; "": every linear layer of the blocks
     init_from: str = ""  # peft:DIR: start the adapters from a PEFT adapter directory (its r, alpha, targets)
     dropout: float = 0.0  # PEFT's lora_dropout (its default 0 too): drops x before A, training only
+    quantize: str = ""  # QLoRA: the frozen base's block kernels in "int8" (per channel) or "nf4" (`model.quant`)
+    quantize_group: int = 64  # inputs per NF4 scale (bitsandbytes' 64)
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise UserError(f"config.lora.rank={self.rank} must be >= 0 (0 turns LoRA off)")
-        if not self.rank and (self.targets or self.init_from):
-            raise UserError("config.lora.targets/init_from are set but config.lora.rank=0 (LoRA off): set "
+        if not self.rank and (self.targets or self.init_from or self.quantize):
+            raise UserError("config.lora.targets/init_from/quantize are set but config.lora.rank=0 (LoRA off): set "
                             "--config.lora.rank (e.g. 16) or clear them")
+        if self.quantize not in ("", *QUANTIZE):
+            raise UserError(f"config.lora.quantize={self.quantize!r}: choose from {', '.join(QUANTIZE)} (or '' for a "
+                            "float base)")
+        if self.quantize_group <= 0 or self.quantize_group % 2:
+            raise UserError(f"config.lora.quantize_group={self.quantize_group} must be a positive even number (64 "
+                            "as bitsandbytes)")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"config.lora.dropout={self.dropout} must be in [0, 1) (PEFT's lora_dropout, e.g. 0.05)")
         if unknown := [t for t in self.target_names if t not in TARGETS]:
@@ -83,7 +92,7 @@ class LoRAConfig:
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
-def _n_in(module: str) -> int:
+def input_axes(module: str) -> int:
     """Input axes of a kernel: the attention's output projection reads (H, D), every other one C."""
     return 2 if module == "out" else 1
 
@@ -128,7 +137,7 @@ def sites(abstract_params: Any, targets: tuple[str, ...], rank: int) -> list[Sit
             continue
         module, shape, names = path[:-1], leaf.value.shape, leaf.names
         lead = 1 if names[0] == "layers" else 0
-        n_in = _n_in(path[-2])
+        n_in = input_axes(path[-2])
         for target, slot in MODULES[(parent, path[-2])]:
             if target not in wanted:
                 continue
@@ -213,7 +222,7 @@ def merge(base: Mapping[str, Any], adapters: Mapping[str, Any], s: float) -> dic
         a, b = jnp.asarray(ab["lora_a"]), jnp.asarray(ab["lora_b"])
         slot = _slot(module, target)
         index = (slice(None),) * (a.ndim - 1) + (() if slot is None else (slot,))  # the lead and input axes, the slot
-        d = s * delta(a, b, _n_in(module[-1]))
+        d = s * delta(a, b, input_axes(module[-1]))
         merged = _set(merged, (*module, "kernel"), kernel.at[index].add(d.astype(kernel.dtype)))
     return merged
 
@@ -257,7 +266,7 @@ def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1
         entry = {**ab, "lora_b": ab["lora_b"] if s == 1.0 else ab["lora_b"] * s}
         if dropout:
             a = ab["lora_a"]
-            lead = a.shape[:a.ndim - _n_in(module[-1]) - 1]
+            lead = a.shape[:a.ndim - input_axes(module[-1]) - 1]
             keys = jax.random.split(jax.random.fold_in(key, i), math.prod(lead))
             entry["dropout"] = jnp.full(lead, dropout, jnp.float32)
             entry["dropout_key"] = jax.random.key_data(keys).reshape(*lead, -1)

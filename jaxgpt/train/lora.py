@@ -22,7 +22,7 @@ import jax
 
 from jaxgpt.errors import UserError
 from jaxgpt.io.peft import read_peft
-from jaxgpt.model import lora
+from jaxgpt.model import lora, quant
 from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.task import Task
 
@@ -46,11 +46,17 @@ class Adapted:
         self.peft = read_peft(c.init_from.removeprefix("peft:"), self.model_cfg, c, self.sites) if c.init_from \
             else None
         self.base = jax.device_get(inner.pretrained())
+        digest = lora.digest(self.base)  # of the float weights, so a quantized run and a float one share a base
+        self._n_frozen = sum(x.size for x in jax.tree.leaves(self.base))
+        self._abstract = boxed
+        if c.quantize:  # QLoRA: the step receives (and the devices hold) the quantized base
+            self.base, self.base_axes = quant.quantize_base(self.base, boxed, c.quantize, c.quantize_group)
         self.scale = lora.scale(c.alpha, c.rank, c.rslora)
         self.model = lora.Adapters(self.sites)
         self.meta = {**inner.meta, "lora": {"rank": c.rank, "alpha": c.alpha, "rslora": c.rslora, "dropout": c.dropout,
                                             "targets": sorted({s.target for s in self.sites}),
-                                            "base": {"source": cfg.init_from, "sha256": lora.digest(self.base)}}}
+                                            "quantize": c.quantize,
+                                            "base": {"source": cfg.init_from, "sha256": digest}}}
         if hasattr(inner, "run_files"):
             self.run_files = inner.run_files
         if hasattr(inner, "benchmarks"):
@@ -64,8 +70,9 @@ class Adapted:
         return (self._placed,)
 
     def merged(self, adapters: Any) -> Any:
-        """The base with the adapters merged (outside the step: benchmarks)."""
-        return lora.merge(self._placed, adapters, self.scale)
+        """The base with the adapters merged (outside the step: benchmarks), dequantized if QLoRA's."""
+        base = quant.dequantize_base(self._placed, self._abstract) if self.cfg.lora.quantize else self._placed
+        return lora.merge(base, adapters, self.scale)
 
     def loss(self, adapters: Any, batch: dict[str, jax.Array], key: jax.Array, base: Any) -> tuple[jax.Array, dict]:
         params = lora.overlay(jax.lax.stop_gradient(base), adapters, self.scale, self.cfg.lora.dropout,
@@ -88,10 +95,11 @@ class Adapted:
                             "the same init_from and config.lora, or a new --config.workdir")
 
     def describe(self) -> str:
-        n = sum(x.size for x in jax.tree.leaves(self.base))
+        n = self._n_frozen
         return "\n".join(line for line in (self.inner.describe(), (
             f"LoRA rank {self.cfg.lora.rank} (scale {self.scale:g}) on {', '.join(self.meta['lora']['targets'])}: "
-            f"{len(self.sites)} adapters beside {n:,} frozen parameters of {self.cfg.init_from}")) if line)
+            f"{len(self.sites)} adapters beside {n:,} frozen parameters of {self.cfg.init_from}"
+            f"{f' ({self.cfg.lora.quantize} blocks)' if self.cfg.lora.quantize else ''}")) if line)
 
 
 def adapt(task: Task, cfg: TrainConfig) -> Task:

@@ -67,6 +67,21 @@ def test_resume_is_bit_for_bit_and_another_base_is_refused(tmp_path: Path, data_
     assert "\n" not in str(e.value)
 
 
+def test_a_qlora_run_holds_a_4bit_base_and_trains(tmp_path: Path, data_dir: Path, base_run: Path) -> None:
+    from jaxgpt.tasks import build
+    from jaxgpt.train.config import from_config_dict
+
+    c = lora_config(tmp_path / "qlora", data_dir, base_run, 6)
+    c.lora.quantize, c.lora.quantize_group = "nf4", 16
+    task = build(from_config_dict(c))
+    fc = task.base["h_0"]["mlp"]["fc"]
+    assert "kernel" not in fc and fc["kernel_q"].dtype == np.uint8  # what Program.frozen places and every step gets
+    out = train_run(c)
+    saved = final_params(tmp_path / "qlora")
+    assert all(np.abs(v).max() > 0 for path, v in saved.items() if path[-1] == "lora_b")
+    assert out["val_loss"] < 10
+
+
 def test_a_chat_run_whose_vocabulary_grew_loads_merged(tmp_path: Path) -> None:
     """Chat adds its special tokens to the base's vocabulary: the run's base is that grown base, rebuilt bit for
     bit (the hash agrees) when the run loads merged."""
