@@ -235,7 +235,7 @@ class TrainConfig:
     seq2seq: Seq2SeqTaskConfig = dataclasses.field(default_factory=Seq2SeqTaskConfig)
     chat: ChatConfig = dataclasses.field(default_factory=ChatConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
-    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # lm and chat: adapters on a frozen init_from
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # lm, chat, rl, dpo: adapters on init_from
     dpo: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
     label_smoothing: float = 0.0  # lm and seq2seq: targets smoothed toward uniform (optax.smooth_labels; paper: 0.1)
     loss_chunk: int = 0  # language modelling: positions per chunk of the cross-entropy (0: all logits at once)
@@ -297,8 +297,8 @@ class TrainConfig:
             raise UserError(f"config.label_smoothing={self.label_smoothing} must be in [0, 1) (the paper's is 0.1)")
         if self.label_smoothing and self.task == "classify":
             raise UserError("config.label_smoothing applies to tasks lm and seq2seq: set it to 0 for classify")
-        if self.lora.rank and (self.task not in ("lm", "chat") or not self.init_from):
-            raise UserError(f"config.lora adapts a language model's init_from: it needs task lm or chat (not "
+        if self.lora.rank and (self.task not in ("lm", "chat", "rl", "dpo") or not self.init_from):
+            raise UserError(f"config.lora adapts a language model's init_from: it needs task lm, chat, rl or dpo (not "
                             f"{self.task!r}) and --config.init_from (the frozen base)")
         if self.eval.hellaswag and self.task != "lm":
             raise UserError(f"config.eval.hellaswag scores a language model: leave it False for task {self.task!r}")

@@ -1,4 +1,4 @@
-"""LoRA runs: any language-model task (lm, chat) trained as low-rank adapters beside its frozen base.
+"""LoRA runs: any language-model task (lm, chat, rl, dpo) trained as low-rank adapters beside its frozen base.
 
 `adapt(task, cfg)` wraps the task `jaxgpt.tasks.build` made. The wrapper's parameters are the adapters alone
 (`jaxgpt.model.lora`), so the one loop, the one train step and the one checkpointer need no LoRA case: only
@@ -8,6 +8,9 @@ every step and evaluation, never differentiated and never saved (a closed-over a
 compiled program as a constant). The loss calls the task's own loss on the base with the adapters beside its
 kernels (`lora.overlay`: applied unmerged in the projections, no kernel copied, LoRA dropout there), so every
 objective and evaluation of the task holds unchanged; benchmarks and export read merged weights (`lora.merge`).
+
+rl samples its rollouts from the merged weights (`use_weights`); rl's and dpo's reference model is the base (the
+task's own `pretrained`), which is where a run with fresh adapters starts.
 
 The run records its base (`meta["lora"]`: init_from and a content hash of the base's parameters) and refuses to
 resume onto another; `jaxgpt.io.weights` loads a LoRA run as its merged weights for sampling, serving and evals.
@@ -61,6 +64,8 @@ class Adapted:
             self.run_files = inner.run_files
         if hasattr(inner, "benchmarks"):
             self.benchmarks = lambda adapters, rows: inner.benchmarks(self.merged(adapters), rows)
+        if hasattr(inner, "use_weights"):  # rl samples its rollouts from the merged weights
+            self.use_weights = lambda adapters: inner.use_weights(self.merged(adapters))
         self._placed: Any = None
 
     def frozen(self, shardings: Any) -> tuple[Any]:
@@ -70,8 +75,9 @@ class Adapted:
         return (self._placed,)
 
     def merged(self, adapters: Any) -> Any:
-        """The base with the adapters merged (outside the step: benchmarks), dequantized if QLoRA's."""
-        base = quant.dequantize_base(self._placed, self._abstract) if self.cfg.lora.quantize else self._placed
+        """The base with the adapters merged (outside the step: benchmarks, rl's rollouts), dequantized if QLoRA's."""
+        base = self.base if self._placed is None else self._placed
+        base = quant.dequantize_base(base, self._abstract) if self.cfg.lora.quantize else base
         return lora.merge(base, adapters, self.scale)
 
     def loss(self, adapters: Any, batch: dict[str, jax.Array], key: jax.Array, base: Any) -> tuple[jax.Array, dict]:
