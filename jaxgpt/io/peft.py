@@ -92,8 +92,9 @@ def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, A
     alphas = {k: s * (math.sqrt(v) if settings["rslora"] else v) for k, v in ranks.items()}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name,
               "r": settings["rank"], "lora_alpha": settings["alpha"], "use_rslora": settings["rslora"],
-              "target_modules": modules, "rank_pattern": ranks, "alpha_pattern": alphas, "lora_dropout": 0.0,
-              "bias": "none", "fan_in_fan_out": any(p.conv1d for p in places), "modules_to_save": None,
+              "target_modules": modules, "rank_pattern": ranks, "alpha_pattern": alphas,
+              "lora_dropout": settings.get("dropout", 0.0), "bias": "none",
+              "fan_in_fan_out": any(p.conv1d for p in places), "modules_to_save": None,
               "use_dora": False, "inference_mode": True}
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     safetensors.save_file(tensors, str(root / TENSORS_FILE), metadata={"format": "pt"})

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.model import lora
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.ops import activation, projection
 
@@ -128,7 +129,8 @@ class EinsumDense(nn.Module):
     """A projection with a multi-axis kernel: y = einsum(spec, x, kernel) + bias.
 
     Keeping heads as their own kernel axis lets the sharding rules split them (tensor parallelism)
-    without reshapes, and the initializer sees the true shape (DenseGeneral flattens it).
+    without reshapes, and the initializer sees the true shape (DenseGeneral flattens it). LoRA adapters found
+    beside the kernel in `params` (`jaxgpt.model.lora.overlay` puts them there) add their low-rank products unmerged.
     """
 
     cfg: ModelConfig
@@ -155,8 +157,12 @@ class EinsumDense(nn.Module):
             fan_in = self.fans[0] if self.fans else math.prod(self.kernel_shape[:-n_out])
             bias = self.param("bias", bias_init(cfg, self.bias_names, fan_in), self.kernel_shape[-n_out:],
                               cfg.param_dtype)
-        return projection.project(self.spec, x, kernel, bias, kernel_shape=self.kernel_shape, dtype=cfg.dtype,
-                                  out_dtype=self.out_dtype or cfg.dtype, storage=self.kernel_storage)
+        y = projection.project(self.spec, x, kernel, bias, kernel_shape=self.kernel_shape, dtype=cfg.dtype,
+                               out_dtype=self.out_dtype or cfg.dtype, storage=self.kernel_storage)
+        adapters = {k: v for k, v in self.variables.get("params", {}).items() if k not in ("kernel", "bias")}
+        if not adapters:  # no adapter beside the kernel: the projection alone, as it always was
+            return y
+        return lora.project_adapters(self.spec, self.name, x, y, adapters, cfg.dtype)
 
 
 class MLP(nn.Module):

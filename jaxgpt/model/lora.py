@@ -11,15 +11,16 @@ Multi-axis kernels keep their axes: A of `out` (H, D, C) is (H, D, r), B of `qkv
 layers put their L axis first on both. Every adapter axis has the kernel's logical name, and the rank "lora",
 which the sharding rules replicate.
 
-Training computes the merged kernels inside the step (`merge`): the simplest path that is exact, leaves every
-model module untouched and lets the loss, evaluation, sampling and export read ordinary weights. It costs one
-transient copy of the targeted kernels per step; computing x A B beside x W in the projections would avoid it and
-is the path LoRA dropout needs (not built).
+Two ways to run an adapted model. `merge` writes W + s A B into the kernels: what export and loading merged weights
+read. `overlay` leaves the kernels alone and puts the adapters beside them in the parameter tree, where
+`jaxgpt.model.layers.EinsumDense` finds them and adds (x A) (s B) to its slot of the projection (`project_adapters`):
+no transient copy of any kernel, LoRA dropout on x before A, and (the stacked form) several adapters in one batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.errors import UserError
+
+Array = jax.Array
 
 # (parent module, kernel module) -> the targets it holds and each one's slot of a fused kernel (None: all of it)
 MODULES: dict[tuple[str, str], tuple[tuple[str, int | None], ...]] = {
@@ -60,6 +63,7 @@ class LoRAConfig:
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r)
     targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head; "": every linear layer of the blocks
     init_from: str = ""  # peft:DIR: start the adapters from a PEFT adapter directory (its r, alpha, targets)
+    dropout: float = 0.0  # PEFT's lora_dropout (its default 0 too): drops x before A, training only
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -67,6 +71,8 @@ class LoRAConfig:
         if not self.rank and (self.targets or self.init_from):
             raise UserError("config.lora.targets/init_from are set but config.lora.rank=0 (LoRA off): set "
                             "--config.lora.rank (e.g. 16) or clear them")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"config.lora.dropout={self.dropout} must be in [0, 1) (PEFT's lora_dropout, e.g. 0.05)")
         if unknown := [t for t in self.target_names if t not in TARGETS]:
             raise UserError(f"config.lora.targets has {', '.join(unknown)}: choose from {', '.join(TARGETS)}")
         if self.init_from and not self.init_from.startswith("peft:"):
@@ -219,10 +225,10 @@ def _get(tree: Mapping[str, Any], path: tuple[str, ...]) -> Any:
 
 
 def _set(tree: Mapping[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
-    """A copy of `tree` with `path` set: only the dicts along the path are copied."""
+    """A copy of `tree` with `path` set (missing dicts along it made): only the dicts along the path are copied."""
     if len(path) == 1:
         return {**tree, path[0]: value}
-    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+    return {**tree, path[0]: _set(tree.get(path[0], {}), path[1:], value)}
 
 
 def digest(params: Any) -> str:
@@ -233,3 +239,76 @@ def digest(params: Any) -> str:
         h.update(f"{jax.tree_util.keystr(key_path)}:{array.shape}:{array.dtype}".encode())
         h.update(array.tobytes())
     return h.hexdigest()[:16]
+
+
+def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1.0, dropout: float = 0.0,
+            key: Array | None = None) -> dict[str, Any]:
+    """`params` with each adapter entry put beside the kernel it adapts (a deep merge: no kernel is copied), its B
+    times the scale `s` so the projection needs no alpha or rank; `EinsumDense` then applies them unmerged.
+
+    `dropout` > 0 (training only) gives each entry its LoRA dropout rate and a key of its own drawn from `key`, both
+    with the adapter's leading (layers) axis, so scanned layers slice them like the kernels and every layer and
+    target drops its own units. The key travels in the tree rather than as the model's dropout rng because the tasks
+    pass that rng only to models with dropout of their own. Stacked entries (A (N, *in, r) beside "rows") have their
+    scales folded in by the stacker: s = 1.
+    """
+    out = dict(params)
+    for i, (module, target, ab) in enumerate(adapter_leaves(adapters)):
+        entry = {**ab, "lora_b": ab["lora_b"] if s == 1.0 else ab["lora_b"] * s}
+        if dropout:
+            a = ab["lora_a"]
+            lead = a.shape[:a.ndim - _n_in(module[-1]) - 1]
+            keys = jax.random.split(jax.random.fold_in(key, i), math.prod(lead))
+            entry["dropout"] = jnp.full(lead, dropout, jnp.float32)
+            entry["dropout_key"] = jax.random.key_data(keys).reshape(*lead, -1)
+        out = _set(out, (*module, target), entry)
+    return out
+
+
+def slot_of(module: str, target: str) -> int | None:
+    """The slot of `target` in kernel module `module`'s output (qkv's q: 0), None for a whole kernel."""
+    return next(dict(t)[target] for (_, m), t in MODULES.items() if m == module and target in dict(t))
+
+
+def _letters(spec: str, n: int) -> str:
+    """`n` einsum letters that `spec` does not use (the rank and adapter axes)."""
+    return "".join([c for c in "rnzyxwvu" if c not in spec][:n])
+
+
+def project_adapters(spec: str, module: str, x: Array, y: Array, entries: Mapping[str, Any], dtype: str) -> Array:
+    """y (the projection `einsum(spec, x, W) + b`) plus each adapter entry's (x A) B in its slot: `EinsumDense`'s
+    unmerged LoRA (the module docstring; the entries as `overlay` or a stacker leave them).
+
+    Single form A (*in, r), B (r, *out). Stacked form A (N, *in, r), B (N, r, *out) and "rows" (Bt, N): x A is
+    computed for every adapter and masked by each row's one-hot, then contracted with B over (n, r), so each
+    adapter's weights are read once per call whatever the batch. Products run in the compute `dtype` with float32
+    accumulation; an entry's "dropout" rate drops x before A, with its own "dropout_key" (`overlay`).
+    """
+    x_axes, k_axes = spec.split("->")[0].split(",")
+    out_axes = spec.split("->")[1]
+    n_in = sum(a in x_axes for a in k_axes)
+    free = "".join(a for a in x_axes if a not in k_axes)
+    r, n = _letters(spec, 2)
+    dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    for target, entry in entries.items():
+        slot = slot_of(module, target)
+        rest = k_axes[n_in + (slot is not None):]
+        y_axes = "".join(a for a in out_axes if a in free + rest)  # y's axes without the slot axis
+        xt = x
+        if "dropout" in entry:
+            keep = 1.0 - entry["dropout"]
+            kept = jax.random.bernoulli(jax.random.wrap_key_data(entry["dropout_key"]), keep, x.shape)
+            xt = jnp.where(kept, x / keep.astype(x.dtype), 0)
+        a, b = entry["lora_a"].astype(dtype), entry["lora_b"].astype(dtype)
+        if "rows" in entry:
+            xa = dot(f"{x_axes},{n}{k_axes[:n_in]}{r}->{free}{n}{r}", xt.astype(dtype), a)
+            rows = entry["rows"].reshape(x.shape[0], *(1,) * (len(free) - 1), -1, 1)
+            d = dot(f"{free}{n}{r},{n}{r}{rest}->{y_axes}", (xa * rows).astype(dtype), b)
+        else:
+            xa = dot(f"{x_axes},{k_axes[:n_in]}{r}->{free}{r}", xt.astype(dtype), a)
+            d = dot(f"{free}{r},{r}{rest}->{y_axes}", xa.astype(dtype), b)
+        if slot is None:
+            y = y + d.astype(y.dtype)
+        else:
+            y = y.at[(slice(None),) * out_axes.index(k_axes[n_in]) + (slot,)].add(d.astype(y.dtype))
+    return y

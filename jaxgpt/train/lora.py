@@ -5,8 +5,9 @@
 adapters get gradients, optimizer moments and checkpoint space, because they are all the state holds. The base is
 the step's *frozen* argument (`Program.frozen`): placed once on the mesh by the model's own sharding rules, passed to
 every step and evaluation, never differentiated and never saved (a closed-over array would be baked into the
-compiled program as a constant). The loss merges the adapters into the base inside the step and calls the task's
-own loss on the merged weights, so every objective, evaluation and benchmark of the task holds unchanged.
+compiled program as a constant). The loss calls the task's own loss on the base with the adapters beside its
+kernels (`lora.overlay`: applied unmerged in the projections, no kernel copied, LoRA dropout there), so every
+objective and evaluation of the task holds unchanged; benchmarks and export read merged weights (`lora.merge`).
 
 The run records its base (`meta["lora"]`: init_from and a content hash of the base's parameters) and refuses to
 resume onto another; `jaxgpt.io.weights` loads a LoRA run as its merged weights for sampling, serving and evals.
@@ -24,6 +25,8 @@ from jaxgpt.io.peft import read_peft
 from jaxgpt.model import lora
 from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.task import Task
+
+DROPOUT_STREAM = 0x10DA  # LoRA dropout's keys: the step key folded with this, apart from the model's own dropout
 
 
 class Adapted:
@@ -45,7 +48,7 @@ class Adapted:
         self.base = jax.device_get(inner.pretrained())
         self.scale = lora.scale(c.alpha, c.rank, c.rslora)
         self.model = lora.Adapters(self.sites)
-        self.meta = {**inner.meta, "lora": {"rank": c.rank, "alpha": c.alpha, "rslora": c.rslora,
+        self.meta = {**inner.meta, "lora": {"rank": c.rank, "alpha": c.alpha, "rslora": c.rslora, "dropout": c.dropout,
                                             "targets": sorted({s.target for s in self.sites}),
                                             "base": {"source": cfg.init_from, "sha256": lora.digest(self.base)}}}
         if hasattr(inner, "run_files"):
@@ -65,10 +68,12 @@ class Adapted:
         return lora.merge(self._placed, adapters, self.scale)
 
     def loss(self, adapters: Any, batch: dict[str, jax.Array], key: jax.Array, base: Any) -> tuple[jax.Array, dict]:
-        return self.inner.loss(lora.merge(jax.lax.stop_gradient(base), adapters, self.scale), batch, key)
+        params = lora.overlay(jax.lax.stop_gradient(base), adapters, self.scale, self.cfg.lora.dropout,
+                              jax.random.fold_in(key, DROPOUT_STREAM))
+        return self.inner.loss(params, batch, key)
 
     def evaluate(self, adapters: Any, batch: dict[str, jax.Array], base: Any) -> Any:
-        return self.inner.evaluate(lora.merge(base, adapters, self.scale), batch)
+        return self.inner.evaluate(lora.overlay(base, adapters, self.scale), batch)
 
     def pretrained(self) -> Any | None:
         """The adapters of config.lora.init_from (a PEFT directory), or None: initialized (B = 0)."""

@@ -27,7 +27,7 @@ def base_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
 def lora_config(workdir: Path, data_dir: Path, base: Path, max_steps: int):
     c = load_tiny(workdir=str(workdir), data_dir=str(data_dir), max_steps=max_steps, eval_interval=3,
                   ckpt_interval=3, init_from=f"workdir:{base}")
-    c.lora.rank, c.lora.alpha = 4, 8.0
+    c.lora.rank, c.lora.alpha, c.lora.dropout = 4, 8.0, 0.1  # dropout: its keys must resume bit for bit too
     return c
 
 

@@ -45,8 +45,9 @@ def test_gpt2_c_attn_is_one_block_diagonal_lora_of_the_same_update(tmp_path: Pat
 
     cfg = shrink(get_preset("gpt2"))
     _, adapters = adapters_for(cfg, ("q", "v", "o"))
-    peft.write_peft(adapters, cfg, SETTINGS, tmp_path, "gpt2")
+    peft.write_peft(adapters, cfg, {**SETTINGS, "dropout": 0.05}, tmp_path, "gpt2")
     config = json.loads((tmp_path / peft.CONFIG_FILE).read_text())
+    assert config["lora_dropout"] == 0.05  # config.lora.dropout, as PEFT names it
     assert config["rank_pattern"] == {"c_attn": 12} and config["alpha_pattern"] == {"c_attn": 24.0}
     assert config["fan_in_fan_out"]  # Conv1D
     tensors = load_file(tmp_path / peft.TENSORS_FILE)

@@ -14,6 +14,7 @@ from jaxgpt.train.config import base_config, from_config_dict
     ({"lora.rank": 8, "lora.targets": "q,attn"}, "attn"),
     ({"lora.rank": 8, "lora.init_from": "DIR"}, "peft:DIR"),
     ({"lora.rank": 8}, "init_from"),  # no base to adapt
+    ({"lora.rank": 8, "lora.dropout": 1.0}, "dropout"),
     ({"lora.rank": 8, "task": "classify", "init_from": "hf:x"}, "task lm or chat"),
 ])
 def test_bad_lora_settings_are_one_line_errors(changes: dict, message: str) -> None:
@@ -35,3 +36,4 @@ def test_lora_settings_are_typed() -> None:
     c.workdir, c.init_from, c.lora.rank, c.lora.targets = "runs/x", "hf:x", 8, "q, v"
     cfg = from_config_dict(c)
     assert cfg.lora.target_names == ("q", "v") and cfg.lora.alpha == 16.0 and not cfg.lora.rslora
+    assert cfg.lora.dropout == 0.0  # PEFT's LoraConfig default
