@@ -6,6 +6,7 @@ padded `generate`.
     python benchmarks/bench_serve.py --requests 2    # fewer requests per client (quicker)
     python benchmarks/bench_serve.py --quick         # the quick start's model only, no transformers part
     python benchmarks/bench_serve.py --api_servers 2 # two HTTP front ends
+    python benchmarks/bench_serve.py --adapters 4    # only part 3: 16 clients over 4 LoRA adapters vs the merged base
 
 Part 1: `jaxgpt serve`'s processes (16 slots): the engine's side (`jaxgpt.serve.core`) in this process and
 --api_servers HTTP front ends (`jaxgpt.serve.launch`) on 127.0.0.1, with random weights of the quick start's model
@@ -28,6 +29,11 @@ alone; the most clients >= 0.8x the engine alone with as many at once and >= 15x
 Part 2: 32 ragged prompts, 48 greedy new tokens each, through `engine.generate_many` (what `sample.py
 --prompt_file` runs) with 16 slots, and through transformers' `generate` on the same weights exported with
 `save_hf`, left-padded in batches of 16 with an attention mask; tokens/s of each and how many rows agree.
+Part 3 (--adapters N, alone): the 6 x 6 x 384 model served with N LoRA adapters (`jaxgpt serve --adapter`: ranks
+4, 8, 12, 16, ... on every linear layer, random nonzero B), 16 streaming clients spread over them (client c names
+adapter c mod N), against 16 clients of the same workload on the base with one adapter merged in, served without
+adapters: the tokens/s ratio is what decoding rows of several adapters in one batch costs (issue 63's target:
+>= 0.8x).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import openai  # noqa: E402
 
@@ -102,9 +109,10 @@ def models() -> dict[str, ModelConfig]:
 def serving(engine: Engine, cfg: ModelConfig, tokenizer: Tokenizer, api_servers: int
             ) -> Iterator[tuple[int, list[int]]]:
     """`jaxgpt serve`'s processes around `engine`: its side in a thread of this process, `api_servers` front ends
-    on a free port of 127.0.0.1; (the port, the front ends' process ids)."""
+    on a free port of 127.0.0.1; (the port, the front ends' process ids). The engine's adapters are served too."""
+    adapters = tuple((name, name) for name in engine.adapters.names) if engine.adapters else ()
     with listen("127.0.0.1", 0) as sock:
-        front_ends = FrontEnds(Served(tokenizer, "m", cfg, engine.n_slots), None, sock)
+        front_ends = FrontEnds(Served(tokenizer, "m", cfg, engine.n_slots, adapters=adapters), None, sock)
         conns = front_ends.start(api_servers)
         core = threading.Thread(target=Core(engine, conns, replace=front_ends.replace).run, daemon=True)
         core.start()
@@ -148,17 +156,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def load(port: int, front_ends: list[int], clients: int, prompts: list[list[int]], new_tokens: int) -> Load:
+def load(port: int, front_ends: list[int], clients: int, prompts: list[list[int]], new_tokens: int,
+         models: tuple[str, ...] = ("m",)) -> Load:
     """Stream a completion of each of `prompts` (seed: its index), `clients` threads sending theirs one after
     another, CLIENTS_PER_PROCESS threads to a process (as clients are apart from the server; their parsing then
-    holds no lock of the server's), timed from when every process is ready."""
+    holds no lock of the server's), timed from when every process is ready. Client c asks for model
+    `models[c % len(models)]`."""
     spawn = multiprocessing.get_context("spawn")
     per_client = len(prompts) // clients
     shares = [list(range(c, min(c + CLIENTS_PER_PROCESS, clients))) for c in range(0, clients, CLIENTS_PER_PROCESS)]
     ready, results = spawn.Barrier(len(shares) + 1), spawn.Queue()
     procs = [spawn.Process(target=client_process, args=(port, [(c, prompts[c * per_client:(c + 1) * per_client])
                                                                for c in share], per_client, new_tokens, ready,
-                                                        results)) for share in shares]
+                                                        results, models)) for share in shares]
     for p in procs:
         p.start()
     ready.wait()
@@ -175,7 +185,8 @@ def load(port: int, front_ends: list[int], clients: int, prompts: list[list[int]
 
 
 def client_process(port: int, work: list[tuple[int, list[list[int]]]], per_client: int, new_tokens: int,
-                   ready: multiprocessing.synchronize.Barrier, results: multiprocessing.Queue) -> None:
+                   ready: multiprocessing.synchronize.Barrier, results: multiprocessing.Queue,
+                   models: tuple[str, ...]) -> None:
     """Some of `load`'s clients: a thread for each (client c, its prompts), once all processes are ready; puts
     ((completion tokens, time to first token, inter-token latencies) of every request, CPU seconds used)."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
@@ -183,8 +194,9 @@ def client_process(port: int, work: list[tuple[int, list[list[int]]]], per_clien
     def one_request(i: int, prompt: list[int]) -> tuple[int, float, list[float]]:
         sent = time.perf_counter()
         last, first, gaps, tokens = None, 0.0, [], 0
-        for chunk in client.completions.create(
-                model="m", prompt=prompt, max_tokens=new_tokens, temperature=1.0, seed=i, stream=True,
+        for chunk in client.completions.create(  # request i is client i // per_client's
+                model=models[i // per_client % len(models)], prompt=prompt, max_tokens=new_tokens, temperature=1.0,
+                seed=i, stream=True,
                 stream_options={"include_usage": True, "continuous_usage_stats": True}):
             now = time.perf_counter()
             brought, tokens = chunk.usage.completion_tokens - tokens, chunk.usage.completion_tokens
@@ -282,6 +294,36 @@ def part1(args: argparse.Namespace) -> None:
                 Workload(requests=args.requests), slots=16, api_servers=args.api_servers)
 
 
+def part3(n: int, api_servers: int) -> None:
+    """16 clients over `n` adapters against 16 on the merged base alone (the module docstring's part 3)."""
+    from jaxgpt.generate.adapters import Adapter, stack
+    from jaxgpt.model import lora
+    from jaxgpt.model.gpt import abstract_variables
+
+    keep_freed_memory()
+    cfg, work = models()["6x6x384"], Workload(clients=(16,), requests=2)
+    params, tokenizer = init_params(cfg, jax.random.key(0)), CharTokenizer(CHARS)
+    adapters = []
+    for i in range(n):
+        found = lora.sites(abstract_variables(cfg)["params"], (), 4 * (i + 1))
+        tree = jax.tree.map(np.asarray, nn.unbox(lora.init_adapters(found, jax.random.key(i))))
+        tree = jax.tree_util.tree_map_with_path(lambda path, x, i=i: np.random.default_rng(i).normal(
+            0, 0.02, x.shape).astype(np.float32) if path[-1].key == "lora_b" else x, tree)
+        adapters.append(Adapter(f"adapter{i}", tree, 2.0))
+    rates = {}
+    for what, weights, served in [("merged base", lora.merge(params, adapters[0].tree, 2.0), None),
+                                  (f"{n} adapters", params, stack(adapters, cfg))]:
+        engine = Engine(weights, cfg, slots=16, max_waiting=64, vocab_limit=tokenizer.vocab_size, adapters=served)
+        engine.warm_up([SAMPLED], range(work.lengths[0], work.lengths[1] + 1), work.new_tokens)
+        names = tuple(a.name for a in adapters) if served else ("m",)
+        with serving(engine, cfg, tokenizer, api_servers) as (port, front_ends):
+            rates[what] = load(port, front_ends, 16, work.prompts(16 * work.requests, 16), work.new_tokens,
+                               names).rate
+        print(f"6x6x384, 16 clients on the {what}: {rates[what]:,.0f} tokens/s", flush=True)
+    print(f"16 clients over {n} adapters (ranks 4-{4 * n}, every linear layer) / 16 on the merged base: "
+          f"{rates[f'{n} adapters'] / rates['merged base']:.2f}x (target >= 0.8x)")
+
+
 def part2() -> None:
     try:
         import torch
@@ -327,8 +369,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="completions per client")
     parser.add_argument("--quick", action="store_true", help="the quick start's model only; no part 2")
     parser.add_argument("--api_servers", type=int, default=1, help="HTTP front-end processes (jaxgpt serve's)")
+    parser.add_argument("--adapters", type=int, default=0, help="only part 3, with this many LoRA adapters")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores")
+    if args.adapters:
+        part3(args.adapters, args.api_servers)
+        return
     part1(args)
     if not args.quick:
         part2()

@@ -4,6 +4,7 @@
     jaxgpt serve --init_from hf:openai-community/gpt2 --port 8080 --slots 16
     jaxgpt serve --preset gpt2                              # random weights: for load tests
     jaxgpt serve --workdir gs://bucket/run --follow         # each new checkpoint of a run still training
+    jaxgpt serve --workdir runs/base --adapter sql=runs/sql_lora --adapter chat=peft:adapters/chat
 
 Any OpenAI client talks to it (base_url http://HOST:PORT/v1; with --api_key or JAXGPT_API_KEY set, that key,
 else any; --open_paths=/tokenizer_info,/tokenize,/detokenize leaves those outside the key, for tools such as
@@ -18,6 +19,12 @@ The engine runs in this process and the HTTP front ends (requests, tokenizing, d
 --api_servers processes of their own on the same port, as vLLM separates its engine core from its API servers:
 the engine's thread then never waits for the front ends' interpreter lock (jaxgpt.serve.core). A spare front end
 waits to replace one that dies; if the engine's process dies, the front ends answer 503 and exit.
+
+--adapter NAME=PATH (repeatable) also serves a LoRA adapter of the served weights: a jaxgpt LoRA run's work
+directory (its recorded base hash must be the served weights') or a PEFT adapter directory (peft:DIR, or a
+directory with adapter_config.json). A request whose `model` is NAME decodes with it, the base's name (or none)
+decodes the base alone, and rows of every adapter share the engine's batch; /v1/models lists them all, and any
+other name is a 404 (without --adapter, any name is the base).
 
 --follow polls the run every --follow_interval seconds and serves its newest checkpoint (of --which) once the
 requests in flight have finished with the previous one; one that cannot be read, or whose model differs, is
@@ -78,6 +85,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
                       flag_values=flags_)
     flags.DEFINE_float("follow_interval", 5.0, "--follow: seconds between looks at the run's checkpoints",
                        lower_bound=0.05, flag_values=flags_)
+    flags.DEFINE_multi_string("adapter", [], "NAME=PATH: also serve a LoRA adapter of these weights (a jaxgpt LoRA "
+                              "run's work directory, or a PEFT adapter directory: peft:DIR) to requests whose model "
+                              "is NAME (repeatable)", flag_values=flags_)
     flags.DEFINE_integer("max_body_bytes", None, "larger request bodies are a 413 (default: 1 MiB)", lower_bound=1,
                          flag_values=flags_)
 
@@ -89,22 +99,28 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     optional_import("prometheus_client", "jaxgpt serve", package="jaxgpt[serve]")
     optional_import("jinja2", "jaxgpt serve", package="jaxgpt[serve]")
     from jaxgpt.data.conversations import load_template
+    from jaxgpt.generate.adapters import stack
     from jaxgpt.generate.engine import Engine
+    from jaxgpt.serve import adapters
     from jaxgpt.serve.app import Served
     from jaxgpt.serve.follow import Follower, version
     from jaxgpt.serve.launch import FrontEnds, listen
 
     if flags_.follow and flags_.workdir is None:
         raise UserError("--follow follows a training run's checkpoints: give it with --workdir")
+    if flags_.follow and flags_.adapter:
+        raise UserError("--adapter serves adapters of fixed base weights, which --follow would replace: drop one")
     keep_freed_memory()  # the engine's programs run over and over: their temporaries stay mapped on a CPU
     loaded, tokenizer = load_model(flags_)
     name = Path(flags_.workdir).name if flags_.workdir is not None else flags_.init_from or flags_.preset
     cfg, specials = loaded.model, loaded.meta.get("seq2seq")
+    specs = adapters.parse(flags_.adapter, name)
+    stacked = stack([adapters.load(spec, loaded) for spec in specs], cfg) if specs else None
     if isinstance(cfg, Seq2SeqConfig):  # an encoder-decoder run: the prompt is the source
         tokenizer = PairText(tokenizer, specials)
     engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting, chunk=flags_.chunk,
                     eot_token=tokenizer.eot_token, specials=specials,
-                    vocab_limit=tokenizer.vocab_size,
+                    vocab_limit=tokenizer.vocab_size, adapters=stacked,
                     version=version(loaded.meta["step"]) if flags_.workdir is not None else None)
     if flags_.warm_up:
         print(f"warmed up: every row count, span and prompt bucket compiled in {engine.warm_up():.1f} s",
@@ -119,7 +135,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     if template is None and flags_.workdir is None:
         template = chat.get("template")
     served = Served(tokenizer, name, cfg, flags_.slots, chat_template=template, chat_stop_ids=chat_stop_ids,
-                    chat_tokens=chat.get("tokens"),
+                    chat_tokens=chat.get("tokens"), adapters=tuple((s.name, adapters.root(s)) for s in specs),
                     api_key=api_key, open_paths=tuple(flags_.open_paths), **limit)
     with listen(flags_.host, flags_.port) as sock:  # open while serving: a front end that dies is replaced
         front_ends = FrontEnds(served, engine.version, sock)
@@ -134,7 +150,8 @@ def serve(engine: Engine, front_ends: FrontEnds, conns: list[Connection], follow
     print(f"serving {name!r} {engine.version or ''} on http://{flags_.host}:{flags_.port}/v1 ({flags_.slots} slots; "
           f"{flags_.api_servers} HTTP process{'es' if flags_.api_servers > 1 else ''}; chat: "
           f"{'yes' if template else 'no template'}; API key: {'required' if api_key else 'none'}"
-          f"{f'; following every {flags_.follow_interval:g} s' if follower else ''})", flush=True)
+          f"{f'; following every {flags_.follow_interval:g} s' if follower else ''}"
+          f"{'; adapters: ' + ', '.join(engine.adapters.names) if engine.adapters else ''})", flush=True)
 
     finish = lambda *_: front_ends.stop()  # each front end finishes its requests in flight, then closes its end
     signal.signal(signal.SIGTERM, finish)

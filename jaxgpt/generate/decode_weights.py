@@ -125,8 +125,8 @@ def decoding_weights(params: Any, cfg: ModelConfig, dtype: str | None, *,
     entry = refs, key, prepared
 
     def forget(_: weakref.ref, cache: list = _prepared) -> None:  # the caller dropped its weights: so do we
-        if entry in cache:
-            cache.remove(entry)
+        # by identity: `in` would compare another entry's arrays with ==, whose truth is ambiguous
+        cache[:] = [e for e in cache if e is not entry]
     try:
         refs += [weakref.ref(a, forget) for a in leaves]
     except TypeError:  # a leaf that is not an array (a Python number) cannot be watched: no reuse

@@ -32,6 +32,9 @@ end-of-turn), and `prompt_logprobs` has the prefill, which computes every prompt
 report each prompt token's log-probability (OpenAI's `echo` with `logprobs`); a request for 0 new tokens is
 only that.
 
+LoRA adapters (`adapters`, `jaxgpt.generate.adapters`) are stacked beside the base's kernels once; a request's
+`adapter` names the one its rows decode with, so rows of different adapters and of the base share every chunk.
+
 `swap` replaces the weights (same shapes: nothing recompiles) while the engine serves, as `jaxgpt serve --follow`
 does with each new checkpoint of a run: from then on no request is admitted until the busy slots have
 finished, so each request runs wholly on one set of weights, whose `version` it records.
@@ -56,8 +59,10 @@ from tqdm import tqdm
 from jaxgpt.data.batches import bucket
 from jaxgpt.errors import UserError
 from jaxgpt.generate import seq2seq
+from jaxgpt.generate.adapters import Stack, beside, one_hot
+from jaxgpt.generate.checks import check_request
 from jaxgpt.generate.decode_weights import decoding_weights
-from jaxgpt.generate.sampling import cache_slots, validate_options
+from jaxgpt.generate.sampling import cache_slots
 from jaxgpt.generate.slots import (
     NO_TOKEN,
     TOP_LOGPROBS,
@@ -105,6 +110,7 @@ class Request:
     logprobs: bool = True
     prompt_logprobs: Callable[[list[tuple[float, list[tuple[int, float]]]]], None] | None = None
     version: str | None = None  # set when admitted: the engine's `version`, the weights that answer it
+    adapter: str | None = None  # the LoRA adapter it decodes with (one of the engine's `adapters`); None: the base
 
 
 @dataclasses.dataclass
@@ -120,45 +126,24 @@ class _Busy:
     finished: bool = False
 
 
-def check_request(cfg: ModelConfig | Seq2SeqConfig, prompt: list[int], max_new_tokens: int, temperature: float,
-                  top_p: float) -> None:
-    """A UserError for a request the engine cannot run (the server answers it with a 400). An encoder-decoder's
-    prompt is its source: at most src_block_size tokens, and max_tokens at most the decoder's context. A GPT's
-    request may ask for 0 new tokens (only its prompt is scored)."""
-    scores_only = max_new_tokens == 0 and not isinstance(cfg, Seq2SeqConfig)
-    validate_options(1 if scores_only else max_new_tokens, temperature, None, top_p)
-    if not prompt:
-        raise UserError("the prompt is empty: give at least one token")
-    if isinstance(cfg, Seq2SeqConfig):
-        if len(prompt) > cfg.src_block_size or max_new_tokens > cfg.model.block_size:
-            raise UserError(f"the source's {len(prompt)} tokens or max_tokens={max_new_tokens} exceed the model's "
-                            f"src_block_size={cfg.src_block_size} / block_size={cfg.model.block_size}: shorten them")
-        vocab_size = cfg.src_vocab_size
-    elif len(prompt) + max_new_tokens > cfg.block_size:
-        raise UserError(f"the prompt's {len(prompt)} tokens plus max_tokens={max_new_tokens} exceed the model's "
-                        f"context of {cfg.block_size}: shorten the prompt or ask for fewer tokens")
-    else:
-        vocab_size = cfg.vocab_size
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise UserError(f"prompt token ids must be in [0, {vocab_size})")
-
-
 class Engine:
     """Decodes up to `slots` requests at once, `chunk` tokens per dispatch; `submit` from any thread, `run` in one
     thread of its own."""
 
     def __init__(self, params: Any, cfg: ModelConfig | Seq2SeqConfig, *, slots: int = 8, max_waiting: int = 64,
                  eot_token: int | None = None, vocab_limit: int | None = None,
-                 specials: dict[str, int] | None = None, version: str | None = None, chunk: int = CHUNK) -> None:
+                 specials: dict[str, int] | None = None, version: str | None = None, chunk: int = CHUNK,
+                 adapters: Stack | None = None) -> None:
         """`specials`: an encoder-decoder's pad_id, bos_id and eos_id (its run's meta["seq2seq"]); eos ends a row.
         `version` names the weights (each request admitted records it). `vocab_limit`: the tokenizer's vocabulary
-        size; only a model vocabulary padded beyond it limits the picks (else it is dropped)."""
+        size; only a model vocabulary padded beyond it limits the picks (else it is dropped). `adapters`: LoRA
+        adapters of a GPT's weights that requests may name."""
         if chunk < 1:
             raise UserError(f"chunk={chunk}: a decode chunk needs at least one step")
         self.n_slots, self.max_waiting, self.eot_token = slots, max_waiting, eot_token
         self.capacity = slots + max_waiting  # requests held at once, busy or waiting: what `submit` admits
         self.held = 0  # requests submitted and not yet done
-        self.version, self.chunk = version, chunk
+        self.version, self.chunk, self.adapters = version, chunk, adapters
         self.pending: tuple[Any, str] | None = None  # weights `swap` gave, and their version
         if isinstance(cfg, Seq2SeqConfig):
             if specials is None:
@@ -169,9 +154,9 @@ class Engine:
             self._empty = lambda: jax.device_put(empty_slots(cfg, slots, jax.tree.map(
                 lambda c: jnp.zeros((slots, *c.shape), c.dtype), memory)), self.home)
         else:
-            self.params, self.cfg = decoding_weights(params, cfg, None, output_major=False)
-            model, self.specials = self.cfg, None
-            self._empty = lambda: jax.device_put(empty_slots(cfg, slots), self.home)
+            self.params = beside(decoding_weights(params, cfg, None, output_major=False)[0], adapters)
+            self.cfg, model, self.specials = cfg, cfg, None
+            self._empty = lambda: jax.device_put(empty_slots(cfg, slots, adapters=len(adapters or ())), self.home)
         self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
         self.banned, self.vocab_size = model.pad_id, model.vocab_size
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.vocab_size else None
@@ -205,7 +190,8 @@ class Engine:
                                                   steps=self.chunk, needs=need, **limits)
         if self.specials is None:
             zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
-                           np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool))
+                           np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool),
+                           one_hot(self.adapters, None))
             for P in sorted({bucket(n, self.cfg.block_size) for n in lengths}):
                 self.state, _, _ = prefill_slot(self.params, self.state, np.int32(0), np.zeros((1, P), np.int32),
                                                 np.int32(1), zero, cfg=self.cfg, score=False, **limits)
@@ -231,7 +217,7 @@ class Engine:
         """Serve `params` (laid out as the constructor's, same shapes and dtypes) once the busy slots have
         finished; until then no request is admitted. A second swap before that replaces the first."""
         if self.specials is None:  # prepared here, in the caller's thread, not between the engine's chunks
-            params = decoding_weights(params, self.given_cfg, None, output_major=False)[0]
+            params = beside(decoding_weights(params, self.given_cfg, None, output_major=False)[0], self.adapters)
         with self.wake:
             self.pending = (params, version)
             self.wake.notify()
@@ -302,7 +288,7 @@ class Engine:
         bias_V[list(r.logit_bias)] = list(r.logit_bias.values())
         end_V[list(ends)] = True
         setting = Setting(jax.random.key(r.seed), np.float32(r.temperature), np.float32(r.top_p),
-                          np.int32(r.max_new_tokens), bias_V, end_V)
+                          np.int32(r.max_new_tokens), bias_V, end_V, one_hot(self.adapters, r.adapter))
         limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
         T, scored = len(r.prompt), None
         if self.specials is not None:  # the source, padded to src_block_size (the encoder masks padding)

@@ -19,6 +19,10 @@ picks the next from the logits that come out. Token i of a request draws its noi
 greedy at temperature 0, top-p only below 1: `generate`'s sampling, so a seeded request samples what `generate`
 samples for its prompt alone (up to float rounding in the different batching of the products).
 
+With LoRA adapters served (`jaxgpt.generate.adapters`), each slot also holds the one-hot of its request's adapter
+(`adapter_SN`), and the prefill and every decode step lay that row's `rows` beside the stacked adapters in the
+parameters, so one program decodes rows of any mix of adapters and of the base.
+
 What the busy slots' settings need (`Needs`: a logit bias, noise, the nucleus sort, log-probabilities) is
 static: a chunk of greedy requests draws no noise, one without biases adds no (rows, V) bias, and one whose
 clients asked for no log-probabilities skips the log-softmax and top-k; each combination compiles once.
@@ -34,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.generate import seq2seq
+from jaxgpt.generate.adapters import with_rows
 from jaxgpt.generate.decode_weights import token_loop
 from jaxgpt.generate.sampling import _decode
 from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
@@ -61,6 +66,7 @@ class Slots(NamedTuple):
     bias_SV: Array  # each slot's logit_bias, added to its logits before the pick
     end_SV: Array  # bool: the tokens that end each slot (end-of-text unless ignored, its stop ids)
     memory: Any = None  # encoder-decoders: each slot's source mask (S, 1, L) and cross-attention keys/values
+    adapter_SN: Any = None  # with N LoRA adapters served: the one-hot of each slot's (zeros: the base alone)
 
 
 class Setting(NamedTuple):
@@ -72,6 +78,7 @@ class Setting(NamedTuple):
     max_new_tokens: Array
     bias_V: Array
     end_V: Array
+    adapter_N: Array | None = None  # with adapters served: the one-hot of the request's (`adapters.Stack.row`)
 
 
 class Needs(NamedTuple):
@@ -93,15 +100,17 @@ class Picked(NamedTuple):
     top_id: Array | None = None
 
 
-def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None) -> Slots:
-    """Every slot free (ended), its cache zeroed; `memory`: an encoder-decoder's per-slot source state."""
+def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None, adapters: int = 0) -> Slots:
+    """Every slot free (ended), its cache zeroed; `memory`: an encoder-decoder's per-slot source state;
+    `adapters`: how many LoRA adapters are served (0: none, no adapter state)."""
     model = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
     V = model.vocab_size
     cache = jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), init_cache(model, 1))
     zeros = lambda: jnp.zeros(slots, jnp.int32)  # a buffer each: the programs donate the state
     return Slots(cache, zeros(), zeros(), zeros(), zeros(), jnp.ones(slots, bool),
                  jax.random.split(jax.random.key(0), slots), jnp.zeros(slots, jnp.float32),
-                 jnp.ones(slots, jnp.float32), jnp.zeros((slots, V), jnp.float32), jnp.zeros((slots, V), bool), memory)
+                 jnp.ones(slots, jnp.float32), jnp.zeros((slots, V), jnp.float32), jnp.zeros((slots, V), bool), memory,
+                 jnp.zeros((slots, adapters), jnp.float32) if adapters else None)
 
 
 def row_noise(key_B: Array, step_B: Array, V: int) -> Array:
@@ -146,7 +155,8 @@ def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Ar
                   put(state.step_S, 1), put(state.left_S, setting.max_new_tokens - 1), put(state.done_S, done),
                   put(state.key_S, setting.key), put(state.temperature_S, setting.temperature),
                   put(state.top_p_S, setting.top_p), put(state.bias_SV, setting.bias_V),
-                  put(state.end_SV, setting.end_V), jax.tree.map(put, state.memory, memory))
+                  put(state.end_SV, setting.end_V), jax.tree.map(put, state.memory, memory),
+                  jax.tree.map(put, state.adapter_SN, setting.adapter_N))
     return state, Picked(tok_1, lp_1, top_lp_1K, top_id_1K)
 
 
@@ -160,6 +170,7 @@ def prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array
     positions keep an earlier request's keys, which its decode steps never see (they read positions below its
     length) and overwrite as it goes."""
     P = prompt_1P.shape[1]
+    params = with_rows(params, setting.adapter_N, cfg)  # (the request's adapter, when adapters are served)
     logits_1PV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1, P), 0, False, last_only=False)
     state, first = _start(state, s, cache, logits_1PV[0, T - 1], T, setting, None, banned, vocab_limit)
     return state, first, logprobs(logits_1PV[0, :-1], prompt_1P[0, 1:]) if score else None
@@ -243,14 +254,14 @@ def _advance(params: Any, st: Slots, noise_BV: Array | None, *, cfg: ModelConfig
     span = jax.tree.leaves(st.cache)[0].shape[-2]
     index_B = jnp.minimum(st.length_S, span - 1)  # a free slot's (stale) length never runs past the cache
 
-    def decode_one(tok: Array, cache: Any, index: Array, memory: Any) -> tuple[Array, Any]:
+    def decode_one(tok: Array, cache: Any, index: Array, memory: Any, adapter_N: Array | None) -> tuple[Array, Any]:
         if isinstance(cfg, Seq2SeqConfig):
             logits_1V, cache = seq2seq._step(params, cfg, tok[None], cache, index, memory[1], memory[0])
             return logits_1V[0], cache
-        logits_11V, cache = _decode(cfg, params, tok[None, None], cache, index, False)
+        logits_11V, cache = _decode(cfg, with_rows(params, adapter_N, cfg), tok[None, None], cache, index, False)
         return logits_11V[0, 0], cache
 
-    logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory)
+    logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory, st.adapter_SN)
     tok_B = pick_rows(logits_BV + st.bias_SV if needs.bias else logits_BV, noise_BV, st.temperature_S, st.top_p_S,
                       needs.nucleus, banned, vocab_limit)
     live_B = ~st.done_S

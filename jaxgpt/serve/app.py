@@ -21,6 +21,11 @@ queue or free their slots at its next tick; an engine whose process has ended is
 Choice j of a request with `seed` s samples with seed s + j, so choice 0 is
 `generate(..., key=s)`'s sample.
 
+LoRA adapters (`jaxgpt serve --adapter NAME=PATH`, `Served.adapters`): a request's `model` names the base or an
+adapter, whose choices then decode with it in the engine's shared batch; /v1/models lists the base and each
+adapter (its `parent` the base, as vLLM's entries); any other name is a 404 with OpenAI's error body (code
+model_not_found). Without adapters any `model` is the base, as clients configured with another name expect.
+
 Which weights answered: every answer (each streamed chunk too) has OpenAI's `system_fingerprint`, the engine's
 `version` of the weights its choices ran on (`step-N` for a run's checkpoint N; null for weights without
 steps), and /v1/models's entry has the version served now. They change when `jaxgpt serve --follow`
@@ -48,7 +53,7 @@ from starlette.exceptions import HTTPException
 from jaxgpt.data.conversations import ChatTemplate
 from jaxgpt.data.pairs import PairText
 from jaxgpt.errors import UserError
-from jaxgpt.generate.engine import check_request
+from jaxgpt.generate.checks import check_request
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 from jaxgpt.serve.choices import Choice, Codec, collect, stream, usage
 from jaxgpt.serve.client import EngineClient, EngineLostError
@@ -91,6 +96,23 @@ class Served:
     api_key: str | None = None
     open_paths: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the engine serves: (name, where it was read from)
+
+    def resolve(self, model: str | None) -> tuple[str, str | None]:
+        """(the name an answer reports, the adapter its choices decode with) for a request's `model`. With
+        adapters it names one of them or the base (`model_name`; none given: the base), else it is a 404
+        (`UnknownModelError`); without, any name is the base, as before adapters existed (clients send the name
+        they were configured with)."""
+        if not self.adapters or model is None or model == self.model_name:
+            return self.model_name, None
+        if model in dict(self.adapters):
+            return model, model
+        raise UnknownModelError(f"The model `{model}` does not exist: this server has {self.model_name!r} and the "
+                           f"adapters {', '.join(repr(name) for name, _ in self.adapters)} (GET /v1/models)")
+
+
+class UnknownModelError(Exception):
+    """A request names a model this server does not serve: a 404 with OpenAI's error body (code model_not_found)."""
 
 
 class Header(Mapping[str, Any]):
@@ -156,10 +178,13 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
 
     @app.get("/v1/models", responses=responses(*guarded))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": 0,
-                                            "owned_by": "jaxgpt", "max_model_len": context,
-                                            "max_completions_per_request": await engine.capacity(),
-                                            "system_fingerprint": engine.version}]}
+        """OpenAI's list of models: the base, then each adapter, whose entry names the base as its `parent` and
+        where it was read from as its `root`, as vLLM lists LoRA adapters."""
+        card = {"object": "model", "created": 0, "owned_by": "jaxgpt", "max_model_len": context,
+                "max_completions_per_request": await engine.capacity(), "system_fingerprint": engine.version}
+        base = {"id": served.model_name, **card, "root": served.model_name, "parent": None}
+        return {"object": "list", "data": [base, *({"id": name, **card, "root": root, "parent": served.model_name}
+                                                   for name, root in served.adapters)]}
 
     _tokenizer_routes(app, tokenizer, context, chat_template, guarded)
     _generation_routes(app, engine, served, chat_template, metrics, context, guarded)
@@ -196,6 +221,10 @@ def _error_handlers(app: FastAPI) -> None:
     async def user_error(_: HTTPRequest, exc: UserError) -> JSONResponse:
         return error(400, str(exc))
 
+    @app.exception_handler(UnknownModelError)
+    async def unknown_model(_: HTTPRequest, exc: UnknownModelError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "invalid_request_error", "model", "model_not_found"), 404)
+
     @app.exception_handler(EngineLostError)
     async def engine_lost(_: HTTPRequest, exc: EngineLostError) -> JSONResponse:
         return error(503, str(exc), "server_error")
@@ -228,18 +257,17 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
                        metrics: Metrics, context: int, guarded: tuple[int, ...]) -> None:
     """/v1/completions and /v1/chat/completions: both check the request, start its choices and answer whole or
     as server-sent events; they differ in the prompt (given, or rendered from messages) and the answer's shape."""
-    tokenizer, model_name, declared = served.tokenizer, served.model_name, responses(400, 429, 500, 503, *guarded,
-                                                                                    streams=True)
+    tokenizer, declared = served.tokenizer, responses(400, 404, 429, 500, 503, *guarded, streams=True)
 
     @app.post("/v1/completions", response_model=None, responses=declared)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
-        arrived = time.perf_counter()
+        arrived, (model_name, adapter) = time.perf_counter(), served.resolve(body.model)  # an unknown model: 404
         texts, encoded = _prompts(body, tokenizer, await engine.capacity())
         if body.max_tokens == 0 and not body.echo:
             raise UserError("max_tokens: 0 generates nothing; it is only meaningful with echo=true")
         if body.echo and isinstance(tokenizer, PairText):
             raise UserError("echo: an encoder-decoder's prompt is its source, which it does not score")
-        choices = await _start(body, encoded, body.max_tokens, engine, served, metrics, arrived,
+        choices = await _start(body, encoded, body.max_tokens, engine, served, metrics, arrived, adapter,
                                score_prompt=body.echo and body.logprobs is not None)
         for c in choices if body.echo else []:
             c.prefix = texts[c.index // body.n]
@@ -260,7 +288,7 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
 
     @app.post("/v1/chat/completions", response_model=None, responses=declared)
     async def chat(body: ChatRequest, http: HTTPRequest) -> Any:
-        arrived = time.perf_counter()
+        arrived, (model_name, adapter) = time.perf_counter(), served.resolve(body.model)  # an unknown model: 404
         if chat_template is None:
             raise UserError(NO_TEMPLATE)
         text = chat_template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
@@ -268,7 +296,7 @@ def _generation_routes(app: FastAPI, engine: EngineClient, served: Served, chat_
         if (body.top_logprobs or 0) > 0 and not body.logprobs:
             raise UserError("top_logprobs: needs logprobs=true")
         limit = body.max_completion_tokens or body.max_tokens or max(context - len(encoded[0]), 1)
-        choices = await _start(body, encoded, limit, engine, served, metrics, arrived, chat=True)
+        choices = await _start(body, encoded, limit, engine, served, metrics, arrived, adapter, chat=True)
         header = Header({"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
                          "created": int(time.time()), "model": model_name}, choices)
 
@@ -330,11 +358,11 @@ def _check_size(prompts: int, n: int, capacity: int) -> None:
 
 
 async def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]], max_tokens: int,
-                 engine: EngineClient, served: Served, metrics: Metrics, arrived: float, *,
+                 engine: EngineClient, served: Served, metrics: Metrics, arrived: float, adapter: str | None, *,
                  score_prompt: bool = False, chat: bool = False) -> list[Choice]:
     """Check the request, then submit `n` choices per prompt, each an engine request whose events feed it, all or
     none. A UserError is a 400 (more choices than the engine ever holds too) and no room for them all now a 429.
-    A chat's replies also end at `served.chat_stop_ids`."""
+    A chat's replies also end at `served.chat_stop_ids`; every choice decodes with `adapter` (None: the base)."""
     tokenizer = served.tokenizer
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if not all(stops):
@@ -352,7 +380,8 @@ async def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]]
                for i, ids in enumerate(ids for ids in encoded for _ in range(body.n))]
     fields = [{"prompt": ids, "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                "seed": seed + j, "logit_bias": bias, "ignore_eos": body.ignore_eos, "logprobs": logprobs,
-               "stop_ids": served.chat_stop_ids if chat else ()} for ids in encoded for j in range(body.n)]
+               "stop_ids": served.chat_stop_ids if chat else (), "adapter": adapter}
+              for ids in encoded for j in range(body.n)]
     rids = await engine.submit([(f, c.queue) for f, c in zip(fields, choices, strict=True)], score_prompt)
     if rids is None:
         raise HTTPException(429, f"the server is full: it has no room now for this request's {len(fields)} "

@@ -116,6 +116,7 @@ class ErrorBody(BaseModel):
 
 _WHY = {400: "the request is invalid (its message says which field and why)",
         401: "no valid API key: send Authorization: Bearer KEY",
+        404: "the request's `model` is neither the base nor an adapter this server serves (GET /v1/models)",
         413: "the request body is larger than the server takes",
         429: "the server has no room now for all of the request's completions: retry later",
         500: "the engine failed while decoding the request",
