@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxgpt.errors import UserError
-from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number
+from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number, qkv_places
 from jaxgpt.model.config import ModelConfig
 
 # transformers' activation names (hidden_act, Gemma's hidden_activation) -> ours; the MLP is always gated.
@@ -335,21 +335,16 @@ def hf_config(traits: Traits) -> Callable[[ModelConfig, int | None], dict[str, A
 
 
 def _attention_specs(prefix: str, layer: str, cfg: ModelConfig, bias: bool) -> list[TensorSpec]:
-    """q_proj, k_proj, v_proj (and their biases): slots of the fused `qkv` (K == H heads), or `q` and `kv`'s slots."""
-    H, K, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
-    if K == H:
-        places = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2)}
-    else:
-        places = {"q": ("q", None), "k": ("kv", 0), "v": ("kv", 1)}
-    heads = {"q": H, "k": K, "v": K}
+    """q_proj, k_proj, v_proj (and their biases) at their `qkv_places`."""
+    D, C = cfg.head_dim, cfg.n_embd
     specs = []
-    for name, (kernel, part) in places.items():
+    for name, (kernel, part, heads) in qkv_places(cfg).items():
         hf = f"{prefix}self_attn.{name}_proj."
-        specs.append(TensorSpec(hf + "weight", (layer, "attn", kernel, "kernel"), (heads[name] * D, C),
-                                (C, heads[name], D), transpose=True, part=part))
+        specs.append(TensorSpec(hf + "weight", (layer, "attn", kernel, "kernel"), (heads * D, C),
+                                (C, heads, D), transpose=True, part=part))
         if bias:
-            specs.append(TensorSpec(hf + "bias", (layer, "attn", kernel, "bias"), (heads[name] * D,),
-                                    (heads[name], D), part=part))
+            specs.append(TensorSpec(hf + "bias", (layer, "attn", kernel, "bias"), (heads * D,),
+                                    (heads, D), part=part))
     return specs
 
 
