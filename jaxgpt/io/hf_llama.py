@@ -283,7 +283,8 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     return rope
 
 
-def _layer_types(cfg: ModelConfig) -> list[str]:
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """transformers' kind of each layer: windowed (sliding_attention) or not (full_attention)."""
     return [SLIDING if cfg.sliding_window is not None and (cfg.window_pattern is None or (i + 1) % cfg.window_pattern)
             else FULL for i in range(cfg.n_layer)]
 
@@ -318,7 +319,7 @@ def hf_config(traits: Traits) -> Callable[[ModelConfig, int | None], dict[str, A
         if traits.gemma:
             local = {"rope_type": "default", "rope_theta": float(cfg.rope_local_theta or cfg.rope_theta)}
             out.update(rope_parameters={FULL: rope, SLIDING: local}, rope_local_base_freq=local["rope_theta"],
-                       layer_types=_layer_types(cfg), sliding_window=cfg.sliding_window or cfg.block_size,
+                       layer_types=layer_types(cfg), sliding_window=cfg.sliding_window or cfg.block_size,
                        query_pre_attn_scalar=cfg.head_dim if cfg.query_scale is None else round(cfg.query_scale ** -2),
                        attn_logit_softcapping=None, final_logit_softcapping=cfg.logit_softcap)
             if cfg.window_pattern is not None:
