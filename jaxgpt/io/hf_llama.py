@@ -64,6 +64,10 @@ MISTRAL = Traits("mistral", "MistralForCausalLM", 10000.0, "all")
 QWEN2 = Traits("qwen2", "Qwen2ForCausalLM", 10000.0, "switch", qkv_bias=True)
 QWEN3 = Traits("qwen3", "Qwen3ForCausalLM", 10000.0, "switch", qk_norm=True)
 GEMMA3 = Traits("gemma3_text", "Gemma3ForCausalLM", 1_000_000.0, "pattern", qk_norm=True, gemma=True, tie=True)
+# Gemma3TextConfig's defaults of what the Hub's multimodal gemma3 config.json files leave out of their text_config
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096}
 GEMMA_LOCAL_THETA = 10000.0  # Gemma 3's sliding layers' base when config.json gives none
 GEMMA_PATTERN = 6  # sliding_window_pattern's default: every 6th layer global
 

@@ -1,12 +1,15 @@
 """`hf_tensors.qkv_places`: the one statement of where q, k and v sit in a block's attention, checked against the
-parameters the model itself declares, and used by every family's tensor list."""
+parameters the model itself declares, and used by every family's tensor list; a multimodal checkpoint's language
+model tensors under their *ForCausalLM names."""
 
 from __future__ import annotations
 
 import flax.linen as nn
+import numpy as np
 import pytest
 
-from jaxgpt.io import hf_llama, hf_nanochat
+from jaxgpt.io import hf_llama, hf_nanochat, hf_tensors
+from jaxgpt.io.hf import language_model_tensors
 from jaxgpt.io.hf_tensors import qkv_places
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import abstract_variables
@@ -44,3 +47,14 @@ def test_families_put_projections_at_the_places(n_kv_head):
             for spec in [s for s in specs if f".{name}_proj." in s.hf_name]:
                 assert spec.path[1:3] == ("attn", place.kernel)
                 assert spec.part == place.slot
+
+
+def test_language_model_tensors_take_their_causal_lm_names_from_either_layout():
+    """The Hub's (and transformers 5's) `language_model.model.*` and transformers 4.5x's `model.language_model.*`
+    become `model.*`, `language_model.lm_head` `lm_head`; the image tower's names stay, read from their own file."""
+    names = {"language_model.model.norm.weight": "a", "model.language_model.embed_tokens.weight": "b",
+             "language_model.lm_head.weight": "a", "vision_tower.x.weight": "b"}
+    reader = hf_tensors.TensorReader(names, lambda file, name: np.array([file, name]))
+    renamed = language_model_tensors(reader)
+    assert set(renamed) == {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight", "vision_tower.x.weight"}
+    assert renamed.get("model.embed_tokens.weight").tolist() == ["b", "model.language_model.embed_tokens.weight"]
