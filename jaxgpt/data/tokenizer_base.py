@@ -31,6 +31,11 @@ class Tokenizer(ABC):
         context): `encode` less what a tokenizer puts before a whole text (a BOS, `JsonTokenizer`)."""
         return self.encode(text)
 
+    def encode_with_prefix(self, text: str) -> tuple[list[int], list[int]]:
+        """(the ids `encode` puts before `text` (a BOS) or [], the text's own ids `encode_continuation`)."""
+        ids, own = self.encode(text), self.encode_continuation(text)
+        return ids[:len(ids) - len(own)], own
+
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; `decode(encode(text)) == text` for every text `encode` accepts, except that word

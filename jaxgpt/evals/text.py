@@ -87,14 +87,12 @@ def text_ids(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
     that the first token is predicted too: after an initial end-of-text when the tokenizer has one, unless it
     starts each text itself (a BOS, Llama 3's <|begin_of_text|>), which the first token is then predicted from."""
     eot = [] if tokenizer.eot_token is None else [tokenizer.eot_token]
-    parts = []
-    for i, text in enumerate(texts):
-        ids = tokenizer.encode_array(text).astype(np.int64)
-        starts_itself = not i and len(ids) > len(tokenizer.encode_continuation(text))
-        if eot and not starts_itself:
-            parts.append(np.asarray(eot, np.int64))
-        parts.append(ids)
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if not texts:
+        return np.asarray(eot, np.int64)
+    prefix, own = tokenizer.encode_with_prefix(texts[0])
+    parts = [np.asarray([*([] if prefix else eot), *prefix, *own], np.int64)]
+    parts += [np.concatenate([eot, tokenizer.encode_array(text)]).astype(np.int64) for text in texts[1:]]
+    return np.concatenate(parts)
 
 
 def trainer_batches(tokens: np.ndarray, settings: dict[str, Any], block_size: int, split: str) -> Rows:

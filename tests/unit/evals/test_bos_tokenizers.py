@@ -37,3 +37,21 @@ def test_benchmark_endings_continue_their_context_without_a_bos():
     assert [tok.decode(context + ending) for context, ending in requests] == [
         "<|begin_of_text|>the answer is 42", "<|begin_of_text|>the answer hello"]
     assert all(tok.bos_token not in ending for _, ending in requests)
+
+
+def test_harness_rolling_windows_start_from_the_bos_not_end_of_text_then_bos():
+    """lm-evaluation-harness's perplexity tasks: the first window is conditioned on the BOS, which is not scored."""
+    pytest.importorskip("lm_eval")
+    from types import SimpleNamespace
+
+    from lm_eval.api.model import CacheHook
+
+    from jaxgpt.evals.harness import JaxGPTLM
+
+    tok = bos_tokenizer()
+    lm = JaxGPTLM.__new__(JaxGPTLM)
+    lm.tokenizer, lm.cfg, lm.cache_hook, pieces = tok, SimpleNamespace(block_size=64), CacheHook(None), []
+    lm._loglikelihood_tokens = lambda p, disable_tqdm=False: pieces.extend(p) or [(-1.0, True)] * len(p)
+    assert lm.loglikelihood_rolling([SimpleNamespace(args=(DOCS[0],))], disable_tqdm=True) == [-1.0]
+    [(_, context, scored)] = pieces
+    assert context == [tok.bos_token] and scored == tok.encode_continuation(DOCS[0])
