@@ -20,6 +20,7 @@ padded embedding) get unused placeholder tokens, since llama.cpp wants one token
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +45,7 @@ _TOP = {hf: gguf for gguf, hf in TOP_NAMES.items()}
 # GGUF architecture of each family jaxgpt writes, and the activation llama.cpp assumes for it (no key names one)
 ARCH_OF = {hf_llama.NAMES[kind.model_type]: name for name, kind in ARCHITECTURES.items()}
 ACTIVATION = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "gemma3": "gelu_tanh"}
+YARN_DEFAULTED = ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor")  # no GGUF key jaxgpt reads holds them
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
@@ -82,14 +84,20 @@ def _problem(cfg: ModelConfig, family: str) -> str | None:
         return f"sliding_window={cfg.sliding_window}: llama.cpp's {arch} has no sliding window"
     if cfg.rope_scaling == "llama3" and arch == "gemma3":
         return "llama3 rope scaling: GGUF's frequency table would scale Gemma 3's windowed layers too"
-    default_yarn = (cfg.rope_beta_fast, cfg.rope_beta_slow) == (32.0, 1.0) and cfg.rope_attention_factor in (
-        None, 0.1 * math.log(cfg.rope_factor or 1.0) + 1.0)
-    if cfg.rope_scaling == "yarn" and not default_yarn:
+    if cfg.rope_scaling == "yarn" and not _default_yarn(cfg):
         return "yarn with beta_fast, beta_slow or attention_factor of its own (jaxgpt's GGUF loader takes the defaults)"
     scale = (cfg.n_embd // cfg.n_head if cfg.n_layer == 62 else cfg.head_dim) ** -0.5
     if arch == "gemma3" and not math.isclose(cfg.query_scale or cfg.head_dim ** -0.5, scale, rel_tol=1e-9):
         return f"query_scale={cfg.query_scale}: GGUF stores none, and llama.cpp's gemma3 uses {scale:.6g}"
     return None
+
+
+def _default_yarn(cfg: ModelConfig) -> bool:
+    """Whether yarn's rotary is what its GGUF keys (factor, original context) give with every other setting at its
+    default, as `gguf:` reads it."""
+    as_read = cfg.replace(**{f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in YARN_DEFAULTED})
+    (freq, factor), (freq_read, factor_read) = (rope_frequencies(c, windowed=False) for c in (cfg, as_read))
+    return factor == factor_read and bool(np.array_equal(freq, freq_read))
 
 
 def check_exportable(cfg: ModelConfig, gguf_type: str) -> str:

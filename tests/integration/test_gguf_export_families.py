@@ -95,4 +95,5 @@ def test_what_gguf_cannot_hold_is_one_line(root, tmp_path):
     assert "activation" in user_error_line(save_gguf, params, cfg.replace(activation="gelu"), out)
     mistral = cfg.replace(rope_scaling=None, sliding_window=64)
     assert "Mistral" in user_error_line(save_gguf, params, mistral, out)
-    assert "yarn" in user_error_line(save_gguf, params, cfg.replace(rope_scaling="yarn", rope_beta_fast=16.0), out)
+    own_yarn = cfg.replace(rope_scaling="yarn", rope_attention_factor=1.5)  # (not the default 0.1 ln 8 + 1)
+    assert "yarn" in user_error_line(save_gguf, params, own_yarn, out)
