@@ -14,8 +14,9 @@ writes. Writing the tokenizer needs transformers. A classifier's head, which a l
 left out. `--push_to_hub` then uploads the directory to that Hub repository (creating it; needs a login: hf auth
 login). A LoRA run (config.lora) exports as a PEFT adapter (`jaxgpt.io.peft`: adapter_config.json +
 adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on its base), or with `--merge` as the full model
-with its adapters merged. `--format gguf` writes a Llama-family run (a LoRA run merged) as one llama.cpp GGUF file
-instead (`jaxgpt.io.gguf_export`), with a byte-level BPE tokenizer and chat template inside it."""
+with its adapters merged. `--format gguf` writes a Llama, Qwen2, Qwen3 or Gemma 3 run (a LoRA run
+merged) as one llama.cpp GGUF file instead (`jaxgpt.io.gguf_export`), with a byte-level BPE tokenizer and chat
+template inside it."""
 
 from __future__ import annotations
 

@@ -60,6 +60,9 @@ class ModelChat(Tokenizer):
     def encode_array(self, text: str) -> np.ndarray:
         return self.base.encode_array(text)
 
+    def encode_continuation(self, text: str) -> list[int]:
+        return self.base.encode_continuation(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.base.decode(ids)
 

@@ -26,6 +26,16 @@ class Tokenizer(ABC):
         """Token ids of `text` as Python ints (prompts, tests)."""
         return self.encode_array(text).tolist()
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of `text` where it continues other ids (an answer after its prompt, an ending after its
+        context): `encode` less what a tokenizer puts before a whole text (a BOS, `JsonTokenizer`)."""
+        return self.encode(text)
+
+    def encode_with_prefix(self, text: str) -> tuple[list[int], list[int]]:
+        """(the ids `encode` puts before `text` (a BOS) or [], the text's own ids `encode_continuation`)."""
+        ids, own = self.encode(text), self.encode_continuation(text)
+        return ids[:len(ids) - len(own)], own
+
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; `decode(encode(text)) == text` for every text `encode` accepts, except that word

@@ -10,7 +10,8 @@ other files add: so a run fine-tuned from the model, or a checkpoint, needs noth
 
 * The BOS rule: `encode` starts a text with `bos_token` when `add_bos` (tokenizer_config.json's `add_bos_token`,
   else whether the file's post-processor puts a token before the text), as `AutoTokenizer`'s `encode` does, except
-  that a text already starting with it (a chat template that writes `{{ bos_token }}`) does not get a second one.
+  that a text already starting with it (a chat template that writes `{{ bos_token }}`) does not get a second one,
+  and that a text continuing others (`encode_continuation`: an RL answer, an evaluation's ending) gets none.
   Nothing is appended: these causal models' post-processors add nothing after the text.
 * `eot_token` ends a sample (tokenizer_config.json's `eos_token`, else generation_config.json's first
   `eos_token_id`); `stop_ids` are all the ids generation_config.json and tokenizer_config.json end a sample at
@@ -78,6 +79,9 @@ class JsonTokenizer(Tokenizer):
         if self.add_bos and (not ids or ids[0] != self.bos_token):
             ids, starts = [self.bos_token, *ids], [0, *starts]
         return np.asarray(ids, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]

@@ -96,8 +96,10 @@ def read(path: str | Path) -> list[Example]:
 
 
 def hellaswag_requests(tokenizer: Tokenizer, examples: Sequence[Example]) -> list[tuple[list[int], list[int]]]:
-    """The (context, " " + ending) token pairs to score, example by example, ending by ending."""
-    return [(tokenizer.encode(ex.context), tokenizer.encode(" " + ending)) for ex in examples for ending in ex.endings]
+    """The (context, " " + ending) token pairs to score, example by example, ending by ending (the ending
+    continues the context: no BOS before it)."""
+    return [(tokenizer.encode(ex.context), tokenizer.encode_continuation(" " + ending)) for ex in examples
+            for ending in ex.endings]
 
 
 def hellaswag(scorer: Scorer, examples: Sequence[Example], requests: Sequence[tuple[list[int], list[int]]]
@@ -120,7 +122,7 @@ def lambada(scorer: Scorer, tokenizer: Tokenizer, records: Sequence[tuple[int, d
         if not isinstance(text, str) or " " not in text.strip():
             raise UserError(f"{path}:{n} is not a LAMBADA passage: it needs a text field of several words")
         context, word = text.strip().rsplit(" ", 1)
-        requests.append((tokenizer.encode(context), tokenizer.encode(" " + word)))
+        requests.append((tokenizer.encode(context), tokenizer.encode_continuation(" " + word)))
     scores = scorer.score(requests)
     mean_logprob = sum(s.logprob for s in scores) / len(scores)
     return Result("lambada", len(scores), sum(s.greedy for s in scores) / len(scores),

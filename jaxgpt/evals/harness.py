@@ -95,11 +95,12 @@ class JaxGPTLM(TemplateLM):
         return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """Each text's summed log-likelihood over disjoint windows of the context, the first conditioned on
-        end-of-text (the harness's own windowing)."""
+        """Each text's summed log-likelihood over disjoint windows of the context, the first conditioned on the
+        BOS a tokenizer puts before a text, else on end-of-text (the harness's own windowing)."""
         pieces, owner = [], []
         for i, req in enumerate(requests):
-            windows = get_rolling_token_windows(token_list=self.tok_encode(req.args[0]), prefix_token=self.eot_token_id,
+            prefix, ids = self.tokenizer.encode_with_prefix(req.args[0])
+            windows = get_rolling_token_windows(token_list=ids, prefix_token=(prefix or [self.eot_token_id])[0],
                                                 max_seq_len=self.max_length, context_len=1)
             for pair in map(make_disjoint_window, windows):
                 pieces.append((None, *pair))

@@ -4,7 +4,8 @@ Two ways to cover data (the command line is `jaxgpt eval`):
 
 * `windows(ids, block_size)`: the whole token stream, in non-overlapping windows of `block_size`
   predictions; the last window is partial and padded, its padding masked out. Every token but the first
-  is predicted once (a BPE text is preceded by end-of-text, so its first token is predicted too).
+  is predicted once (a BPE text is preceded by end-of-text, or a BOS tokenizer's own BOS, so its first token
+  is predicted too).
   Windows do not overlap, so a token early in a window sees little context: that is the usual
   trade-off of a one-pass evaluation (a sliding window would cost `block_size` times more).
 * `trainer_batches(...)`: exactly the fixed evaluation batches the trainer logs as `val_loss` /
@@ -82,14 +83,15 @@ def windows(ids: np.ndarray, block_size: int) -> Rows:
 
 
 def text_ids(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
-    """The token stream of several documents as `jaxgpt data` joins them (end-of-text between documents),
-    after an initial end-of-text when the tokenizer has one, so that the first token is predicted too."""
+    """The token stream of several documents as `jaxgpt data` joins them (end-of-text between documents), so
+    that the first token is predicted too: after an initial end-of-text when the tokenizer has one, unless it
+    starts each text itself (a BOS, Llama 3's <|begin_of_text|>), which the first token is then predicted from."""
     eot = [] if tokenizer.eot_token is None else [tokenizer.eot_token]
-    parts = [np.asarray(eot, np.int64)]
-    for i, text in enumerate(texts):
-        if i and eot:
-            parts.append(np.asarray(eot, np.int64))
-        parts.append(tokenizer.encode_array(text).astype(np.int64))
+    if not texts:
+        return np.asarray(eot, np.int64)
+    prefix, own = tokenizer.encode_with_prefix(texts[0])
+    parts = [np.asarray([*([] if prefix else eot), *prefix, *own], np.int64)]
+    parts += [np.concatenate([eot, tokenizer.encode_array(text)]).astype(np.int64) for text in texts[1:]]
     return np.concatenate(parts)
 
 

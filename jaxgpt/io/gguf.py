@@ -7,8 +7,9 @@ quantized integers with a scale per block (Q8_0, Q4_0, Q4_1, the K-quants). The 
 what a Hugging Face directory holds and hands it to the families of `jaxgpt.io.hf`, so a GGUF model is exactly
 its transformers counterpart (one home for each family's config mapping and tensor layout):
 
-* the metadata becomes a config.json dict (`hf_config`): sizes, rotary base and scaling, norm epsilon, a head
-  tied to the embedding when the file has no `output` tensor;
+* the metadata becomes a config.json dict (`hf_config`): sizes, rotary base and scaling (llama3's from its
+  `rope_freqs` table, `_llama3_scaling`), norm epsilon, a head tied to the embedding when the file has no `output`
+  tensor;
 * each tensor gets its transformers name (`hf_name`) and is dequantized, one at a time, to float32 by the `gguf`
   package, then cast to the parameter dtype: never a second copy of the model. GGUF lists a shape fastest axis
   first, the reverse of numpy's, so a tensor read by `gguf` already has torch's (out, in) layout;
@@ -73,6 +74,7 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rotary scaling: a table each frequency is divided by
 # Gemma 3's norms: attn_norm and ffn_norm before each sub-layer, post_attention_norm and post_ffw_norm after it
 GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"}
@@ -210,12 +212,37 @@ def architecture(file: GGUFFile) -> tuple[str, Architecture]:
     return name, ARCHITECTURES[name]
 
 
-def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
-    """transformers' rope_scaling of the file's rotary scaling keys (None: unscaled)."""
+def _llama3_scaling(file: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
+    """transformers' llama3 rope_scaling of the file's `rope_freqs` table (each frequency divided by its entry: 1
+    for short wavelengths, the factor for long ones, a blend between whose share is linear in 1 / wavelength).
+    The table fixes the factor and that line, not the three numbers that draw it (original_positions and the
+    low and high frequency factors scaled together give the same frequencies): low_freq_factor is taken as 1."""
+    table = file.dequantize(ROPE_FREQS).astype(np.float64)
+    half = head_dim // 2
+    inverse_wavelength = theta ** (-np.arange(half) / half) / (2 * np.pi)
+    factor = float(table.max())
+    share = (1 / table - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.ones(half)
+    between = (share > 1e-4) & (share < 1 - 1e-4)
+    if table.shape != (half,) or factor <= 1 or between.sum() < 2:
+        raise UserError(f"{file.path}: its rope_freqs table is not llama3 scaling with at least two blended "
+                        "frequencies, which is what jaxgpt reads from GGUF: load the model from a Hugging Face "
+                        "directory (hf:)")
+    slope, intercept = np.polyfit(inverse_wavelength[between], share[between], 1)
+    high = 1 - 1 / intercept  # share = original / (wavelength (high - 1)) - 1 / (high - 1)
+    original = round(slope * (high - 1))
+    fitted = np.clip(original * inverse_wavelength - 1, 0, high - 1) / (high - 1)
+    if np.abs(1 / ((1 - fitted) / factor + fitted) - table).max() > 1e-5 * factor:
+        raise UserError(f"{file.path}: its rope_freqs table is no llama3 scaling jaxgpt computes: load the model "
+                        "from a Hugging Face directory (hf:)")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high),
+            "original_max_position_embeddings": original}
+
+
+def _rope_scaling(file: GGUFFile, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """transformers' rope_scaling of the file's rotary scaling keys or llama3 table (None: unscaled)."""
     kind = str(file.get(f"{arch}.rope.scaling.type", "none"))
-    if "rope_freqs.weight" in file.tensors:
-        raise UserError(f"{file.path} scales its rotary with a frequency table (rope_freqs, Llama 3.1's llama3 "
-                        "scaling): jaxgpt reads that scaling from a Hugging Face directory (hf:), not from GGUF")
+    if ROPE_FREQS in file.tensors:
+        return _llama3_scaling(file, theta, head_dim)
     if kind == "none":
         return None
     factor = file.get(f"{arch}.rope.scaling.factor")
@@ -225,7 +252,7 @@ def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
         return {"rope_type": "yarn", "factor": factor,
                 "original_max_position_embeddings": file.get(f"{arch}.rope.scaling.original_context_length")}
     raise UserError(f"{file.path}: rotary scaling {kind!r} ({arch}.rope.scaling.type) has no jaxgpt equivalent "
-                    "(supported: none, linear, yarn)")
+                    "(supported: none, linear, yarn, llama3's rope_freqs table)")
 
 
 def hf_config(file: GGUFFile) -> dict[str, Any]:
@@ -250,7 +277,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         "rope_theta": float(file.get(f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
-    scaling = _rope_scaling(file, arch)
+    scaling = _rope_scaling(file, arch, hf["rope_theta"], head_dim)
     if scaling is not None:
         hf["rope_scaling"] = scaling
     return hf if kind.extra_config is None else {**hf, **kind.extra_config(file, arch, hf)}
@@ -284,7 +311,7 @@ def _tensor_reader(file: GGUFFile, kind: Architecture, cfg: ModelConfig, wanted:
                    ) -> TensorReader:
     """The file's tensors under transformers' names, read (dequantized, un-permuted) one at a time; every name,
     shape and type checked first, so a bad file fails before anything is loaded."""
-    ours = {hf_name(name, kind): name for name in file.tensors}
+    ours = {hf_name(name, kind): name for name in file.tensors if name != ROPE_FREQS}  # (read into the config)
     unknown = sorted(name for hf, name in ours.items() if hf not in wanted)
     if unknown:
         raise UserError(f"{file.path} holds tensor {unknown[0]} (and {len(unknown) - 1} more), which jaxgpt's "

@@ -3,7 +3,8 @@
 A `save_pretrained` directory holds `config.json` plus `model.safetensors` (or the older `pytorch_model.bin`,
 possibly sharded with an `*.index.json`). Its `model_type` names the family, a `Family` here: GPT-2
 (`GPT2LMHeadModel`, below), NanoChat (`NanoChatForCausalLM`, `jaxgpt.io.hf_nanochat`), or Llama, Mistral, Qwen2,
-Qwen3 and Gemma 3 text (`jaxgpt.io.hf_llama`). Each is a config mapping both ways, the list of configs it cannot
+Qwen3 and Gemma 3 (`jaxgpt.io.hf_llama`; Gemma 3's image-text checkpoints load their language model,
+`text_model_config`). Each is a config mapping both ways, the list of configs it cannot
 hold, and a list of `hf_tensors.TensorSpec`s; the one loader (`load_hf`) and exporter (`save_hf`) serve all, and a
 jaxgpt config is exported as the first family that can hold it (GPT-2 needs LayerNorm, NanoChat parameter-free
 RMSNorms, the Llama-like ones a learned scale and a gated feed-forward; among those, each adds what Llama lacks).
@@ -38,6 +39,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import hf_llama, hf_nanochat
 from jaxgpt.io.hf_tensors import (
     CONFIG_FILE,
+    TensorReader,
     TensorSpec,
     config_int,
     hf_tensors_to_params,
@@ -70,8 +72,45 @@ class Family:
 # Configs
 
 
+# Image-text models whose language model is a family here: model_type -> (that model's class, its config's defaults)
+MULTIMODAL = {"gemma3": (hf_llama.GEMMA3.architecture, hf_llama.GEMMA3_TEXT_DEFAULTS)}
+# where their checkpoints keep the language model's tensors: the Hub's files (and transformers 5's saves), 4.5x's
+TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.":
+                 "lm_head."}
+
+
+def text_model_config(hf: Mapping[str, Any], where: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config.json of a multimodal checkpoint's language model (`MULTIMODAL`; Gemma 3's 4B-27B): its
+    text_config over the defaults its class fills in (the Hub's files list only what differs), as the family's
+    *ForCausalLM, its head tied as the whole model's config says (else as text_config says), its logits uncapped
+    as the image-text class computes them."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(f"{where}: a multimodal {hf['model_type']!r} config.json without a text_config: it names no "
+                        "language model to load")
+    architecture, defaults = MULTIMODAL[hf["model_type"]]
+    # (Gemma3ForConditionalGeneration soft-caps no logits, whatever its text_config says: the Hub's say null)
+    out = {**defaults, **text, "architectures": [architecture], "model_type": hf_llama.GEMMA3.model_type,
+           "final_logit_softcapping": None}
+    if hf.get("tie_word_embeddings") is not None:  # (transformers ties the image-text model's head by this one)
+        out["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return out
+
+
+def language_model_tensors(tensors: TensorReader) -> TensorReader:
+    """A checkpoint's tensors with a multimodal model's language-model names (`TEXT_PREFIXES`) made its
+    *ForCausalLM's; the image tower's are left as they are (no spec reads them)."""
+    renamed = {}
+    for name in tensors:
+        prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+        renamed[name if prefix is None else TEXT_PREFIXES[prefix] + name.removeprefix(prefix)] = name
+    return TensorReader({new: tensors.file_of[old] for new, old in renamed.items()},
+                        lambda file, new: tensors.get(renamed[new]))
+
+
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """config.json of a HF checkpoint directory, checked to describe a model family jaxgpt converts."""
+    """config.json of a HF checkpoint directory, checked to describe a model family jaxgpt converts (a multimodal
+    one's language model: `text_model_config`)."""
     root = Path(path)
     if not root.exists():
         raise UserError(f"{root} does not exist: pass a Hugging Face checkpoint directory (GPT-2 or NanoChat)")
@@ -87,6 +126,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise UserError(f"cannot read {config_path}: {e}") from None
     if not isinstance(hf, dict):
         raise UserError(f"{config_path} is not a JSON object")
+    if hf.get("model_type") in MULTIMODAL:
+        hf = text_model_config(hf, config_path)
     hf_family(hf, config_path)
     return hf
 
@@ -268,8 +309,8 @@ def load_hf(path: str | os.PathLike[str], **overrides: Any) -> tuple[dict, Model
     block_size = overrides.pop("block_size", None)
     cfg = hf_config_to_model_config(hf, where=str(root / CONFIG_FILE), **overrides)
     family = hf_family(hf, root / CONFIG_FILE)
-    params = hf_tensors_to_params(open_hf_tensors(root), family.tensor_specs(cfg), cfg.param_dtype, where=str(root),
-                                  base_prefix=family.base_prefix)
+    params = hf_tensors_to_params(language_model_tensors(open_hf_tensors(root)), family.tensor_specs(cfg),
+                                  cfg.param_dtype, where=str(root), base_prefix=family.base_prefix)
     if not cfg.tie_embeddings and cfg.use_bias:  # HF's separate heads have no bias; jaxgpt's: zero computes the same
         params["lm_head"]["bias"] = np.zeros(cfg.vocab_size, params["lm_head"]["kernel"].dtype)
     if block_size is not None and block_size != cfg.block_size:

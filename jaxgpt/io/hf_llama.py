@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxgpt.errors import UserError
-from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number
+from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number, qkv_places
 from jaxgpt.model.config import ModelConfig
 
 # transformers' activation names (hidden_act, Gemma's hidden_activation) -> ours; the MLP is always gated.
@@ -64,6 +64,10 @@ MISTRAL = Traits("mistral", "MistralForCausalLM", 10000.0, "all")
 QWEN2 = Traits("qwen2", "Qwen2ForCausalLM", 10000.0, "switch", qkv_bias=True)
 QWEN3 = Traits("qwen3", "Qwen3ForCausalLM", 10000.0, "switch", qk_norm=True)
 GEMMA3 = Traits("gemma3_text", "Gemma3ForCausalLM", 1_000_000.0, "pattern", qk_norm=True, gemma=True, tie=True)
+# Gemma3TextConfig's defaults of what the Hub's multimodal gemma3 config.json files leave out of their text_config
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096}
 GEMMA_LOCAL_THETA = 10000.0  # Gemma 3's sliding layers' base when config.json gives none
 GEMMA_PATTERN = 6  # sliding_window_pattern's default: every 6th layer global
 
@@ -283,7 +287,8 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     return rope
 
 
-def _layer_types(cfg: ModelConfig) -> list[str]:
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """transformers' kind of each layer: windowed (sliding_attention) or not (full_attention)."""
     return [SLIDING if cfg.sliding_window is not None and (cfg.window_pattern is None or (i + 1) % cfg.window_pattern)
             else FULL for i in range(cfg.n_layer)]
 
@@ -318,7 +323,7 @@ def hf_config(traits: Traits) -> Callable[[ModelConfig, int | None], dict[str, A
         if traits.gemma:
             local = {"rope_type": "default", "rope_theta": float(cfg.rope_local_theta or cfg.rope_theta)}
             out.update(rope_parameters={FULL: rope, SLIDING: local}, rope_local_base_freq=local["rope_theta"],
-                       layer_types=_layer_types(cfg), sliding_window=cfg.sliding_window or cfg.block_size,
+                       layer_types=layer_types(cfg), sliding_window=cfg.sliding_window or cfg.block_size,
                        query_pre_attn_scalar=cfg.head_dim if cfg.query_scale is None else round(cfg.query_scale ** -2),
                        attn_logit_softcapping=None, final_logit_softcapping=cfg.logit_softcap)
             if cfg.window_pattern is not None:
@@ -335,21 +340,16 @@ def hf_config(traits: Traits) -> Callable[[ModelConfig, int | None], dict[str, A
 
 
 def _attention_specs(prefix: str, layer: str, cfg: ModelConfig, bias: bool) -> list[TensorSpec]:
-    """q_proj, k_proj, v_proj (and their biases): slots of the fused `qkv` (K == H heads), or `q` and `kv`'s slots."""
-    H, K, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
-    if K == H:
-        places = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2)}
-    else:
-        places = {"q": ("q", None), "k": ("kv", 0), "v": ("kv", 1)}
-    heads = {"q": H, "k": K, "v": K}
+    """q_proj, k_proj, v_proj (and their biases) at their `qkv_places`."""
+    D, C = cfg.head_dim, cfg.n_embd
     specs = []
-    for name, (kernel, part) in places.items():
+    for name, (kernel, part, heads) in qkv_places(cfg).items():
         hf = f"{prefix}self_attn.{name}_proj."
-        specs.append(TensorSpec(hf + "weight", (layer, "attn", kernel, "kernel"), (heads[name] * D, C),
-                                (C, heads[name], D), transpose=True, part=part))
+        specs.append(TensorSpec(hf + "weight", (layer, "attn", kernel, "kernel"), (heads * D, C),
+                                (C, heads, D), transpose=True, part=part))
         if bias:
-            specs.append(TensorSpec(hf + "bias", (layer, "attn", kernel, "bias"), (heads[name] * D,),
-                                    (heads[name], D), part=part))
+            specs.append(TensorSpec(hf + "bias", (layer, "attn", kernel, "bias"), (heads * D,),
+                                    (heads, D), part=part))
     return specs
 
 

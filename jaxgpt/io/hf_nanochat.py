@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxgpt.errors import UserError
-from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number
+from jaxgpt.io.hf_tensors import TensorSpec, config_int, config_number, qkv_places
 from jaxgpt.model.config import OPEN_WEIGHT_KNOBS, ModelConfig
 
 MODEL_TYPE = "nanochat"
@@ -119,17 +119,12 @@ def hf_config(cfg: ModelConfig, eot_token: int | None) -> dict[str, Any]:
 
 
 def _attention_specs(prefix: str, layer: str, cfg: ModelConfig) -> list[TensorSpec]:
-    """q_proj, k_proj, v_proj: the slots of the fused `qkv` kernel (K == H heads), or `q` and the slots of `kv`
-    (grouped-query attention); queries and keys with their second halves negated (the rotary's direction)."""
-    H, K, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
-    if K == H:
-        places = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2)}
-    else:
-        places = {"q": ("q", None), "k": ("kv", 0), "v": ("kv", 1)}
-    heads = {"q": H, "k": K, "v": K}
+    """q_proj, k_proj, v_proj at their `qkv_places`; queries and keys with their second halves negated (the
+    rotary's direction)."""
+    D, C = cfg.head_dim, cfg.n_embd
     return [TensorSpec(f"{prefix}self_attn.{name}_proj.weight", (layer, "attn", kernel, "kernel"),
-                       (heads[name] * D, C), (C, heads[name], D), transpose=True, part=part, flip_half=name != "v")
-            for name, (kernel, part) in places.items()]
+                       (heads * D, C), (C, heads, D), transpose=True, part=part, flip_half=name != "v")
+            for name, (kernel, part, heads) in qkv_places(cfg).items()]
 
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:

@@ -15,12 +15,13 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.errors import UserError, optional_import
+from jaxgpt.model.config import ModelConfig
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -67,6 +68,24 @@ class TensorSpec:
     def to_hf(self, array: np.ndarray) -> np.ndarray:
         array = _flip_half(array) if self.flip_half else array
         return array.reshape(self.hf_shape[::-1]).T if self.transpose else array.reshape(self.hf_shape)
+
+
+class QKVPlace(NamedTuple):
+    """Where one of q, k, v sits in a GPT block's attention parameters."""
+
+    kernel: str  # the module under `attn`: "qkv", "q" or "kv"
+    slot: int | None  # its slot of the fused kernel's slot axis, None for the whole of `q`
+    heads: int  # its number of heads: H for q, K for k and v
+
+
+def qkv_places(cfg: ModelConfig) -> dict[str, QKVPlace]:
+    """q, k and v in a GPT block's self-attention (`model.attention.Attention`): slots 0-2 of the fused
+    (C, 3, H, D) `qkv` when every query head has its own key/value head (K == H), else the (C, H, D) `q` and
+    slots 0-1 of the (C, 2, K, D) `kv` (grouped-query attention)."""
+    H, K = cfg.n_head, cfg.n_kv_head
+    if K == H:
+        return {"q": QKVPlace("qkv", 0, H), "k": QKVPlace("qkv", 1, H), "v": QKVPlace("qkv", 2, H)}
+    return {"q": QKVPlace("q", None, H), "k": QKVPlace("kv", 0, K), "v": QKVPlace("kv", 1, K)}
 
 
 def _flip_half(array: np.ndarray) -> np.ndarray:

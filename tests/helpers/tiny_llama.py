@@ -19,18 +19,26 @@ TEXTS = ["What is 2 + 3? It is 5.", "Spell 'abc' backwards: cba.", "the quick br
 PADDED = 24  # ids past the tokenizer's that the model has and no text is
 
 
-def save_tiny_llama(root: Path, **config: object) -> tuple[object, object]:
-    """(transformers model, its tokenizer) saved to `root`; `config` overrides LlamaConfig's tiny sizes."""
+def byte_level_bpe(texts: list[str], specials: list[str], vocab_size: int) -> object:
+    """A `tokenizers.Tokenizer`: byte-level BPE (as Llama 3's, Qwen's and SmolLM2's) trained on `texts`, with
+    `specials` first (ids 0, 1, ...)."""
     import tokenizers
-    import torch
-    import transformers
 
     backend = tokenizers.Tokenizer(tokenizers.models.BPE())
     backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=360, special_tokens=SPECIALS,
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(TEXTS * 4, trainer)
+    backend.train_from_iterator(texts, trainer)
+    return backend
+
+
+def save_tiny_llama(root: Path, **config: object) -> tuple[object, object]:
+    """(transformers model, its tokenizer) saved to `root`; `config` overrides LlamaConfig's tiny sizes."""
+    import torch
+    import transformers
+
+    backend = byte_level_bpe(TEXTS * 4, SPECIALS, 360)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
                                                      eos_token="<|im_end|>", chat_template=TEMPLATE,
                                                      clean_up_tokenization_spaces=False)

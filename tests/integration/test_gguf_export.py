@@ -1,6 +1,7 @@
 """`jaxgpt hf export --format gguf`: a tiny Llama run (weights, byte-level BPE tokenizer, chat template) written as
 GGUF and read back by `gguf:` (F32 exact, F16 and Q8_0 within their rounding) and by transformers' GGUF loader
-(logits within 1e-4 for F32), with llama.cpp's q/k order in the file; and the one-line refusals."""
+(logits within 1e-4 for F32), with llama.cpp's q/k order in the file; and the one-line refusals. (The other
+families: test_gguf_export_families.py.)"""
 
 from __future__ import annotations
 
@@ -101,8 +102,8 @@ def test_refusals_are_one_line(run, tmp_path):
                                               "latest", False, "Q4_0")
     assert ".gguf file" in user_error_line(hf_command.export_gguf, str(workdir), str(tmp_path / "m.bin"), "latest",
                                           False, "F32")
-    qwen, cfg = tmp_path / "qwen", loaded.model.replace(qkv_bias=True)  # (Qwen2's q/k/v biases)
-    save_run(qwen, cfg, init_params(cfg, jax.random.key(0)), loaded.tokenizer_meta)
-    message = user_error_line(hf_command.export_gguf, str(qwen), str(tmp_path / "q.gguf"), "latest", False, "F32")
-    assert "Qwen2" in message and "Llama-family" in message
+    mistral, cfg = tmp_path / "mistral", loaded.model.replace(sliding_window=8)  # (a window on every layer)
+    save_run(mistral, cfg, init_params(cfg, jax.random.key(0)), loaded.tokenizer_meta)
+    message = user_error_line(hf_command.export_gguf, str(mistral), str(tmp_path / "m.gguf"), "latest", False, "F32")
+    assert "Mistral" in message and "sliding window" in message and "--format hf" in message
 

@@ -205,6 +205,34 @@ def test_gemma_attention_softcap_is_refused(root):
                                                       {**config, "attn_logit_softcapping": 50.0})
 
 
+def test_multimodal_gemma3_directory_loads_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (the Hub's Gemma 3 4B-27B): its text_config and language_model.*
+    tensors load as Gemma 3 text, with the image-text model's logits on text (which it does not soft-cap, though its
+    text_config here names a cap); a Hub-style text_config that lists only what differs from Gemma3TextConfig's
+    defaults reads the same."""
+    text = {**SIZES, **FAMILIES["gemma3_text"][2], "num_hidden_layers": 2, "tie_word_embeddings": False}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=95, boi_token_index=93, eoi_token_index=94,
+                                       tie_word_embeddings=False)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    _redraw(model)
+    model.save_pretrained(tmp_path / "gemma3")
+    params, cfg = hf.load_hf(tmp_path / "gemma3")
+    assert (cfg.n_layer, cfg.sliding_window, cfg.window_pattern, cfg.tie_embeddings) == (2, 48, 2, False)
+    assert text["final_logit_softcapping"] == 15.0 and cfg.logit_softcap is None
+    idx = np.random.default_rng(0).integers(0, 90, size=(1, 100))  # (no image tokens)
+    np.testing.assert_allclose(jax_logits(params, cfg, idx), hf_logits(model, idx), rtol=0, atol=TOL)
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    assert hf.MULTIMODAL["gemma3"][1] == {k: defaults[k] for k in hf.MULTIMODAL["gemma3"][1]}
+    hub = _config(tmp_path / "gemma3")
+    hub["text_config"] = {k: v for k, v in hub["text_config"].items() if k in ("hidden_size", "num_hidden_layers")}
+    sparse = hf.text_model_config(hub, "config.json")
+    assert hf.hf_config_to_model_config(sparse).n_embd == 32 and sparse["vocab_size"] == defaults["vocab_size"]
+
+
 def test_transformers_4_keys_read_as_rope_parameters(root):
     _, path = _checkpoint("gemma3_text", root)
     config = _config(path)

@@ -1,6 +1,7 @@
 """A model with its own tokenizer and chat template (a tiny random Llama directory made by transformers, its
-vocabulary padded past the tokenizer's) through the commands: chat SFT from it saves and resumes and
-`sample --chat` answers from the run with the model's template; `jaxgpt serve` answers a chat completion with
+vocabulary padded past the tokenizer's) through the commands: chat SFT from it saves and resumes,
+`sample --chat` answers from the run with the model's template and `jaxgpt hf export` of the run is a directory
+transformers loads with the same logits, tokenizer and template; `jaxgpt serve` answers a chat completion with
 transformers' greedy answer and never samples a padded (phantom) id; `jaxgpt data --tokenizer_from` prepares text
 in its tokenizer for continued pretraining from it; `jaxgpt eval` of it gives transformers' loss."""
 
@@ -55,6 +56,34 @@ def test_chat_sft_from_the_model_saves_resumes_and_chats_in_its_template(llama, 
     chat = run([sys.executable, "sample.py", "--workdir", str(workdir), "--chat", "--temperature", "0",
                 "--max_new_tokens", "8"], input="What is 2 + 3?\n", check=True)
     assert chat.stdout.strip()
+    _export_round_trips(workdir, tmp_path / "export", llama[2])
+
+
+def _export_round_trips(workdir, out, original) -> None:
+    """`jaxgpt hf export` of a run trained in the model's own template: transformers loads the directory, its
+    tokenizer renders conversations as the original's does (template and special tokens written), and its logits
+    are jaxgpt's of the run."""
+    import numpy as np
+    import transformers
+
+    from jaxgpt.io import weights
+    from jaxgpt.model.gpt import GPT
+
+    run([sys.executable, "-m", "jaxgpt", "hf", "export", "--workdir", str(workdir), "--out", str(out)], check=True)
+    assert (out / "chat_template.jinja").read_text() == TEMPLATE
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    conversation = [*QUESTION, {"role": "assistant", "content": "It is 5."}]
+    render = lambda tok, **kw: tok.apply_chat_template(conversation, tokenize=True, return_dict=True, **kw)
+    assert render(tokenizer)["input_ids"] == render(original)["input_ids"]
+    assert (tokenizer.bos_token, tokenizer.eos_token) == (original.bos_token, original.eos_token)
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [2, 0]
+    ids = render(tokenizer)["input_ids"]
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out)(torch.as_tensor([ids])).logits.numpy()
+    loaded = weights.load(f"workdir:{workdir}")
+    ours = np.asarray(GPT(loaded.model).apply({"params": loaded.params}, np.asarray([ids], np.int32)))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
 
 
 def test_serve_answers_with_transformers_greedy_reply_and_no_phantom_id(llama):

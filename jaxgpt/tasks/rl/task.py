@@ -240,7 +240,7 @@ class RL:
             if p.answer is None:
                 continue
             try:
-                tokens = self.tokenizer.encode(p.answer)
+                tokens = self.tokenizer.encode_continuation(p.answer)  # after its prompt: no BOS
             except UserError:  # characters the vocabulary lacks: no likelihood to score
                 continue
             answered.append((ids, p))

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.bos_tokenizer import bos_chat
 from reference.numpy_reference_rl import grpo_loss_and_grad
 
+from jaxgpt.data.model_chat import chat_prompt_ids
 from jaxgpt.errors import UserError
 from jaxgpt.tasks.rl.loss import group_advantages, policy_loss, token_logprobs
-from jaxgpt.tasks.rl.prompts import load_prompts, split_prompts
+from jaxgpt.tasks.rl.prompts import Prompt, load_prompts, split_prompts
 from jaxgpt.tasks.rl.rewards import RewardError, parse_rewards, total_reward
+from jaxgpt.tasks.rl.task import RL
 from jaxgpt.train.config import RLConfig
 
 
@@ -117,3 +121,18 @@ def test_held_out_prompts_are_those_sft_holds_out() -> None:
     train, held = split_prompts(prompts, c.val_fraction)
     _, sft_held = split_held_out(builtin_conversations(3, 400, c.datasets.split(",")), c.val_fraction)
     assert [p.messages for p in held] == [conv[:-1] for conv in sft_held] and len(train) + len(held) == 400
+
+
+def test_answer_rows_of_a_bos_tokenizer_continue_the_prompt_without_a_bos() -> None:
+    """A Llama-3-style tokenizer puts <|begin_of_text|> before a whole text: the prompt starts with it once, and the
+    reference answer after the prompt is its text and the end token, with no BOS in between."""
+    pytest.importorskip("tokenizers")
+    chat = bos_chat()
+    prompt = Prompt([{"role": "user", "content": "What is 2 + 3?"}], "5", "arithmetic", "test")
+    ids = chat_prompt_ids(chat, prompt.messages)
+    assert ids[0] == chat.base.bos_token and ids.count(chat.base.bos_token) == 1
+    task = SimpleNamespace(held=SimpleNamespace(ids=[ids], prompts=[prompt]), tokenizer=chat, end_id=chat.end_id,
+                           model_cfg=SimpleNamespace(block_size=64))
+    rows, kinds = RL._answer_rows(task)
+    assert rows["x"][0, :len(ids)].tolist() == ids and kinds.tolist() == ["arithmetic"]
+    assert chat.decode(rows["y"][0][rows["mask"][0] > 0]) == "5<|eot_id|>"
