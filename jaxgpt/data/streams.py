@@ -21,3 +21,4 @@ ROLLOUT_STREAM = 7  # RL's training rollouts: the sampling seed of each completi
 RL_EVAL_STREAM = 8  # RL's evaluation samples (pass@k)
 PREFERENCE_STREAM = 9  # the built-in preference pairs' rejected answers (`jaxgpt.data.preferences`)
 REJECTED_STREAM = 10  # task dpo's rejected replies sampled from the starting model (`tasks.dpo.rejected`)
+LORA_DROPOUT_STREAM = 11  # LoRA dropout's masks: the step key folded with it, apart from the model's own dropout

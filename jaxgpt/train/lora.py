@@ -23,13 +23,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from jaxgpt.data.streams import LORA_DROPOUT_STREAM
 from jaxgpt.errors import UserError
 from jaxgpt.io.peft import read_peft
 from jaxgpt.model import lora, quant
 from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.task import Task
-
-DROPOUT_STREAM = 0x10DA  # LoRA dropout's keys: the step key folded with this, apart from the model's own dropout
 
 
 class Adapted:
@@ -82,7 +81,7 @@ class Adapted:
 
     def loss(self, adapters: Any, batch: dict[str, jax.Array], key: jax.Array, base: Any) -> tuple[jax.Array, dict]:
         params = lora.overlay(jax.lax.stop_gradient(base), adapters, self.scale, self.cfg.lora.dropout,
-                              jax.random.fold_in(key, DROPOUT_STREAM))
+                              jax.random.fold_in(key, LORA_DROPOUT_STREAM))
         return self.inner.loss(params, batch, key)
 
     def evaluate(self, adapters: Any, batch: dict[str, jax.Array], base: Any) -> Any:
