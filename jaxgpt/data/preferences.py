@@ -1,12 +1,13 @@
 """Preference pairs for task dpo: TRL's format, a built-in set made from the built-in conversations, and rows.
 
 A pair is a prompt with a chosen and a rejected reply. Files are `.jsonl`, one object per line in TRL's preference
-format, `{"prompt": ..., "chosen": ..., "rejected": ...}`, either as text (the prompt a user turn, each reply an
+format, `{"prompt": ..., "chosen": ..., "rejected": ...}` (or a Hub dataset of those columns,
+`hf:NAME[:SUBSET[:SPLIT]]`, read with `datasets`: `hub_pairs`), either as text (the prompt a user turn, each reply an
 assistant turn) or as conversations: the prompt a list of messages (an optional system message, user and assistant
 turns alternating, ending with the user's) and each reply a list of one assistant message. Both are rendered in the
 run's chat format (`encode_conversation`, what SFT trains on and `jaxgpt serve` renders), the prompt followed by
 `<|assistant|>`, each reply by its end token. A bad line is one UserError FILE:LINE: not JSON, a missing, empty or
-malformed prompt or reply, or a chosen reply equal to the rejected one.
+malformed prompt or reply, or a chosen reply equal to the rejected one (a Hub dataset's: SPEC row N).
 
 Only the replies' tokens carry the loss. A pair longer than the context (`model.block_size` + 1 ids) is cut as TRL
 cuts it, the prompt first: to `max_prompt_length` tokens (its last with truncation_mode "keep_end", its first with
@@ -27,7 +28,7 @@ SFT run on the same settings held out the same prompts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -41,6 +42,7 @@ from jaxgpt.data.conversations import (
     jsonl_objects,
     split_held_out,
 )
+from jaxgpt.data.hub import hub_rows
 from jaxgpt.data.streams import PREFERENCE_STREAM
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError
@@ -54,8 +56,9 @@ REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig(Conversations):
     """Task "dpo": preference tuning on pairs of a chosen and a rejected reply (jaxgpt/tasks/dpo/), from init_from;
-    data is "builtin" (pairs made from the built-in conversations of `datasets`) or a .jsonl file in TRL's format,
-    {"prompt", "chosen", "rejected"} per line; batch_size counts pairs."""
+    data is "builtin" (pairs made from the built-in conversations of `datasets`), a .jsonl file in TRL's format,
+    {"prompt", "chosen", "rejected"} per line, or a Hub dataset of those columns, "hf:NAME[:SUBSET[:SPLIT]]";
+    batch_size counts pairs."""
 
     group: ClassVar[str] = "dpo"
     loss_type: str = "sigmoid"  # "sigmoid" (DPO), "ipo", "hinge", or the reference-free "simpo" and "orpo"
@@ -146,17 +149,31 @@ def pair_error(obj: object) -> tuple[Pair | None, str | None]:
     return Pair(messages, replies[0], replies[1], "pairs", ""), None
 
 
-def load_pairs(path: str) -> list[Pair]:
-    """The pairs of a .jsonl file in TRL's preference format; the first bad line is a UserError FILE:LINE."""
+def checked_pairs(objects: Iterable[tuple[str, object]], where: str) -> list[Pair]:
+    """The pairs of (origin, parsed object) items, each with its origin; the first bad one is a UserError naming its
+    origin (FILE:LINE, or a Hub dataset's row), none at all one naming `where`."""
     pairs = []
-    for n, obj in jsonl_objects(path):
+    for origin, obj in objects:
         pair, error = pair_error(obj)
         if error is not None:
-            raise UserError(f"{path}:{n}: {error}")
-        pairs.append(dataclasses.replace(pair, origin=f"{path}:{n}"))
+            raise UserError(f"{origin}: {error}")
+        pairs.append(dataclasses.replace(pair, origin=origin))
     if not pairs:
-        raise UserError(f"{path} holds no pairs: give one JSON object per line, {FORMAT}")
+        raise UserError(f"{where} holds no pairs: give one JSON object per line, {FORMAT}")
     return pairs
+
+
+def load_pairs(path: str) -> list[Pair]:
+    """The pairs of a .jsonl file in TRL's preference format; the first bad line is a UserError FILE:LINE."""
+    return checked_pairs(((f"{path}:{n}", obj) for n, obj in jsonl_objects(path)), path)
+
+
+def hub_pairs(spec: str) -> list[Pair]:
+    """The pairs of a Hub dataset in TRL's preference format, `hf:NAME[:SUBSET[:SPLIT]]` (`hub_rows`: without
+    `datasets` or a network, one line naming the local route); the first bad row is a UserError SPEC row N."""
+    rows = hub_rows(spec, "config.dpo.data", ("prompt", "chosen", "rejected"), f"TRL's preference format, {FORMAT}",
+                    "pairs.jsonl")
+    return checked_pairs(((f"{spec} row {n}", row) for n, row in enumerate(rows)), spec)
 
 
 def wrong_answer(answer: str, rng: np.random.Generator) -> str:

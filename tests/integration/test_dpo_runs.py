@@ -1,5 +1,5 @@
 """DPO runs on the training loop: the reward accuracy rises and the run is a chat run, the reference computed once
-and read back on resume, gradient accumulation, a live reference, SIGKILL and resume."""
+and read back on resume, gradient accumulation, a live reference, SIGKILL and resume, pairs from a Hub dataset."""
 
 from __future__ import annotations
 
@@ -199,3 +199,48 @@ def test_sampled_rejections_are_the_models_own_kept_with_the_run_and_read_back(t
     monkeypatch.setattr(dpo_task, "sample_rejections", no_sampling)
     task = build(from_config_dict(c))
     assert sorted(p.rejected for p in task.pairs) == sorted(kept)
+
+
+def test_a_hub_dataset_trains_as_the_same_pairs_in_a_jsonl_file(tmp_path: Path, base_run: Path) -> None:
+    """`dpo.data=hf:NAME` read through `datasets`, offline: a local dataset directory (a parquet file, as
+    `datasets.load_dataset` reads a Hub dataset's files) of the toy pairs as conversations gives the same pairs
+    and the same losses as the JSONL file of them (text and conversations mixed); a bad row is named."""
+    datasets = pytest.importorskip("datasets")
+    from helpers import logged_losses, train_run
+
+    from jaxgpt.data.preferences import hub_pairs, load_pairs
+
+    jsonl = toy_pairs(tmp_path / "pairs.jsonl")
+    turn = lambda role, text: [{"role": role, "content": text}]
+    rows = [{k: turn("user" if k == "prompt" else "assistant", v) if isinstance(v, str) else v for k, v in r.items()}
+            for r in map(json.loads, jsonl.read_text().splitlines())]
+    (tmp_path / "hub_data").mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "hub_data" / "train.parquet")
+    spec = f"hf:{tmp_path / 'hub_data'}"
+    from_hub, from_file = hub_pairs(spec), load_pairs(str(jsonl))
+    assert [(p.prompt, p.chosen, p.rejected) for p in from_hub] == [(p.prompt, p.chosen, p.rejected)
+                                                                    for p in from_file]
+    assert from_hub[3].origin == f"{spec} row 3"
+    losses = {}
+    for name, data in (("hub", spec), ("file", str(jsonl))):
+        train_run(dpo_config(tmp_path / f"run_{name}", base_run, max_steps=2, eval_interval=2, ckpt_interval=2,
+                             **{"dpo.data": data}))
+        losses[name] = [v for _, v in logged_losses(tmp_path / f"run_{name}")]
+    assert len(losses["hub"]) == 2 and losses["hub"] == losses["file"]
+    rows[1]["rejected"] = rows[1]["chosen"]
+    (tmp_path / "bad_data").mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "bad_data" / "train.parquet")
+    with pytest.raises(UserError, match=rf"^hf:{tmp_path / 'bad_data'} row 1: chosen equals rejected"):
+        hub_pairs(f"hf:{tmp_path / 'bad_data'}")
+
+
+def test_offline_a_hub_dataset_is_one_line_naming_the_local_file_route(tmp_path: Path, base_run: Path) -> None:
+    pytest.importorskip("datasets")
+    from helpers import offline_train_error
+
+    line = offline_train_error(tmp_path, "--config=configs/chat_dpo.py", f"--config.workdir={tmp_path / 'w'}",
+                               f"--config.init_from=workdir:{base_run}",
+                               "--config.dpo.data=hf:trl-lib/ultrafeedback_binarized")
+    assert "cannot be reached" in line and "load_dataset('trl-lib/ultrafeedback_binarized', split='train')" in line
+    assert "select_columns(['prompt', 'chosen', 'rejected'])" in line
+    assert line.endswith("--config.dpo.data=pairs.jsonl")
