@@ -244,3 +244,46 @@ def test_offline_a_hub_dataset_is_one_line_naming_the_local_file_route(tmp_path:
     assert "cannot be reached" in line and "load_dataset('trl-lib/ultrafeedback_binarized', split='train')" in line
     assert "select_columns(['prompt', 'chosen', 'rejected'])" in line
     assert line.endswith("--config.dpo.data=pairs.jsonl")
+
+
+@pytest.mark.torch
+def test_a_dpo_run_after_sft_is_served_and_exported_as_a_chat_run(tmp_path: Path, base_run: Path) -> None:
+    """Base -> SFT (2 steps) -> DPO (2 steps), then the DPO run through `jaxgpt serve` (a greedy chat completion by
+    the openai client equals the reply `sample.py --chat` writes) and `jaxgpt hf export` (transformers loads it, its
+    chat template gives jaxgpt's ids, and its greedy continuation is the served reply)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("jinja2")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from helpers import serving, train_run
+    from helpers.chat import sft_config
+
+    from jaxgpt.commands import hf as hf_command
+    from jaxgpt.data.conversations import encode_conversation
+    from jaxgpt.generate.chat import ChatModel
+    from jaxgpt.io import weights
+
+    sft, dpo, out = tmp_path / "sft", tmp_path / "dpo", tmp_path / "hf"
+    train_run(sft_config(sft, base_run, max_steps=2, eval_interval=2, log_interval=2))
+    result = train_run(dpo_config(dpo, base_run, init_from=f"workdir:{sft}", max_steps=2, eval_interval=2,
+                                  ckpt_interval=2, **{"optim.lr": 3e-3}))
+    assert result["steps"] == 2 and np.isfinite(result["val_loss"])
+    messages = [{"role": "user", "content": "Say xyzwx"}]
+    loaded = weights.load(f"workdir:{dpo}")
+    chat = ChatModel.from_run(loaded.params, loaded.model, loaded.tokenizer(), loaded.meta, None)
+    [reply] = chat.replies([("q", messages)], max_new_tokens=6, seed=0, temperature=0.0, top_p=1.0, slots=1)
+    assert reply  # something to compare
+    with serving(f"--workdir={dpo}", "--slots=1", log=tmp_path / "serve.txt", timeout=180) as (_, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        served = client.chat.completions.create(model="dpo", messages=messages, max_tokens=6, temperature=0)
+    assert served.choices[0].message.content == reply
+
+    assert hf_command.main(["jaxgpt hf", "export", "--workdir", str(dpo), "--out", str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ours = encode_conversation(loaded.tokenizer(), [*messages, {"role": "assistant", "content": "x"}]).ids
+    assert list(prompt["input_ids"]) == ours[:-2].tolist()  # the prompt through <|assistant|>
+    ids = model.generate(torch.tensor([prompt["input_ids"]]), max_new_tokens=6, do_sample=False)
+    assert tokenizer.decode(ids[0, len(prompt["input_ids"]):], skip_special_tokens=True) == reply
