@@ -66,6 +66,7 @@ class PreferenceConfig(Conversations):
     label_smoothing: float = 0.0  # sigmoid and simpo: the share of pairs taken as flipped (conservative DPO)
     simpo_gamma: float = 0.5  # simpo: the target margin between the chosen and rejected rewards
     orpo_lambda: float = 0.1  # orpo: the weight of the odds-ratio term beside the chosen reply's NLL
+    rpo_alpha: float = 0.0  # any loss: add this x the chosen reply's mean NLL (TRL's rpo_alpha; 0: none)
     # "precomputed": the starting model's log-probabilities of every pair, computed once before training and kept in
     # the work directory (no reference model held while training); "live": the reference held and run every step
     reference: str = "precomputed"
@@ -90,10 +91,11 @@ class PreferenceConfig(Conversations):
         if self.truncation_mode not in TRUNCATION_MODES:
             raise UserError(f"config.dpo.truncation_mode={self.truncation_mode!r} is unknown: choose "
                             f"{' or '.join(TRUNCATION_MODES)}")
-        if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5 or self.orpo_lambda < 0 or self.max_prompt_length < 0:
+        if (self.beta <= 0 or not 0 <= self.label_smoothing < 0.5
+                or min(self.orpo_lambda, self.rpo_alpha, self.max_prompt_length) < 0):
             raise UserError(f"config.dpo: beta={self.beta} must be > 0, label_smoothing={self.label_smoothing} in "
-                            f"[0, 0.5), orpo_lambda={self.orpo_lambda} and max_prompt_length={self.max_prompt_length} "
-                            ">= 0")
+                            f"[0, 0.5), orpo_lambda={self.orpo_lambda}, rpo_alpha={self.rpo_alpha} and "
+                            f"max_prompt_length={self.max_prompt_length} >= 0")
 
 
 FORMAT = '{"prompt": ..., "chosen": ..., "rejected": ...} (text, or lists of messages)'

@@ -118,7 +118,7 @@ class DPO:
         self.tokens_per_row = 2 * self.width  # a row of the batch is a pair: two sequences
         self.eval_rows_per_batch = cfg.batch_size
         self.options = {"loss_type": d.loss_type, "beta": d.beta, "label_smoothing": d.label_smoothing,
-                        "simpo_gamma": d.simpo_gamma, "orpo_lambda": d.orpo_lambda}
+                        "simpo_gamma": d.simpo_gamma, "orpo_lambda": d.orpo_lambda, "rpo_alpha": d.rpo_alpha}
         self.settings = cfg.settings.get("dpo", {})  # what decides the updates: a resume with others is refused
         self.sha256 = {split: rows_sha256(rows, ROW_KEYS) for split, rows in self.data.items()}
         cut = sum(e.cut for es in encoded.values() for e in es)
