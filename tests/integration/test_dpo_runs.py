@@ -160,8 +160,8 @@ def test_a_live_reference_equals_the_precomputed_one_and_reference_free_losses_c
 
 @pytest.mark.slow
 def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run: Path) -> None:
-    """train.py with configs/chat_dpo.py killed with SIGKILL after its checkpoint at step 4 or later, twice, then
-    resumed to the end: the weights equal an uninterrupted run's bit for bit."""
+    """train.py with configs/chat_dpo.py (DPO's sigmoid loss) killed with SIGKILL after its checkpoint at step 4 or
+    later, twice, then resumed to the end: the weights equal an uninterrupted run's bit for bit."""
     from helpers import ROOT
     from helpers.runs import killed_twice_equals_straight
 
@@ -171,6 +171,7 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run
         f"--config.workdir={workdir}", f"--config.init_from=workdir:{base_run}", f"--config.dpo.data={pairs}",
         "--config.dpo.val_fraction=0.15", "--config.batch_size=8", "--config.max_steps=16", "--config.ckpt_interval=3",
         "--config.eval_interval=16", "--config.log_interval=1", "--config.optim.lr=0.01", "--config.cpu_devices=0",
+        "--config.dpo.loss_type=sigmoid",  # the reference computed once, and read back by each resume
         "--config.compilation_cache_dir="]
     killed_twice_equals_straight(flags, tmp_path, 16)
 
