@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.batches import held_out_split
+from jaxgpt.data.hub import hub_rows
 from jaxgpt.data.streams import BUILTIN_STREAM
 from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens
 from jaxgpt.errors import UserError
@@ -214,17 +215,6 @@ def load_jsonl(path: str | Path, prompt: bool = False) -> list[tuple[int, Conver
     return conversations
 
 
-HUB_SPEC = "hf:NAME[:SUBSET[:SPLIT]]"  # config.chat.data naming a Hub dataset; SPLIT defaults to train
-
-
-def hub_route(name: str, subset: str | None, split: str) -> str:
-    """How to get a Hub dataset's conversations without the Hub: the local file this module reads instead."""
-    args = ", ".join(map(repr, filter(None, (name, subset))))
-    return (f"where the Hub is reachable, save it as JSON lines: python -c \"import datasets; datasets.load_dataset("
-            f"{args}, split={split!r}).select_columns('messages').to_json('chat.jsonl', lines=True)\", then copy "
-            "chat.jsonl here and pass --config.chat.data=chat.jsonl")
-
-
 def hub_conversations(rows: Iterable[dict[str, Any]], where: str) -> list[tuple[int, Conversation]]:
     """(row number, conversation) of each row's `messages` (a `datasets.Dataset` iterates as such dicts); the
     first bad row is a UserError WHERE row N."""
@@ -238,29 +228,10 @@ def hub_conversations(rows: Iterable[dict[str, Any]], where: str) -> list[tuple[
     return conversations
 
 
-def load_hub(spec: str) -> list[tuple[int, Conversation]]:
-    """The conversations of a Hub dataset `hf:NAME[:SUBSET[:SPLIT]]` (read by `datasets`, which caches them);
-    offline, or without `datasets`, one UserError naming the local-file route."""
-    name, subset, split = (*spec.removeprefix("hf:").split(":"), None, None)[:3]
-    subset, split = subset or None, split or "train"
-    if not name:
-        raise UserError(f"config.chat.data={spec!r}: name a dataset, {HUB_SPEC}")
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(f"config.chat.data={spec}: reading a Hub dataset needs the `datasets` library (pip install "
-                        f"datasets); or, {hub_route(name, subset, split)}") from None
-    try:
-        rows = datasets.load_dataset(name, subset, split=split)
-    except ConnectionError:
-        raise UserError(f"config.chat.data={spec}: the Hugging Face Hub cannot be reached from here (offline); "
-                        f"{hub_route(name, subset, split)}") from None
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
-        message = " ".join(str(e).split())
-        raise UserError(f"config.chat.data={spec}: {message} (the form is {HUB_SPEC})") from None
-    if "messages" not in rows.column_names:
-        raise UserError(f"config.chat.data={spec} has columns {rows.column_names}, no 'messages' column of "
-                        "OpenAI-format conversations")
+def load_hub(spec: str, key: str) -> list[tuple[int, Conversation]]:
+    """The conversations of a Hub dataset `hf:NAME[:SUBSET[:SPLIT]]`, config `key`'s value (`hub_rows`: offline, or
+    without `datasets`, one UserError naming the local-file route)."""
+    rows = hub_rows(spec, key, ("messages",), "OpenAI-format conversations", "chat.jsonl")
     return hub_conversations(rows, spec)
 
 

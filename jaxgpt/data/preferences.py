@@ -1,12 +1,13 @@
 """Preference pairs for task dpo: TRL's format, a built-in set made from the built-in conversations, and rows.
 
 A pair is a prompt with a chosen and a rejected reply. Files are `.jsonl`, one object per line in TRL's preference
-format, `{"prompt": ..., "chosen": ..., "rejected": ...}`, either as text (the prompt a user turn, each reply an
+format, `{"prompt": ..., "chosen": ..., "rejected": ...}` (or a Hub dataset of those columns,
+`hf:NAME[:SUBSET[:SPLIT]]`, read with `datasets`: `hub_pairs`), either as text (the prompt a user turn, each reply an
 assistant turn) or as conversations: the prompt a list of messages (an optional system message, user and assistant
 turns alternating, ending with the user's) and each reply a list of one assistant message. Both are rendered in the
 run's chat format (`encode_conversation`, what SFT trains on and `jaxgpt serve` renders), the prompt followed by
 `<|assistant|>`, each reply by its end token. A bad line is one UserError FILE:LINE: not JSON, a missing, empty or
-malformed prompt or reply, or a chosen reply equal to the rejected one.
+malformed prompt or reply, or a chosen reply equal to the rejected one (a Hub dataset's: SPEC row N).
 
 Only the replies' tokens carry the loss. A pair longer than the context (`model.block_size` + 1 ids) is cut as TRL
 cuts it, the prompt first: to `max_prompt_length` tokens (its last with truncation_mode "keep_end", its first with
@@ -27,7 +28,7 @@ SFT run on the same settings held out the same prompts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -41,6 +42,7 @@ from jaxgpt.data.conversations import (
     jsonl_objects,
     split_held_out,
 )
+from jaxgpt.data.hub import hub_rows
 from jaxgpt.data.streams import PREFERENCE_STREAM
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.errors import UserError
@@ -54,8 +56,9 @@ REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig(Conversations):
     """Task "dpo": preference tuning on pairs of a chosen and a rejected reply (jaxgpt/tasks/dpo/), from init_from;
-    data is "builtin" (pairs made from the built-in conversations of `datasets`) or a .jsonl file in TRL's format,
-    {"prompt", "chosen", "rejected"} per line; batch_size counts pairs."""
+    data is "builtin" (pairs made from the built-in conversations of `datasets`), a .jsonl file in TRL's format,
+    {"prompt", "chosen", "rejected"} per line, or a Hub dataset of those columns, "hf:NAME[:SUBSET[:SPLIT]]";
+    batch_size counts pairs."""
 
     group: ClassVar[str] = "dpo"
     loss_type: str = "sigmoid"  # "sigmoid" (DPO), "ipo", "hinge", or the reference-free "simpo" and "orpo"
@@ -63,6 +66,7 @@ class PreferenceConfig(Conversations):
     label_smoothing: float = 0.0  # sigmoid and simpo: the share of pairs taken as flipped (conservative DPO)
     simpo_gamma: float = 0.5  # simpo: the target margin between the chosen and rejected rewards
     orpo_lambda: float = 0.1  # orpo: the weight of the odds-ratio term beside the chosen reply's NLL
+    rpo_alpha: float = 0.0  # any loss: add this x the chosen reply's mean NLL (TRL's rpo_alpha; 0: none)
     # "precomputed": the starting model's log-probabilities of every pair, computed once before training and kept in
     # the work directory (no reference model held while training); "live": the reference held and run every step
     reference: str = "precomputed"
@@ -87,10 +91,11 @@ class PreferenceConfig(Conversations):
         if self.truncation_mode not in TRUNCATION_MODES:
             raise UserError(f"config.dpo.truncation_mode={self.truncation_mode!r} is unknown: choose "
                             f"{' or '.join(TRUNCATION_MODES)}")
-        if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5 or self.orpo_lambda < 0 or self.max_prompt_length < 0:
+        if (self.beta <= 0 or not 0 <= self.label_smoothing < 0.5
+                or min(self.orpo_lambda, self.rpo_alpha, self.max_prompt_length) < 0):
             raise UserError(f"config.dpo: beta={self.beta} must be > 0, label_smoothing={self.label_smoothing} in "
-                            f"[0, 0.5), orpo_lambda={self.orpo_lambda} and max_prompt_length={self.max_prompt_length} "
-                            ">= 0")
+                            f"[0, 0.5), orpo_lambda={self.orpo_lambda}, rpo_alpha={self.rpo_alpha} and "
+                            f"max_prompt_length={self.max_prompt_length} >= 0")
 
 
 FORMAT = '{"prompt": ..., "chosen": ..., "rejected": ...} (text, or lists of messages)'
@@ -146,17 +151,31 @@ def pair_error(obj: object) -> tuple[Pair | None, str | None]:
     return Pair(messages, replies[0], replies[1], "pairs", ""), None
 
 
-def load_pairs(path: str) -> list[Pair]:
-    """The pairs of a .jsonl file in TRL's preference format; the first bad line is a UserError FILE:LINE."""
+def checked_pairs(objects: Iterable[tuple[str, object]], where: str) -> list[Pair]:
+    """The pairs of (origin, parsed object) items, each with its origin; the first bad one is a UserError naming its
+    origin (FILE:LINE, or a Hub dataset's row), none at all one naming `where`."""
     pairs = []
-    for n, obj in jsonl_objects(path):
+    for origin, obj in objects:
         pair, error = pair_error(obj)
         if error is not None:
-            raise UserError(f"{path}:{n}: {error}")
-        pairs.append(dataclasses.replace(pair, origin=f"{path}:{n}"))
+            raise UserError(f"{origin}: {error}")
+        pairs.append(dataclasses.replace(pair, origin=origin))
     if not pairs:
-        raise UserError(f"{path} holds no pairs: give one JSON object per line, {FORMAT}")
+        raise UserError(f"{where} holds no pairs: give one JSON object per line, {FORMAT}")
     return pairs
+
+
+def load_pairs(path: str) -> list[Pair]:
+    """The pairs of a .jsonl file in TRL's preference format; the first bad line is a UserError FILE:LINE."""
+    return checked_pairs(((f"{path}:{n}", obj) for n, obj in jsonl_objects(path)), path)
+
+
+def hub_pairs(spec: str) -> list[Pair]:
+    """The pairs of a Hub dataset in TRL's preference format, `hf:NAME[:SUBSET[:SPLIT]]` (`hub_rows`: without
+    `datasets` or a network, one line naming the local route); the first bad row is a UserError SPEC row N."""
+    rows = hub_rows(spec, "config.dpo.data", ("prompt", "chosen", "rejected"), f"TRL's preference format, {FORMAT}",
+                    "pairs.jsonl")
+    return checked_pairs(((f"{spec} row {n}", row) for n, row in enumerate(rows)), spec)
 
 
 def wrong_answer(answer: str, rng: np.random.Generator) -> str:

@@ -35,7 +35,6 @@ import numpy as np
 
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
 from jaxgpt.data.conversations import (
-    HUB_SPEC,
     TEMPLATE_FILE,
     Conversation,
     Conversations,
@@ -49,6 +48,7 @@ from jaxgpt.data.conversations import (
     split_held_out,
     to_rows,
 )
+from jaxgpt.data.hub import HUB_SPEC
 from jaxgpt.data.model_chat import ModelChat, chat_format, describe_format, encode_chat
 from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens, tokenizer_from_meta
 from jaxgpt.data.tokenizer_json import JsonTokenizer
@@ -81,7 +81,7 @@ def configured_conversations(c: Conversations, seed: int) -> tuple[list[Conversa
         return (conversations, [f"built-in conversation {i}" for i in range(len(conversations))], kinds,
                 f"built-in conversations: {c.examples} of {', '.join(datasets)} (seed {seed})")
     if c.data.startswith("hf:"):
-        numbered = load_hub(c.data)
+        numbered = load_hub(c.data, f"config.{c.group}.data")
         origins = [f"{c.data} row {n}" for n, _ in numbered]
     elif c.data.endswith(".jsonl"):
         numbered = load_jsonl(c.data)

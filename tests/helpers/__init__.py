@@ -112,6 +112,15 @@ def train_run(c: ConfigDict) -> dict:
     return train(from_config_dict(c), build)
 
 
+def offline_train_error(tmp_path: Path, *flags: str) -> str:
+    """The one error line of `jaxgpt train` with `flags` run where the Hugging Face Hub cannot be reached (offline,
+    an empty cache in `tmp_path`)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "jaxgpt", "train", *flags], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    return one_line_error(proc)
+
+
 def device_check_smoke(out: Path, *options: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict | None]:
     """`benchmarks/device_check.py --smoke` with `options`, writing its JSON to `out`: the finished process (its
     output captured) and the JSON, None where the run wrote none."""

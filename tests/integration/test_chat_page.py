@@ -13,14 +13,13 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ROOT, one_line_error, serving, train_run
+from helpers import offline_train_error, one_line_error, serving, train_run
 from helpers.chat import ALPHABET, render, sft_config
 from helpers.models import random_params, save_random_lm, save_run
 
@@ -154,17 +153,14 @@ def test_hub_rows_become_conversations_and_a_bad_row_is_named() -> None:
 def test_without_datasets_the_hub_error_names_the_local_file_route(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # an import of it fails
     with pytest.raises(UserError, match=r"needs the `datasets` library .*--config\.chat\.data=chat\.jsonl"):
-        load_hub("hf:HuggingFaceTB/smoltalk:all")
+        load_hub("hf:HuggingFaceTB/smoltalk:all", "config.chat.data")
 
 
 def test_offline_hub_dataset_is_one_line_naming_the_local_file_route(chat_run: Path, tmp_path: Path) -> None:
     pytest.importorskip("datasets")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-m", "jaxgpt", "train", "--config=configs/chat_sft.py",
-                           f"--config.workdir={tmp_path / 'w'}", f"--config.init_from=workdir:{chat_run}",
-                           "--config.chat.data=hf:HuggingFaceTB/smoltalk:all"], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
-    line = one_line_error(proc)
+    line = offline_train_error(tmp_path, "--config=configs/chat_sft.py", f"--config.workdir={tmp_path / 'w'}",
+                               f"--config.init_from=workdir:{chat_run}",
+                               "--config.chat.data=hf:HuggingFaceTB/smoltalk:all")
     assert "cannot be reached" in line and "load_dataset('HuggingFaceTB/smoltalk', 'all', split='train')" in line
     assert line.endswith("--config.chat.data=chat.jsonl")
 

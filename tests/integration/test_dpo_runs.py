@@ -1,5 +1,5 @@
 """DPO runs on the training loop: the reward accuracy rises and the run is a chat run, the reference computed once
-and read back on resume, gradient accumulation, a live reference, SIGKILL and resume."""
+and read back on resume, gradient accumulation, a live reference, SIGKILL and resume, pairs from a Hub dataset."""
 
 from __future__ import annotations
 
@@ -160,8 +160,8 @@ def test_a_live_reference_equals_the_precomputed_one_and_reference_free_losses_c
 
 @pytest.mark.slow
 def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run: Path) -> None:
-    """train.py with configs/chat_dpo.py killed with SIGKILL after its checkpoint at step 4 or later, twice, then
-    resumed to the end: the weights equal an uninterrupted run's bit for bit."""
+    """train.py with configs/chat_dpo.py (DPO's sigmoid loss) killed with SIGKILL after its checkpoint at step 4 or
+    later, twice, then resumed to the end: the weights equal an uninterrupted run's bit for bit."""
     from helpers import ROOT
     from helpers.runs import killed_twice_equals_straight
 
@@ -171,6 +171,7 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path: Path, base_run
         f"--config.workdir={workdir}", f"--config.init_from=workdir:{base_run}", f"--config.dpo.data={pairs}",
         "--config.dpo.val_fraction=0.15", "--config.batch_size=8", "--config.max_steps=16", "--config.ckpt_interval=3",
         "--config.eval_interval=16", "--config.log_interval=1", "--config.optim.lr=0.01", "--config.cpu_devices=0",
+        "--config.dpo.loss_type=sigmoid",  # the reference computed once, and read back by each resume
         "--config.compilation_cache_dir="]
     killed_twice_equals_straight(flags, tmp_path, 16)
 
@@ -199,3 +200,91 @@ def test_sampled_rejections_are_the_models_own_kept_with_the_run_and_read_back(t
     monkeypatch.setattr(dpo_task, "sample_rejections", no_sampling)
     task = build(from_config_dict(c))
     assert sorted(p.rejected for p in task.pairs) == sorted(kept)
+
+
+def test_a_hub_dataset_trains_as_the_same_pairs_in_a_jsonl_file(tmp_path: Path, base_run: Path) -> None:
+    """`dpo.data=hf:NAME` read through `datasets`, offline: a local dataset directory (a parquet file, as
+    `datasets.load_dataset` reads a Hub dataset's files) of the toy pairs as conversations gives the same pairs
+    and the same losses as the JSONL file of them (text and conversations mixed); a bad row is named."""
+    datasets = pytest.importorskip("datasets")
+    from helpers import logged_losses, train_run
+
+    from jaxgpt.data.preferences import hub_pairs, load_pairs
+
+    jsonl = toy_pairs(tmp_path / "pairs.jsonl")
+    turn = lambda role, text: [{"role": role, "content": text}]
+    rows = [{k: turn("user" if k == "prompt" else "assistant", v) if isinstance(v, str) else v for k, v in r.items()}
+            for r in map(json.loads, jsonl.read_text().splitlines())]
+    (tmp_path / "hub_data").mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "hub_data" / "train.parquet")
+    spec = f"hf:{tmp_path / 'hub_data'}"
+    from_hub, from_file = hub_pairs(spec), load_pairs(str(jsonl))
+    assert [(p.prompt, p.chosen, p.rejected) for p in from_hub] == [(p.prompt, p.chosen, p.rejected)
+                                                                    for p in from_file]
+    assert from_hub[3].origin == f"{spec} row 3"
+    losses = {}
+    for name, data in (("hub", spec), ("file", str(jsonl))):
+        train_run(dpo_config(tmp_path / f"run_{name}", base_run, max_steps=2, eval_interval=2, ckpt_interval=2,
+                             **{"dpo.data": data}))
+        losses[name] = [v for _, v in logged_losses(tmp_path / f"run_{name}")]
+    assert len(losses["hub"]) == 2 and losses["hub"] == losses["file"]
+    rows[1]["rejected"] = rows[1]["chosen"]
+    (tmp_path / "bad_data").mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "bad_data" / "train.parquet")
+    with pytest.raises(UserError, match=rf"^hf:{tmp_path / 'bad_data'} row 1: chosen equals rejected"):
+        hub_pairs(f"hf:{tmp_path / 'bad_data'}")
+
+
+def test_offline_a_hub_dataset_is_one_line_naming_the_local_file_route(tmp_path: Path, base_run: Path) -> None:
+    pytest.importorskip("datasets")
+    from helpers import offline_train_error
+
+    line = offline_train_error(tmp_path, "--config=configs/chat_dpo.py", f"--config.workdir={tmp_path / 'w'}",
+                               f"--config.init_from=workdir:{base_run}",
+                               "--config.dpo.data=hf:trl-lib/ultrafeedback_binarized")
+    assert "cannot be reached" in line and "load_dataset('trl-lib/ultrafeedback_binarized', split='train')" in line
+    assert "select_columns(['prompt', 'chosen', 'rejected'])" in line
+    assert line.endswith("--config.dpo.data=pairs.jsonl")
+
+
+@pytest.mark.torch
+def test_a_dpo_run_after_sft_is_served_and_exported_as_a_chat_run(tmp_path: Path, base_run: Path) -> None:
+    """Base -> SFT (2 steps) -> DPO (2 steps), then the DPO run through `jaxgpt serve` (a greedy chat completion by
+    the openai client equals the reply `sample.py --chat` writes) and `jaxgpt hf export` (transformers loads it, its
+    chat template gives jaxgpt's ids, and its greedy continuation is the served reply)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("jinja2")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from helpers import serving, train_run
+    from helpers.chat import sft_config
+
+    from jaxgpt.commands import hf as hf_command
+    from jaxgpt.data.conversations import encode_conversation
+    from jaxgpt.generate.chat import ChatModel
+    from jaxgpt.io import weights
+
+    sft, dpo, out = tmp_path / "sft", tmp_path / "dpo", tmp_path / "hf"
+    train_run(sft_config(sft, base_run, max_steps=2, eval_interval=2, log_interval=2))
+    result = train_run(dpo_config(dpo, base_run, init_from=f"workdir:{sft}", max_steps=2, eval_interval=2,
+                                  ckpt_interval=2, **{"optim.lr": 3e-3}))
+    assert result["steps"] == 2 and np.isfinite(result["val_loss"])
+    messages = [{"role": "user", "content": "Say xyzwx"}]
+    loaded = weights.load(f"workdir:{dpo}")
+    chat = ChatModel.from_run(loaded.params, loaded.model, loaded.tokenizer(), loaded.meta, None)
+    [reply] = chat.replies([("q", messages)], max_new_tokens=6, seed=0, temperature=0.0, top_p=1.0, slots=1)
+    assert reply  # something to compare
+    with serving(f"--workdir={dpo}", "--slots=1", log=tmp_path / "serve.txt", timeout=180) as (_, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        served = client.chat.completions.create(model="dpo", messages=messages, max_tokens=6, temperature=0)
+    assert served.choices[0].message.content == reply
+
+    assert hf_command.main(["jaxgpt hf", "export", "--workdir", str(dpo), "--out", str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ours = encode_conversation(loaded.tokenizer(), [*messages, {"role": "assistant", "content": "x"}]).ids
+    assert list(prompt["input_ids"]) == ours[:-2].tolist()  # the prompt through <|assistant|>
+    ids = model.generate(torch.tensor([prompt["input_ids"]]), max_new_tokens=6, do_sample=False)
+    assert tokenizer.decode(ids[0, len(prompt["input_ids"]):], skip_special_tokens=True) == reply

@@ -49,9 +49,12 @@ def _pair_loss(c: np.ndarray, r: np.ndarray, rc: np.ndarray | None, rr: np.ndarr
 def dpo_loss_and_grad(logits_cBWV: np.ndarray, y_cBW: np.ndarray, mask_cBW: np.ndarray, logits_rBWV: np.ndarray,
                       y_rBW: np.ndarray, mask_rBW: np.ndarray, ref_c: np.ndarray | None, ref_r: np.ndarray | None, *,
                       loss_type: str, beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
-                      orpo_lambda: float = 0.1) -> tuple[float, np.ndarray, np.ndarray, dict[str, float]]:
+                      orpo_lambda: float = 0.1, rpo_alpha: float = 0.0
+                      ) -> tuple[float, np.ndarray, np.ndarray, dict[str, float]]:
     """(mean loss, d loss / d chosen logits, d loss / d rejected logits, TRL's metrics), in float64; `ref_c` and
-    `ref_r` are the reference's summed log-probabilities (None for simpo and orpo)."""
+    `ref_r` are the reference's summed log-probabilities (None for simpo and orpo). `rpo_alpha` adds alpha x the
+    chosen reply's mean NLL, -sum / n, whose derivative in the loss's own c (the sum, or the mean for the averaged
+    losses) is -alpha / n / scale_c."""
     def logps(logits: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         all_ = log_softmax(np.asarray(logits, np.float64))
         return np.take_along_axis(all_, y[..., None], axis=-1)[..., 0], all_
@@ -67,6 +70,8 @@ def dpo_loss_and_grad(logits_cBWV: np.ndarray, y_cBW: np.ndarray, mask_cBW: np.n
         if loss_type == "ipo":
             ref_c, ref_r = ref_c * scale_c, ref_r * scale_r
     loss, dc, dr = _pair_loss(c, r, ref_c, ref_r, loss_type, beta, label_smoothing, simpo_gamma, orpo_lambda)
+    n_c = np.maximum(mc.sum(1), 1.0)
+    loss, dc = loss - rpo_alpha * (tok_c * mc).sum(1) / n_c, dc - rpo_alpha / n_c / scale_c
     B = len(c)
 
     def grad(d: np.ndarray, scale: np.ndarray, mask: np.ndarray, y: np.ndarray, all_: np.ndarray) -> np.ndarray:

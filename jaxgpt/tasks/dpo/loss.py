@@ -17,6 +17,10 @@ starting model (its log-probabilities computed once before training, or live), a
   log-probabilities. TRL averages the NLL over every chosen token of the batch instead: per pair, every loss here
   is a mean over pairs, so gradient accumulation over equal micro-batches equals the whole batch.
 
+`rpo_alpha` (TRL's option of the same name, from the RPO paper) adds alpha x the chosen reply's mean negative
+log-likelihood (per token, then per pair, as ORPO's) to any of them: DPO's loss alone may fall while the chosen reply
+grows less likely as well as the rejected one, and the NLL term holds the chosen reply up.
+
 The metrics are TRL's: rewards/chosen and rewards/rejected (beta (pi - ref), or beta pi without a reference, from
 the log-probabilities the loss takes), rewards/accuracies (the share of pairs whose chosen reward is the higher),
 rewards/margins, logps/chosen and logps/rejected (the policy's). tests/reference/numpy_reference_dpo.py is the
@@ -49,11 +53,12 @@ def _log1m_exp(x: jax.Array) -> jax.Array:
 
 def pair_losses(chosen_B: jax.Array, rejected_B: jax.Array, n_chosen_B: jax.Array, n_rejected_B: jax.Array,
                 ref_chosen_B: jax.Array | None, ref_rejected_B: jax.Array | None, *, loss_type: str, beta: float,
-                label_smoothing: float = 0.0, simpo_gamma: float = 0.5, orpo_lambda: float = 0.1
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                label_smoothing: float = 0.0, simpo_gamma: float = 0.5, orpo_lambda: float = 0.1,
+                rpo_alpha: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(each pair's loss (B,), {name: (B,)}: the chosen and rejected rewards and log-probabilities the metrics
-    average, and ORPO's two terms) from the replies' summed log-probabilities and token counts; the references are
-    None for the reference-free losses."""
+    average, and ORPO's two terms (the NLL also with rpo_alpha)) from the replies' summed log-probabilities and
+    token counts; the references are None for the reference-free losses."""
+    nll_B = -chosen_B / jnp.maximum(n_chosen_B, 1.0)  # the chosen reply's mean negative log-likelihood per token
     if loss_type in AVERAGED:
         chosen_B, rejected_B = chosen_B / jnp.maximum(n_chosen_B, 1.0), rejected_B / jnp.maximum(n_rejected_B, 1.0)
         if loss_type == "ipo":
@@ -68,8 +73,8 @@ def pair_losses(chosen_B: jax.Array, rejected_B: jax.Array, n_chosen_B: jax.Arra
         elif loss_type == "orpo":
             log_odds_B = (chosen_B - rejected_B) - (_log1m_exp(chosen_B) - _log1m_exp(rejected_B))
             ratio_B = jax.nn.log_sigmoid(log_odds_B)
-            loss_B = -chosen_B - orpo_lambda * ratio_B
-            terms = {"nll_loss": -chosen_B, "log_odds_ratio": ratio_B, "log_odds_chosen": log_odds_B}
+            loss_B = nll_B - orpo_lambda * ratio_B
+            terms = {"nll_loss": nll_B, "log_odds_ratio": ratio_B, "log_odds_chosen": log_odds_B}
         else:
             raise ValueError(f"unknown loss_type {loss_type!r}")
     else:
@@ -84,6 +89,8 @@ def pair_losses(chosen_B: jax.Array, rejected_B: jax.Array, n_chosen_B: jax.Arra
             loss_B = (h_B - 1.0 / (2.0 * beta)) ** 2
         else:
             raise ValueError(f"unknown loss_type {loss_type!r}")
+    if rpo_alpha:
+        loss_B, terms = loss_B + rpo_alpha * nll_B, {"nll_loss": nll_B, **terms}
     stop = jax.lax.stop_gradient
     return loss_B, {"rewards/chosen": stop(chosen_reward_B), "rewards/rejected": stop(rejected_reward_B),
                     "logps/chosen": stop(chosen_B), "logps/rejected": stop(rejected_B),

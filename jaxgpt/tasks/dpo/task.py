@@ -34,12 +34,14 @@ import numpy as np
 from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
 from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
+from jaxgpt.data.hub import HUB_SPEC
 from jaxgpt.data.preferences import (
     REFERENCE_FREE_LOSSES,
     Pair,
     PreferenceConfig,
     builtin_pairs,
     encode_pair,
+    hub_pairs,
     load_pairs,
     split_pairs,
 )
@@ -70,11 +72,12 @@ def configured_pairs(d: PreferenceConfig, seed: int) -> tuple[list[Pair], str]:
         datasets = [t.strip() for t in d.datasets.split(",") if t.strip()]
         return (builtin_pairs(seed, d.examples, datasets),
                 f"built-in pairs: {d.examples} of {', '.join(datasets)} (seed {seed}; rejected: a corrupted answer)")
-    if d.data.endswith(".jsonl"):
-        pairs = load_pairs(d.data)
+    if d.data.startswith("hf:") or d.data.endswith(".jsonl"):
+        pairs = hub_pairs(d.data) if d.data.startswith("hf:") else load_pairs(d.data)
         return pairs, f"{len(pairs)} pairs from {d.data}"
     raise UserError(f"config.dpo.data={d.data!r} is neither 'builtin' nor a .jsonl file of "
-                    '{"prompt": ..., "chosen": ..., "rejected": ...} objects (TRL\'s preference format)')
+                    '{"prompt": ..., "chosen": ..., "rejected": ...} objects (TRL\'s preference format) nor a Hub '
+                    f"dataset of them, {HUB_SPEC}")
 
 
 class DPO:
@@ -115,7 +118,7 @@ class DPO:
         self.tokens_per_row = 2 * self.width  # a row of the batch is a pair: two sequences
         self.eval_rows_per_batch = cfg.batch_size
         self.options = {"loss_type": d.loss_type, "beta": d.beta, "label_smoothing": d.label_smoothing,
-                        "simpo_gamma": d.simpo_gamma, "orpo_lambda": d.orpo_lambda}
+                        "simpo_gamma": d.simpo_gamma, "orpo_lambda": d.orpo_lambda, "rpo_alpha": d.rpo_alpha}
         self.settings = cfg.settings.get("dpo", {})  # what decides the updates: a resume with others is refused
         self.sha256 = {split: rows_sha256(rows, ROW_KEYS) for split, rows in self.data.items()}
         cut = sum(e.cut for es in encoded.values() for e in es)

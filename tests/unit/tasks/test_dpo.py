@@ -33,16 +33,18 @@ def _jax_loss(logits_c, y_c, m_c, logits_r, y_r, m_r, ref_c, ref_r, **options):
     return preference_loss(*sums, m_c.sum(1), m_r.sum(1), ref_c, ref_r, **options)
 
 
-@pytest.mark.parametrize(("loss_type", "label_smoothing"),  # label smoothing: an option of sigmoid and simpo
-                         [(t, 0.0) for t in DPO_LOSSES] + [("sigmoid", 0.2), ("simpo", 0.2)])
-def test_each_loss_equals_the_float64_reference_in_value_gradient_and_metrics(loss_type: str,
-                                                                              label_smoothing: float) -> None:
+@pytest.mark.parametrize(("loss_type", "label_smoothing", "rpo_alpha"),  # label smoothing: sigmoid's and simpo's
+                         [(t, 0.0, 0.0) for t in DPO_LOSSES] + [("sigmoid", 0.2, 0.0), ("simpo", 0.2, 0.0)]
+                         + [(t, 0.0, 0.7) for t in ("sigmoid", "ipo", "simpo")])
+def test_each_loss_equals_the_float64_reference_in_value_gradient_and_metrics(loss_type: str, label_smoothing: float,
+                                                                              rpo_alpha: float) -> None:
     rng = np.random.default_rng(1)
     logits_c, y_c, m_c, logits_r, y_r, m_r = _pairs(rng)
     ref = None if loss_type in REFERENCE_FREE else [
         (np.asarray(reply_logps(jnp.asarray(z), jnp.asarray(y), jnp.asarray(m))) + rng.normal(scale=1.5, size=5))
         .astype(np.float32) for z, y, m in ((logits_c, y_c, m_c), (logits_r, y_r, m_r))]
-    options = {"loss_type": loss_type, **OPTIONS[loss_type], "label_smoothing": label_smoothing}
+    options = {"loss_type": loss_type, **OPTIONS[loss_type], "label_smoothing": label_smoothing,
+               "rpo_alpha": rpo_alpha}
 
     def loss(zc: jax.Array, zr: jax.Array) -> tuple[jax.Array, dict]:
         refs = (None, None) if ref is None else tuple(map(jnp.asarray, ref))
@@ -167,6 +169,7 @@ def test_builtin_pairs_reject_a_close_wrong_answer_and_hold_out_what_sft_holds_o
     ({"reference": "cached"}, "reference='cached' is unknown"),
     ({"truncation_mode": "middle"}, "truncation_mode='middle' is unknown"),
     ({"beta": 0.0}, "beta=0.0 must be > 0"),
+    ({"rpo_alpha": -1.0}, "rpo_alpha=-1.0 and"),
 ])
 def test_bad_dpo_settings_are_one_line(overrides: dict, says: str) -> None:
     from jaxgpt.data.preferences import PreferenceConfig
