@@ -9,7 +9,8 @@ lora_b}`, one adapter per target, so the fused (C, 3, H, D) q/k/v kernel adapts 
 separate q_proj, k_proj, v_proj do) and an adapter is self-describing: `merge` needs only the tree and the scale.
 Multi-axis kernels keep their axes: A of `out` (H, D, C) is (H, D, r), B of `qkv`'s slot (r, H, D); scanned
 layers put their L axis first on both. Every adapter axis has the kernel's logical name, and the rank "lora",
-which the sharding rules replicate.
+which the sharding rules replicate. The token table (target "embed", PEFT's Embedding LoRA) gets A (V, r) and
+B (r, C) beside `wte/embedding`: its lookup adds A[ids] s B (`embed_adapter`), a tied head h (s B)^T A^T.
 
 Two ways to run an adapted model. `merge` writes W + s A B into the kernels: what export and loading merged weights
 read. `overlay` leaves the kernels alone and puts the adapters beside them in the parameter tree, where
@@ -63,7 +64,7 @@ class LoRAConfig:
     rank: int = 0  # r of every adapter; 0: off (every weight trains)
     alpha: float = 16.0  # the update is (alpha / r) B A (alpha / sqrt(r) with rslora)
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r)
-    targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head; "": every linear layer of the blocks
+    targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head, embed; "": every linear of the blocks
     init_from: str = ""  # peft:DIR: start the adapters from a PEFT adapter directory (its r, alpha, targets)
     dropout: float = 0.0  # PEFT's lora_dropout (its default 0 too): drops x before A, training only
     quantize: str = ""  # QLoRA: the frozen base's block kernels in "int8" (per channel) or "nf4" (`model.quant`)
