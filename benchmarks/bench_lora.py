@@ -92,7 +92,8 @@ def quality(args: argparse.Namespace) -> None:
     base_minutes = trained(Path(args.base), "configs/stdlib_char.py", max_steps=args.base_steps,
                            **{"data.dir": args.data_dir})
     runs = {"full": {"optim.lr": args.lr, "optim.min_lr": args.lr / 10},
-            "lora": {"optim.lr": args.lora_lr, "optim.min_lr": args.lora_lr / 10, "lora.rank": args.rank}}
+            "lora": {"optim.lr": args.lora_lr, "optim.min_lr": args.lora_lr / 10, "lora.rank": args.rank,
+                     "lora.targets": args.lora_targets}}
     results = {}
     for name, settings in runs.items():
         c = config("configs/chat_sft.py", workdir=str(out / name), init_from=f"workdir:{args.base}", cpu_devices=0,
@@ -138,6 +139,7 @@ def main() -> None:
     p.add_argument("--datasets", default="reverse", help="--quality: built-in chat datasets, comma-separated")
     p.add_argument("--lr", type=float, default=2e-3, help="--quality: full SFT's (configs/chat_sft.py's)")
     p.add_argument("--lora_lr", type=float, default=1e-2)
+    p.add_argument("--lora_targets", default="", help="--quality: config.lora.targets ('': every block linear)")
     p.add_argument("--eval_batches", type=int, default=16)
     args = p.parse_args()
     if args.quality:
