@@ -13,12 +13,26 @@ does; "qlora int8" and "qlora nf4" hold that base quantized (`jaxgpt.model.quant
 reuse its buffers, so it counts once), the peak a step needs on a device; step time is the fastest of --steps steps
 after a first one. The targets (issue 63): LoRA's peak <= 0.5x full fine-tuning's, QLoRA 4-bit's <= 0.35x, LoRA's
 step time <= 1.0x, the trainable parameters (and so their gradients and Adam moments) <= 5%.
+
+    python benchmarks/bench_lora.py --quality                    # full chat SFT vs LoRA chat SFT, same base and steps
+
+--quality measures what LoRA gives up instead: one base (the quick start's model, configs/stdlib_char.py, trained
+for --base_steps into --base if it holds no run, as benchmarks/bench_rl.py and bench_dpo.py build theirs), then
+configs/chat_sft.py from it twice for the same --sft_steps on the same batches: every weight trained (its own
+learning rate), and LoRA of --rank on every linear layer of the blocks (--lora_lr: LoRA's update s A B moves less
+per step than a weight of its own, and B starts at zero, so it takes a larger rate; "LoRA Without Regret",
+Thinking Machines 2025, measures the best at about 10x full fine-tuning's). Both are scored on the same held-out
+conversations by the task's own evaluation: greedy exact match (every answer token the argmax, so greedy decoding
+writes the answer). It prints both, the ratio (target: LoRA >= 0.95x full SFT) and the size on disk of each run's
+last checkpoint (target: LoRA's <= 5% of full fine-tuning's).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -26,10 +40,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench_rl import config, trained
 
+from jaxgpt.io.checkpoint import Checkpointer, checkpoint_dir
 from jaxgpt.model import lora, quant
 from jaxgpt.model.gpt import GPT, abstract_variables, init_params
 from jaxgpt.model.presets import get_preset
+from jaxgpt.tasks import build
+from jaxgpt.train.config import from_config_dict
+from jaxgpt.train.loop import train
 from jaxgpt.train.step import make_train_step
 
 
@@ -59,6 +78,49 @@ def measure(loss: Any, trainable: Any, frozen: tuple, batch: dict, steps: int) -
             "step_s": min(times[1:]), "trainable": n_trainable}
 
 
+def checkpoint_bytes(workdir: Path) -> int:
+    """Bytes on disk of the run's last checkpoint (every file of its step directory)."""
+    step = Checkpointer(workdir, read_only=True).latest_step()
+    return sum(f.stat().st_size for f in Path(checkpoint_dir(workdir) / str(step)).rglob("*") if f.is_file())
+
+
+def quality(args: argparse.Namespace) -> None:
+    """Full chat SFT and LoRA chat SFT from one base for the same steps: held-out exact match and checkpoint size."""
+    out = Path(args.out)
+    if any(Checkpointer(out / name).latest_step() is not None for name in ("full", "lora")):
+        sys.exit(f"{args.out} already holds a run: give a new --out")
+    base_minutes = trained(Path(args.base), "configs/stdlib_char.py", max_steps=args.base_steps,
+                           **{"data.dir": args.data_dir})
+    runs = {"full": {"optim.lr": args.lr, "optim.min_lr": args.lr / 10},
+            "lora": {"optim.lr": args.lora_lr, "optim.min_lr": args.lora_lr / 10, "lora.rank": args.rank,
+                     "lora.targets": args.lora_targets}}
+    results = {}
+    for name, settings in runs.items():
+        c = config("configs/chat_sft.py", workdir=str(out / name), init_from=f"workdir:{args.base}", cpu_devices=0,
+                   max_steps=args.sft_steps, eval_interval=args.sft_steps, ckpt_interval=args.sft_steps,
+                   batch_size=args.sft_batch, eval_batches=args.eval_batches, **{"chat.datasets": args.datasets},
+                   **settings)
+        c.optim.warmup_steps = min(c.optim.warmup_steps, args.sft_steps // 10)
+        t = time.perf_counter()
+        metrics = train(from_config_dict(c), build)
+        results[name] = {**metrics, "minutes": (time.perf_counter() - t) / 60, "bytes": checkpoint_bytes(out / name)}
+    full, lo = results["full"], results["lora"]
+    print(f"\nbase: configs/stdlib_char.py, {args.base_steps} steps ({base_minutes:.1f} min, 0: there); chat SFT on "
+          f"{args.datasets}: {args.sft_steps} steps of {args.sft_batch} rows, {full['val_conversations']} held-out "
+          f"conversations; {jax.devices()[0].device_kind}")
+    print("| run | learning rate | held-out exact match | per dataset | val loss | checkpoint KiB | minutes |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        per = ", ".join(f"{k} {v:.2f}" for k, v in r["val_exact_match_by_dataset"].items())
+        lr = args.lr if name == "full" else args.lora_lr
+        print(f"| {name if name == 'full' else f'LoRA rank {args.rank}'} | {lr:g} | {r['val_exact_match']:.3f} | "
+              f"{per} | {r['val_loss']:.4f} | {r['bytes'] / 1024:,.0f} | {r['minutes']:.1f} |")
+    ratio = lo["val_exact_match"] / max(full["val_exact_match"], 1e-9)
+    size = lo["bytes"] / full["bytes"]
+    print(f"targets: exact match LoRA / full {ratio:.3f} >= 0.95 {'met' if ratio >= 0.95 else 'missed'}; "
+          f"checkpoint LoRA / full {size:.3f} <= 0.05 {'met' if size <= 0.05 else 'missed'}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="smollm2-135m")
@@ -67,7 +129,21 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--listed", action="store_true", help="listed layers (default: scanned, which compiles faster)")
+    p.add_argument("--quality", action="store_true", help="full chat SFT vs LoRA chat SFT from one base (see above)")
+    p.add_argument("--base", default="runs/stdlib_char", help="--quality: the base run (trained here if missing)")
+    p.add_argument("--base_steps", type=int, default=150)
+    p.add_argument("--data_dir", default="data/stdlib_char")
+    p.add_argument("--out", default="/tmp/bench_lora", help="--quality: where the SFT runs go (must not hold them)")
+    p.add_argument("--sft_steps", type=int, default=500)
+    p.add_argument("--sft_batch", type=int, default=16)
+    p.add_argument("--datasets", default="reverse", help="--quality: built-in chat datasets, comma-separated")
+    p.add_argument("--lr", type=float, default=2e-3, help="--quality: full SFT's (configs/chat_sft.py's)")
+    p.add_argument("--lora_lr", type=float, default=1e-2)
+    p.add_argument("--lora_targets", default="", help="--quality: config.lora.targets ('': every block linear)")
+    p.add_argument("--eval_batches", type=int, default=16)
     args = p.parse_args()
+    if args.quality:
+        return quality(args)
     cfg = get_preset(args.preset).replace(block_size=args.block, scan_layers=not args.listed)
     model = GPT(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.batch, args.block + 1))

@@ -8,8 +8,16 @@ spec of a kernel (and its slot of a fused q/k/v kernel) names the module. GPT-2'
 module, which PEFT adapts as one: its adapters are written as one LoRA of rank 3r (A stacked, B block-diagonal), with
 rank_pattern and alpha_pattern keeping its scale, the exact sum of the three updates.
 
+The token table's adapter (target "embed") is PEFT's Embedding LoRA: `lora_embedding_A` (r, V) and
+`lora_embedding_B` (C, r), no `.weight`, the same update (its lookup adds A[ids] s B). With tied embeddings the head
+reads the adapted table in jaxgpt, as in PEFT with `ensure_weight_tying` (its head then gets a LoRA tied to the
+table's), which the export sets; an adapter on a tied table without it is refused (PEFT's own head would read the
+unadapted table, and its merge the adapted one). PEFT saves an adapted table's or head's base weight beside it
+(`<module>.base_layer.weight`, save_embedding_layers): read back, it is the base's, not the adapter, and is skipped.
+
 Written as vLLM accepts it: no modules_to_save, one rank and alpha for every module except that c_attn. Read back,
-a file with anything else (DoRA, per-module ranks, unknown keys, other shapes) is refused with one line.
+a file with anything else (DoRA, modules_to_save, per-module ranks, unknown keys, other shapes) is refused with one
+line.
 """
 
 from __future__ import annotations
@@ -50,15 +58,22 @@ def module_names(cfg: ModelConfig) -> dict[tuple[tuple[str, ...], str], Place]:
     for spec in export_family(cfg).tensor_specs(cfg):
         module = spec.path[:-1]
         key = (module[-2] if len(module) > 1 else "", module[-1])
-        if spec.path[-1] != "kernel" or key not in lora.MODULES:
+        if key not in lora.MODULES or spec.path[-1] != lora.weight_name(module[-1]):
             continue
         hf = spec.hf_name.removesuffix(".weight")
+        conv1d = not spec.transpose and module[-1] != "wte"  # a table is (V, C) in both
         for i, (target, slot) in enumerate(lora.MODULES[key]):
             if slot == spec.part:
-                names[(module, target)] = Place(hf, None, 1, not spec.transpose)
+                names[(module, target)] = Place(hf, None, 1, conv1d)
             elif spec.part is None:  # fused in HF as in jaxgpt
-                names[(module, target)] = Place(hf, i, len(lora.MODULES[key]), not spec.transpose)
+                names[(module, target)] = Place(hf, i, len(lora.MODULES[key]), conv1d)
     return names
+
+
+def tensor_name(module: str, target: str, m: str) -> str:
+    """PEFT's key of A or B (`m`) of an adapter on HF module `module`: an Embedding's lora_embedding_A (r, V) and
+    lora_embedding_B (C, r), a Linear's lora_A.weight (r, in) and lora_B.weight (out, r)."""
+    return f"{PREFIX}{module}.lora_embedding_{m}" if target == "embed" else f"{PREFIX}{module}.lora_{m}.weight"
 
 
 def _unscanned(adapters: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
@@ -78,14 +93,14 @@ def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, A
         a_rI, b_Or = a.reshape(-1, r).T, b.reshape(r, -1).T
         places.append(place)
         if place.slot is None:
-            tensors[f"{PREFIX}{place.module}.lora_A.weight"] = np.ascontiguousarray(a_rI)
-            tensors[f"{PREFIX}{place.module}.lora_B.weight"] = np.ascontiguousarray(b_Or)
+            tensors[tensor_name(place.module, target, "A")] = np.ascontiguousarray(a_rI)
+            tensors[tensor_name(place.module, target, "B")] = np.ascontiguousarray(b_Or)
         else:
             fused.setdefault((place.module, place.n), {})[place.slot] = (a_rI, b_Or)
     patterns = {name: _fused_module(tensors, name, n, parts) for (name, n), parts in fused.items()}
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    modules = sorted({name.split(".")[-3] for name in tensors})  # ...q_proj.lora_A.weight: PEFT matches q_proj
+    modules = sorted({p.module.split(".")[-1] for p in places})  # model.layers.0.self_attn.q_proj: PEFT matches q_proj
     s = lora.scale(settings["alpha"], settings["rank"], settings["rslora"])
     # a fused module's rank is n r (`_fused_module`); its alpha keeps the scale of every other module
     ranks = {name.split(".")[-1]: r_n for name, r_n in patterns.items()}
@@ -95,7 +110,8 @@ def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, A
               "target_modules": modules, "rank_pattern": ranks, "alpha_pattern": alphas,
               "lora_dropout": settings.get("dropout", 0.0), "bias": "none",
               "fan_in_fan_out": any(p.conv1d for p in places), "modules_to_save": None,
-              "use_dora": False, "inference_mode": True}
+              "use_dora": False, "inference_mode": True,
+              "ensure_weight_tying": cfg.tie_embeddings and "embed" in settings.get("targets", ())}
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     safetensors.save_file(tensors, str(root / TENSORS_FILE), metadata={"format": "pt"})
     return root
@@ -134,14 +150,20 @@ def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found
     if c.get("modules_to_save") or c.get("rank_pattern") or c.get("alpha_pattern"):
         raise UserError(f"{where} has modules_to_save or per-module ranks (rank_pattern/alpha_pattern): only one "
                         "rank and alpha for every module, and no fully trained modules, load")
+    tensors = safetensors.load_file(str(root / TENSORS_FILE))
+    if cfg.tie_embeddings and not c.get("ensure_weight_tying") and any("lora_embedding_" in name for name in tensors):
+        raise UserError(f"{where} adapts the token table of a model with tied embeddings without "
+                        "ensure_weight_tying (PEFT's head then reads the unadapted table): save it with "
+                        "LoraConfig(ensure_weight_tying=True)")
     theirs = (c["r"], float(c["lora_alpha"]), bool(c.get("use_rslora")))
     if theirs != (settings.rank, settings.alpha, settings.rslora):
         raise UserError(f"{where} has r={theirs[0]}, lora_alpha={theirs[1]:g}, use_rslora={theirs[2]}: pass "
                         f"--config.lora.rank={theirs[0]} --config.lora.alpha={theirs[1]:g} "
                         f"--config.lora.rslora={theirs[2]}")
-    names = {f"{PREFIX}{place.module}.lora_{m}.weight": (module, target, m)
-             for (module, target), place in module_names(cfg).items() if place.slot is None for m in "AB"}
-    tensors = safetensors.load_file(str(root / TENSORS_FILE))
+    places = module_names(cfg)
+    names = {tensor_name(place.module, target, m): (module, target, m)
+             for (module, target), place in places.items() if place.slot is None for m in "AB"}
+    tensors = _adapter_tensors(tensors, places, cfg, where)
     if unknown := sorted(set(tensors) - set(names)):
         raise UserError(f"{where} has {len(unknown)} tensors that are no LoRA weight of this {export_family(cfg).name} "
                         f"model, e.g. {unknown[0]}: it adapts another model")
@@ -167,6 +189,28 @@ def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found
         raise UserError(f"{where} adapts {len(tensors) // 2} modules, config.lora.targets {len(shapes)}: pass "
                         "--config.lora.targets with the adapter's targets")
     return stack_layers(adapters, cfg.n_layer) if cfg.scan_layers else adapters
+
+
+def _adapter_tensors(tensors: dict[str, np.ndarray], places: dict[tuple[tuple[str, ...], str], Place],
+                     cfg: ModelConfig, where: str) -> dict[str, np.ndarray]:
+    """`tensors` less what PEFT saves beside an adapter that is not one: the base weight of an adapted table or
+    head (`base_layer.weight`; the base is init_from's) and, with tied embeddings, the head's LoRA tied to the
+    table's (A = the table's B transposed, B = its A transposed: the table's own update, which jaxgpt's tied head
+    reads already)."""
+    adapted = {place.module for (_, target), place in places.items() if target in ("embed", "head")}
+    skip = {f"{PREFIX}{module}.base_layer.weight" for module in adapted}
+    table = next((place.module for (_, target), place in places.items() if target == "embed"), None)
+    if cfg.tie_embeddings and table:
+        skip.add(f"{PREFIX}lm_head.base_layer.weight")
+    if cfg.tie_embeddings and table and f"{PREFIX}lm_head.lora_A.weight" in tensors:
+        head = {m: tensors.get(f"{PREFIX}lm_head.lora_{m}.weight") for m in "AB"}
+        emb = {m: tensors.get(tensor_name(table, "embed", m)) for m in "AB"}
+        if any(x is None for x in (*head.values(), *emb.values())) or not (
+                np.array_equal(head["A"], emb["B"].T) and np.array_equal(head["B"], emb["A"].T)):
+            raise UserError(f"{where} has a LoRA on lm_head that is not the token table's tied one, but this "
+                            "model ties its head to the table: it adapts another model")
+        skip |= {f"{PREFIX}lm_head.lora_A.weight", f"{PREFIX}lm_head.lora_B.weight"}
+    return {name: array for name, array in tensors.items() if name not in skip}
 
 
 def base_source(directory: str) -> str:

@@ -232,10 +232,29 @@ def sinusoidal_table(n_pos: int, dim: int, kind: str) -> np.ndarray:
     return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1)
 
 
-def embedding_table(cfg: ModelConfig, rows: int, names: tuple[str, str], role: str) -> nn.Embed:
+class Embed(nn.Embed):
+    """A table of rows (`nn.Embed`) that applies a LoRA adapter found beside it in `params` (`lora.overlay` puts the
+    token table's there as "embed"): the lookup adds A[ids] (s B), and `attend` (a tied head) reads the adapted
+    table too, both as if it were merged (E + s A B) but without copying the table."""
+
+    def __call__(self, inputs: Array) -> Array:
+        y = super().__call__(inputs)
+        entry = self._adapter()
+        return y if entry is None else y + lora.embed_adapter(inputs, entry, self.dtype).astype(y.dtype)
+
+    def attend(self, query: Array) -> Array:
+        y = super().attend(query)
+        entry = self._adapter()
+        return y if entry is None else y + lora.attend_adapter(query, entry, self.dtype).astype(y.dtype)
+
+    def _adapter(self) -> Mapping[str, Any] | None:
+        return self.variables.get("params", {}).get("embed")
+
+
+def embedding_table(cfg: ModelConfig, rows: int, names: tuple[str, str], role: str) -> Embed:
     """A token or learned-position table (`role` "token" or "position", for `param_init`)."""
-    return nn.Embed(rows, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                    embedding_init=param_init(cfg, names, role=role))
+    return Embed(rows, cfg.n_embd, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                 embedding_init=param_init(cfg, names, role=role))
 
 
 def embed(cfg: ModelConfig, tokens: nn.Embed, positions: nn.Embed | None, drop: nn.Dropout, idx_BT: Array,

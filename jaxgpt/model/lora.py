@@ -9,7 +9,8 @@ lora_b}`, one adapter per target, so the fused (C, 3, H, D) q/k/v kernel adapts 
 separate q_proj, k_proj, v_proj do) and an adapter is self-describing: `merge` needs only the tree and the scale.
 Multi-axis kernels keep their axes: A of `out` (H, D, C) is (H, D, r), B of `qkv`'s slot (r, H, D); scanned
 layers put their L axis first on both. Every adapter axis has the kernel's logical name, and the rank "lora",
-which the sharding rules replicate.
+which the sharding rules replicate. The token table (target "embed", PEFT's Embedding LoRA) gets A (V, r) and
+B (r, C) beside `wte/embedding`: its lookup adds A[ids] s B (`embed_adapter`), a tied head h (s B)^T A^T.
 
 Two ways to run an adapted model. `merge` writes W + s A B into the kernels: what export and loading merged weights
 read. `overlay` leaves the kernels alone and puts the adapters beside them in the parameter tree, where
@@ -45,8 +46,9 @@ MODULES: dict[tuple[str, str], tuple[tuple[str, int | None], ...]] = {
     ("mlp", "fc"): (("up", None),),
     ("mlp", "proj"): (("down", None),),
     ("", "lm_head"): (("head", None),),
+    ("", "wte"): (("embed", None),),
 }
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "head")
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "head", "embed")
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # the default: every linear layer of the blocks (gate if gated)
 RANK_AXIS = "lora"
 QUANTIZE = ("int8", "nf4")  # config.lora.quantize's formats (`jaxgpt.model.quant`)
@@ -62,7 +64,7 @@ class LoRAConfig:
     rank: int = 0  # r of every adapter; 0: off (every weight trains)
     alpha: float = 16.0  # the update is (alpha / r) B A (alpha / sqrt(r) with rslora)
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r)
-    targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head; "": every linear layer of the blocks
+    targets: str = ""  # comma-separated of q, k, v, o, gate, up, down, head, embed; "": every linear of the blocks
     init_from: str = ""  # peft:DIR: start the adapters from a PEFT adapter directory (its r, alpha, targets)
     dropout: float = 0.0  # PEFT's lora_dropout (its default 0 too): drops x before A, training only
     quantize: str = ""  # QLoRA: the frozen base's block kernels in "int8" (per channel) or "nf4" (`model.quant`)
@@ -93,8 +95,14 @@ class LoRAConfig:
 
 
 def input_axes(module: str) -> int:
-    """Input axes of a kernel: the attention's output projection reads (H, D), every other one C."""
+    """Input axes of a kernel: the attention's output projection reads (H, D), every other one C (the token
+    table's "input" is its vocabulary row)."""
     return 2 if module == "out" else 1
+
+
+def weight_name(module: str) -> str:
+    """The adapted parameter of a module: the token table's `embedding` (V, C), every projection's `kernel`."""
+    return "embedding" if module == "wte" else "kernel"
 
 
 def _slot(module_path: tuple[str, ...], target: str) -> int | None:
@@ -133,7 +141,8 @@ def sites(abstract_params: Any, targets: tuple[str, ...], rank: int) -> list[Sit
     for key_path, leaf in flat:
         path = tuple(k.key for k in key_path)
         parent = path[-3] if len(path) > 2 else ""
-        if path[-1] != "kernel" or (parent, path[-2]) not in MODULES or not isinstance(leaf, nn.Partitioned):
+        if (parent, path[-2]) not in MODULES or path[-1] != weight_name(path[-2]) or not isinstance(leaf,
+                                                                                                   nn.Partitioned):
             continue
         module, shape, names = path[:-1], leaf.value.shape, leaf.names
         lead = 1 if names[0] == "layers" else 0
@@ -153,7 +162,8 @@ def sites(abstract_params: Any, targets: tuple[str, ...], rank: int) -> list[Sit
     missing = sorted(set(targets) - {s.target for s in found})
     if missing:
         raise UserError(f"config.lora.targets names {', '.join(missing)}, which this model does not have (an untied "
-                        "head is needed for 'head'; q, k, v, o, gate, up, down are the blocks'): drop them")
+                        "head is needed for 'head'; q, k, v, o, gate, up, down are the blocks', embed the token "
+                        "table's): drop them")
     return found
 
 
@@ -171,16 +181,22 @@ def sites_unscanned(found: list[Site], n_layer: int) -> list[Site]:
 
 def init_adapters(found: list[Site], key: jax.Array) -> dict[str, Any]:
     """Adapters boxed with logical names (`nn.LogicallyPartitioned`, as `nn.with_logical_partitioning` boxes):
-    A uniform within 1/sqrt(fan_in) as PEFT's default, B zero."""
+    A uniform within 1/sqrt(fan_in) and B zero, PEFT's default; the token table's as PEFT's Embedding starts it
+    (after LoRA's reference code), the other way round: A zero, B standard normal."""
     tree: dict[str, Any] = {}
     for i, site in enumerate(found):
-        bound = 1.0 / math.sqrt(site.fan_in)
-        a = jax.random.uniform(jax.random.fold_in(key, i), site.a_shape, jnp.float32, -bound, bound)
+        k = jax.random.fold_in(key, i)
+        if site.target == "embed":
+            a, b = jnp.zeros(site.a_shape, jnp.float32), jax.random.normal(k, site.b_shape, jnp.float32)
+        else:
+            bound = 1.0 / math.sqrt(site.fan_in)
+            a = jax.random.uniform(k, site.a_shape, jnp.float32, -bound, bound)
+            b = jnp.zeros(site.b_shape, jnp.float32)
         node = tree
         for name in (*site.path, site.target):
             node = node.setdefault(name, {})
         node["lora_a"] = nn.LogicallyPartitioned(a, site.a_names)
-        node["lora_b"] = nn.LogicallyPartitioned(jnp.zeros(site.b_shape, jnp.float32), site.b_names)
+        node["lora_b"] = nn.LogicallyPartitioned(b, site.b_names)
     return tree
 
 
@@ -218,12 +234,13 @@ def merge(base: Mapping[str, Any], adapters: Mapping[str, Any], s: float) -> dic
     """
     merged = dict(base)
     for module, target, ab in adapter_leaves(adapters):
-        kernel = jnp.asarray(_get(merged, (*module, "kernel")))
+        weight = (*module, weight_name(module[-1]))
+        kernel = jnp.asarray(_get(merged, weight))
         a, b = jnp.asarray(ab["lora_a"]), jnp.asarray(ab["lora_b"])
         slot = _slot(module, target)
         index = (slice(None),) * (a.ndim - 1) + (() if slot is None else (slot,))  # the lead and input axes, the slot
         d = s * delta(a, b, input_axes(module[-1]))
-        merged = _set(merged, (*module, "kernel"), kernel.at[index].add(d.astype(kernel.dtype)))
+        merged = _set(merged, weight, kernel.at[index].add(d.astype(kernel.dtype)))
     return merged
 
 
@@ -257,14 +274,15 @@ def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1
 
     `dropout` > 0 (training only) gives each entry its LoRA dropout rate and a key of its own drawn from `key`, both
     with the adapter's leading (layers) axis, so scanned layers slice them like the kernels and every layer and
-    target drops its own units. The key travels in the tree rather than as the model's dropout rng because the tasks
+    target drops its own units; the token table's adapter has none (its input is ids, and PEFT's Embedding drops
+    nothing either). The key travels in the tree rather than as the model's dropout rng because the tasks
     pass that rng only to models with dropout of their own. Stacked entries (A (N, *in, r) beside "rows") have their
     scales folded in by the stacker: s = 1.
     """
     out = dict(params)
     for i, (module, target, ab) in enumerate(adapter_leaves(adapters)):
         entry = {**ab, "lora_b": ab["lora_b"] if s == 1.0 else ab["lora_b"] * s}
-        if dropout:
+        if dropout and target != "embed":
             a = ab["lora_a"]
             lead = a.shape[:a.ndim - input_axes(module[-1]) - 1]
             keys = jax.random.split(jax.random.fold_in(key, i), math.prod(lead))
@@ -272,6 +290,29 @@ def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1
             entry["dropout_key"] = jax.random.key_data(keys).reshape(*lead, -1)
         out = _set(out, (*module, target), entry)
     return out
+
+
+def embed_adapter(ids: Array, entry: Mapping[str, Any], dtype: str) -> Array:
+    """The token table adapter's rows for `ids`: A[ids] (s B), (*ids, C) in float32 (B scaled by `overlay`): the
+    lookup of the merged table E + s A B less E's own rows. The stacked form (A (N, V, r), B (N, r, C), "rows"
+    (Bt, N), as `project_adapters` takes it) gives each row of ids (Bt, T) its own adapter's."""
+    a, b = entry["lora_a"].astype(dtype), entry["lora_b"].astype(dtype)
+    dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    if "rows" not in entry:
+        return dot("...r,rc->...c", jnp.take(a, ids, axis=0), b)
+    return dot("nbtr,bn,nrc->btc", jnp.take(a, ids, axis=1), entry["rows"].astype(dtype), b)
+
+
+def attend_adapter(h: Array, entry: Mapping[str, Any], dtype: str) -> Array:
+    """A tied head's logits from the token table adapter: h (s B)^T A^T, (..., V) in float32, so the head reads
+    the merged table E + s A B as a merged model's does (and PEFT's with ensure_weight_tying); stacked, h (Bt, T, C)
+    row by row through its own adapter."""
+    a, b = entry["lora_a"].astype(dtype), entry["lora_b"].astype(dtype)
+    dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    if "rows" not in entry:
+        return dot("...r,vr->...v", dot("...c,rc->...r", h.astype(dtype), b).astype(dtype), a)
+    hb = dot("btc,nrc->btnr", h.astype(dtype), b).astype(dtype)
+    return dot("btnr,bn,nvr->btv", hb, entry["rows"].astype(dtype), a)
 
 
 def slot_of(module: str, target: str) -> int | None:

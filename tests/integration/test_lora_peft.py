@@ -26,16 +26,20 @@ peft = pytest.importorskip("peft")
 TOKENS = np.array([[5, 17, 33, 2, 90, 64, 7, 11, 3, 40, 21, 9]])
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama (grouped-query attention, untied head) as transformers saves it."""
-    root = tmp_path_factory.mktemp("llama") / "base"
+def tiny_llama(root: Path, tied: bool) -> Path:
+    """A tiny random Llama (grouped-query attention) as transformers saves it."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
+                                   tie_word_embeddings=tied)
     transformers.LlamaForCausalLM(cfg).save_pretrained(root)
     return root
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with an untied head."""
+    return tiny_llama(tmp_path_factory.mktemp("llama") / "base", tied=False)
 
 
 def lora_config(workdir: Path, data_dir: Path, base: Path, max_steps: int = 3,
@@ -61,12 +65,12 @@ def jax_logits(params, cfg) -> np.ndarray:
 def test_export_loads_in_peft_and_merged_export_equals_it(tmp_path: Path, data_dir: Path, llama: Path) -> None:
     from jaxgpt.commands.hf import export
 
-    train_run(lora_config(tmp_path / "run", data_dir, llama))
+    train_run(lora_config(tmp_path / "run", data_dir, llama, targets="q,k,v,o,gate,up,down,head,embed"))
     print(export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["modules_to_save"] is None
     assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                       "up_proj", "down_proj", "lm_head"])
+                                                       "up_proj", "down_proj", "lm_head", "embed_tokens"])
     base = transformers.LlamaForCausalLM.from_pretrained(llama)
     base_logits = hf_logits(base)
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
@@ -98,28 +102,51 @@ def test_a_gpt2_export_with_q_k_v_loads_in_peft(tmp_path: Path, data_dir: Path) 
     assert np.abs(theirs - base_logits).max() > 1e-3
 
 
-def peft_adapter(llama: Path, out: Path) -> None:
-    """An adapter made by `peft` on transformers' base, its B randomized (a trained adapter's). Not on lm_head:
-    peft then saves the head's base weight beside the adapter (save_embedding_layers), which jaxgpt refuses."""
+def test_a_tied_table_exports_with_its_head_reading_the_adapted_table(tmp_path: Path, data_dir: Path) -> None:
+    """With tied embeddings jaxgpt's head reads the adapted table: PEFT's with ensure_weight_tying, which the
+    export sets."""
+    from jaxgpt.commands.hf import export
+
+    base_dir = tiny_llama(tmp_path / "base", tied=True)
+    train_run(lora_config(tmp_path / "run", data_dir, base_dir, targets="q,v,embed"))
+    export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["ensure_weight_tying"]
+    base = transformers.LlamaForCausalLM.from_pretrained(base_dir)
+    base_logits = hf_logits(base)
+    theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    loaded = weights.load(f"workdir:{tmp_path / 'run'}")
+    np.testing.assert_allclose(jax_logits(loaded.params, loaded.model), theirs, atol=1e-4, rtol=0)
+    assert np.abs(theirs - base_logits).max() > 1e-3
+
+
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_adapter(llama: Path, out: Path, modules: tuple[str, ...] = ()) -> None:
+    """An adapter made by `peft` on transformers' base on the blocks' linear layers and `modules`, the factor that
+    starts at zero randomized (a trained adapter's: B of a Linear, A of an Embedding). On lm_head or embed_tokens
+    peft saves their base weights beside the adapter (save_embedding_layers), which jaxgpt skips."""
     base = transformers.LlamaForCausalLM.from_pretrained(llama)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                 "up_proj", "down_proj"])
-    model = peft.get_peft_model(base, config)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=[*LINEAR, *modules]))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding_A" in name:
                 p.copy_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out)
 
 
 def test_a_peft_adapter_loads_into_jaxgpt_with_peft_logits(tmp_path: Path, data_dir: Path, llama: Path) -> None:
+    from safetensors.numpy import load_file
+
     from jaxgpt.tasks import build
 
-    peft_adapter(llama, tmp_path / "adapter")
+    peft_adapter(llama, tmp_path / "adapter", ("lm_head", "embed_tokens"))
+    assert "base_model.model.lm_head.base_layer.weight" in load_file(tmp_path / "adapter" /
+                                                                     "adapter_model.safetensors")
     base = transformers.LlamaForCausalLM.from_pretrained(llama)
     theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"))
-    c = lora_config(tmp_path / "run", data_dir, llama, targets="")
+    c = lora_config(tmp_path / "run", data_dir, llama, targets="q,k,v,o,gate,up,down,head,embed")
     c.lora.init_from = f"peft:{tmp_path / 'adapter'}"
     task = build(from_config_dict(c))
     params = lora.merge(task.base, task.pretrained(), task.scale)

@@ -63,3 +63,76 @@ def test_gpt2_c_attn_is_one_block_diagonal_lora_of_the_same_update(tmp_path: Pat
         peft.read_peft(str(tmp_path), cfg, lora.LoRAConfig(rank=4, alpha=8.0, targets="q,v,o"),
                        lora.sites(abstract_variables(cfg)["params"], ("q", "v", "o"), 4))
     assert "\n" not in str(e.value)
+
+
+def llama_like(**changes):
+    return modern("gqa").replace(gated_mlp=True, activation="silu", norm="rmsnorm", use_bias=False, position="none",
+                                 rope_theta=10000.0, **changes)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_token_table_adapter_is_peft_embedding_lora_and_reads_back(tmp_path: Path, tied: bool) -> None:
+    from safetensors.numpy import load_file
+
+    cfg = llama_like(tie_embeddings=tied)
+    targets = ("q", "embed") if tied else ("q", "embed", "head")
+    found, adapters = adapters_for(cfg, targets)
+    peft.write_peft(adapters, cfg, {**SETTINGS, "targets": list(targets)}, tmp_path, "base")
+    config = json.loads((tmp_path / peft.CONFIG_FILE).read_text())
+    assert config["ensure_weight_tying"] == tied and "embed_tokens" in config["target_modules"]
+    tensors = load_file(tmp_path / peft.TENSORS_FILE)
+    a, b = (tensors[f"base_model.model.model.embed_tokens.lora_embedding_{m}"] for m in "AB")
+    assert a.shape == (4, cfg.vocab_size) and b.shape == (cfg.n_embd, 4)  # PEFT's (r, V) and (C, r)
+    np.testing.assert_allclose(a.T @ b.T, np.asarray(lora.delta(adapters["wte"]["embed"]["lora_a"],
+                                                                   adapters["wte"]["embed"]["lora_b"], 1)), atol=1e-5)
+    back = peft.read_peft(str(tmp_path), cfg, lora.LoRAConfig(rank=4, alpha=8.0, targets=",".join(targets)), found)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+
+def rewrite(root: Path, config_change=None, tensor_change=None) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    config, tensors = json.loads((root / peft.CONFIG_FILE).read_text()), load_file(root / peft.TENSORS_FILE)
+    (config_change or (lambda c: None))(config)
+    (tensor_change or (lambda t: None))(tensors)
+    (root / peft.CONFIG_FILE).write_text(json.dumps(config))
+    save_file(tensors, str(root / peft.TENSORS_FILE))
+
+
+def test_what_peft_saves_beside_the_adapter_is_skipped_and_a_foreign_tied_head_refused(tmp_path: Path) -> None:
+    """PEFT writes an adapted table's and head's base weights (base_layer.weight) and, for a tied head, the head's
+    LoRA tied to the table's: read back they are skipped; a head LoRA that is not the tie, or a tied table's
+    adapter without ensure_weight_tying, is one line."""
+    prefix = "base_model.model."
+    untied = llama_like(tie_embeddings=False)
+    found, adapters = adapters_for(untied, ("embed", "head"))
+    peft.write_peft(adapters, untied, {**SETTINGS, "targets": ["embed", "head"]}, tmp_path / "untied", "base")
+    rewrite(tmp_path / "untied", tensor_change=lambda t: t.update({
+        f"{prefix}lm_head.base_layer.weight": np.zeros((untied.vocab_size, untied.n_embd), np.float32),
+        f"{prefix}model.embed_tokens.base_layer.weight": np.zeros((untied.vocab_size, untied.n_embd), np.float32)}))
+    back = peft.read_peft(str(tmp_path / "untied"), untied, lora.LoRAConfig(rank=4, alpha=8.0, targets="embed,head"),
+                          found)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+    tied = llama_like(tie_embeddings=True)
+    found, adapters = adapters_for(tied, ("embed",))
+    settings = lora.LoRAConfig(rank=4, alpha=8.0, targets="embed")
+
+    def tie(t: dict, scale: float = 1.0) -> None:
+        t[f"{prefix}lm_head.lora_A.weight"] = np.ascontiguousarray(t[f"{prefix}model.embed_tokens.lora_embedding_B"].T
+                                                                    * scale)
+        t[f"{prefix}lm_head.lora_B.weight"] = np.ascontiguousarray(t[f"{prefix}model.embed_tokens.lora_embedding_A"].T)
+
+    for name, config_change, tensor_change, message in [
+            ("tie", None, tie, None),
+            ("foreign", None, lambda t: tie(t, 2.0), "not the token table's tied one"),
+            ("untied_save", lambda c: c.update(ensure_weight_tying=False), None, "ensure_weight_tying")]:
+        peft.write_peft(adapters, tied, {**SETTINGS, "targets": ["embed"]}, tmp_path / name, "base")
+        rewrite(tmp_path / name, config_change, tensor_change)
+        if message is None:
+            jax.tree.map(np.testing.assert_array_equal, peft.read_peft(str(tmp_path / name), tied, settings, found),
+                         adapters)
+            continue
+        with pytest.raises(UserError, match=message) as e:
+            peft.read_peft(str(tmp_path / name), tied, settings, found)
+        assert "\n" not in str(e.value)

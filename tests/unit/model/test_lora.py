@@ -40,12 +40,19 @@ def numpy_merge(base: dict, adapters: dict, s: float) -> dict:
             ai, bi = a[index], b[index]
             d = (ai.reshape(-1, ai.shape[-1]) @ bi.reshape(bi.shape[0], -1)).reshape(*ai.shape[:-1], *bi.shape[1:])
             slot = dict(lora.MODULES[(module[-2] if len(module) > 1 else "", module[-1])])[target]
-            view = node["kernel"][index]
+            view = node[lora.weight_name(module[-1])][index]
             if slot is None:
                 view += s * d
             else:
                 view[(slice(None),) * n_in + (slot,)] += s * d
     return out
+
+
+def every_target(cfg) -> tuple[str, ...]:
+    """Every target the model has: the blocks' (gate if gated), an untied head, and the token table (whose tied
+    head then reads the adapted table)."""
+    return (*(t for t in lora.LINEAR if t != "gate" or cfg.gated_mlp), *(() if cfg.tie_embeddings else ("head",)),
+            "embed")
 
 
 def sites_of(cfg, targets=(), rank=4):
@@ -55,7 +62,7 @@ def sites_of(cfg, targets=(), rank=4):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_merge_is_base_plus_scaled_a_b_in_each_slot(name: str) -> None:
     cfg = MODELS[name]
-    found = sites_of(cfg, () if cfg.tie_embeddings else (*lora.LINEAR, "head"))
+    found = sites_of(cfg, every_target(cfg))
     base, adapters = jax.device_get(random_params(cfg)), randomized(found, 1)
     s = lora.scale(8.0, 4, rslora=False)
     merged = lora.merge(base, adapters, s)
@@ -84,6 +91,19 @@ def test_at_init_the_adapted_model_is_the_base_exactly() -> None:
     tokens = np.arange(8)[None] % cfg.vocab_size
     model = GPT(cfg)
     np.testing.assert_array_equal(model.apply({"params": lora.merge(base, adapters, 2.0)}, tokens),
+                                  model.apply({"params": base}, tokens))
+
+
+def test_the_token_table_adapter_starts_as_peft_embedding_with_the_model_unchanged() -> None:
+    cfg = MODELS["gqa"]
+    (site,) = sites_of(cfg, ("embed",), rank=3)
+    assert site.path == ("wte",) and site.a_shape == (cfg.vocab_size, 3) and site.a_names == ("vocab", "lora")
+    assert site.b_shape == (3, cfg.n_embd) and site.b_names == ("lora", "embed")
+    ab = nn.unbox(lora.init_adapters([site], jax.random.key(0)))["wte"]["embed"]
+    assert not np.asarray(ab["lora_a"]).any() and 0.8 < np.asarray(ab["lora_b"]).std() < 1.2  # A zero, B N(0, 1)
+    base, tokens = random_params(cfg), np.arange(8)[None] % cfg.vocab_size
+    model = GPT(cfg)
+    np.testing.assert_array_equal(model.apply({"params": lora.overlay(base, {"wte": {"embed": ab}}, 2.0)}, tokens),
                                   model.apply({"params": base}, tokens))
 
 

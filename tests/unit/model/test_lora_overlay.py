@@ -8,21 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.models import prompts, random_params
-from test_lora import MODELS, randomized, sites_of
+from test_lora import MODELS, every_target, randomized, sites_of
 
 from jaxgpt.model import lora
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.gpt import GPT
 
 
-def targets_of(cfg) -> tuple[str, ...]:
-    return () if cfg.tie_embeddings else (*lora.LINEAR, "head")
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_overlay_equals_merge(name: str) -> None:
     cfg = MODELS[name]
-    base, adapters, s = random_params(cfg), randomized(sites_of(cfg, targets_of(cfg)), 1), 0.7
+    base, adapters, s = random_params(cfg), randomized(sites_of(cfg, every_target(cfg)), 1), 0.7
     tokens = prompts(cfg, 8)
     model = GPT(cfg)
     merged = model.apply({"params": lora.merge(base, adapters, s)}, tokens)
@@ -34,8 +30,9 @@ def test_overlay_equals_merge(name: str) -> None:
 
 def test_overlay_puts_entries_beside_kernels_without_copying_them() -> None:
     cfg = MODELS["scanned"]
-    base, adapters = random_params(cfg), randomized(sites_of(cfg), 1)
+    base, adapters = random_params(cfg), randomized(sites_of(cfg, every_target(cfg)), 1)
     out = lora.overlay(base, adapters, 2.0, dropout=0.1, key=jax.random.key(0))
+    assert out["wte"]["embedding"] is base["wte"]["embedding"] and set(out["wte"]["embed"]) == {"lora_a", "lora_b"}
     qkv = out["h"]["attn"]["qkv"]
     assert qkv["kernel"] is base["h"]["attn"]["qkv"]["kernel"] and set(qkv) >= {"kernel", "q", "k", "v"}
     np.testing.assert_array_equal(qkv["q"]["lora_b"], 2.0 * adapters["h"]["attn"]["qkv"]["q"]["lora_b"])
@@ -79,7 +76,7 @@ def stack(adapter_list: list[dict], rows: np.ndarray) -> dict:
 def test_stacked_adapters_of_different_ranks_equal_each_merged_model_row_by_row(name: str) -> None:
     cfg = MODELS[name]
     scales = (0.5, 1.0, 2.0)
-    adapters = [randomized(sites_of(cfg, targets_of(cfg), rank=r), seed) for seed, r in enumerate((2, 4, 3))]
+    adapters = [randomized(sites_of(cfg, every_target(cfg), rank=r), seed) for seed, r in enumerate((2, 4, 3))]
     base, model = random_params(cfg), GPT(cfg)
     rows = np.zeros((4, 3), np.float32)
     rows[[0, 1, 2], [2, 0, 1]] = 1.0  # rows 0..2 use adapters 2, 0, 1; row 3 the base alone
@@ -95,7 +92,7 @@ def test_stacked_adapters_of_different_ranks_equal_each_merged_model_row_by_row(
 @pytest.mark.parametrize("name", ["fused", "scanned"])
 def test_cached_decoding_with_overlaid_adapters_equals_the_merged_model(name: str) -> None:
     cfg = MODELS[name]
-    base, adapters, s = random_params(cfg), randomized(sites_of(cfg), 3), 1.5
+    base, adapters, s = random_params(cfg), randomized(sites_of(cfg, every_target(cfg)), 3), 1.5
     model, tokens = GPT(cfg), prompts(cfg, 6)
 
     def decode(params: dict) -> np.ndarray:
