@@ -59,7 +59,7 @@ from tqdm import tqdm
 from jaxgpt.data.batches import bucket
 from jaxgpt.errors import UserError
 from jaxgpt.generate import seq2seq
-from jaxgpt.generate.adapters import Stack, beside, one_hot
+from jaxgpt.generate.adapters import Stack, beside, columns_of
 from jaxgpt.generate.checks import check_request
 from jaxgpt.generate.decode_weights import decoding_weights
 from jaxgpt.generate.sampling import cache_slots
@@ -156,7 +156,8 @@ class Engine:
         else:
             self.params = beside(decoding_weights(params, cfg, None, output_major=False)[0], adapters)
             self.cfg, model, self.specials = cfg, cfg, None
-            self._empty = lambda: jax.device_put(empty_slots(cfg, slots, adapters=len(adapters or ())), self.home)
+            columns = adapters.width if adapters else 0
+            self._empty = lambda: jax.device_put(empty_slots(cfg, slots, adapter_columns=columns), self.home)
         self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
         self.banned, self.vocab_size = model.pad_id, model.vocab_size
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.vocab_size else None
@@ -191,7 +192,7 @@ class Engine:
         if self.specials is None:
             zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
                            np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool),
-                           one_hot(self.adapters, None))
+                           columns_of(self.adapters, None))
             for P in sorted({bucket(n, self.cfg.block_size) for n in lengths}):
                 self.state, _, _ = prefill_slot(self.params, self.state, np.int32(0), np.zeros((1, P), np.int32),
                                                 np.int32(1), zero, cfg=self.cfg, score=False, **limits)
@@ -288,7 +289,7 @@ class Engine:
         bias_V[list(r.logit_bias)] = list(r.logit_bias.values())
         end_V[list(ends)] = True
         setting = Setting(jax.random.key(r.seed), np.float32(r.temperature), np.float32(r.top_p),
-                          np.int32(r.max_new_tokens), bias_V, end_V, one_hot(self.adapters, r.adapter))
+                          np.int32(r.max_new_tokens), bias_V, end_V, columns_of(self.adapters, r.adapter))
         limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
         T, scored = len(r.prompt), None
         if self.specials is not None:  # the source, padded to src_block_size (the encoder masks padding)

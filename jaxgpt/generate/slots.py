@@ -19,9 +19,9 @@ picks the next from the logits that come out. Token i of a request draws its noi
 greedy at temperature 0, top-p only below 1: `generate`'s sampling, so a seeded request samples what `generate`
 samples for its prompt alone (up to float rounding in the different batching of the products).
 
-With LoRA adapters served (`jaxgpt.generate.adapters`), each slot also holds the one-hot of its request's adapter
-(`adapter_SN`), and the prefill and every decode step lay that row's `rows` beside the stacked adapters in the
-parameters, so one program decodes rows of any mix of adapters and of the base.
+With LoRA adapters served (`jaxgpt.generate.adapters`), each slot also holds the mask of its request's adapter's
+rank columns (`adapter_SR`), and the prefill and every decode step lay that row's `rows` beside the stacked adapters
+in the parameters, so one program decodes rows of any mix of adapters and of the base.
 
 What the busy slots' settings need (`Needs`: a logit bias, noise, the nucleus sort, log-probabilities) is
 static: a chunk of greedy requests draws no noise, one without biases adds no (rows, V) bias, and one whose
@@ -66,7 +66,7 @@ class Slots(NamedTuple):
     bias_SV: Array  # each slot's logit_bias, added to its logits before the pick
     end_SV: Array  # bool: the tokens that end each slot (end-of-text unless ignored, its stop ids)
     memory: Any = None  # encoder-decoders: each slot's source mask (S, 1, L) and cross-attention keys/values
-    adapter_SN: Any = None  # with N LoRA adapters served: the one-hot of each slot's (zeros: the base alone)
+    adapter_SR: Any = None  # with LoRA adapters served: each slot's mask over their rank columns (0s: the base)
 
 
 class Setting(NamedTuple):
@@ -78,7 +78,7 @@ class Setting(NamedTuple):
     max_new_tokens: Array
     bias_V: Array
     end_V: Array
-    adapter_N: Array | None = None  # with adapters served: the one-hot of the request's (`adapters.Stack.row`)
+    adapter_R: Array | None = None  # with adapters served: the request's mask (`adapters.columns_of`)
 
 
 class Needs(NamedTuple):
@@ -100,9 +100,10 @@ class Picked(NamedTuple):
     top_id: Array | None = None
 
 
-def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None, adapters: int = 0) -> Slots:
+def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None, adapter_columns: int = 0) -> Slots:
     """Every slot free (ended), its cache zeroed; `memory`: an encoder-decoder's per-slot source state;
-    `adapters`: how many LoRA adapters are served (0: none, no adapter state)."""
+    `adapter_columns`: the rank columns of the LoRA adapters served (`adapters.Stack.width`; 0: none, no adapter
+    state)."""
     model = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
     V = model.vocab_size
     cache = jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), init_cache(model, 1))
@@ -110,7 +111,7 @@ def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None
     return Slots(cache, zeros(), zeros(), zeros(), zeros(), jnp.ones(slots, bool),
                  jax.random.split(jax.random.key(0), slots), jnp.zeros(slots, jnp.float32),
                  jnp.ones(slots, jnp.float32), jnp.zeros((slots, V), jnp.float32), jnp.zeros((slots, V), bool), memory,
-                 jnp.zeros((slots, adapters), jnp.float32) if adapters else None)
+                 jnp.zeros((slots, adapter_columns), jnp.float32) if adapter_columns else None)
 
 
 def row_noise(key_B: Array, step_B: Array, V: int) -> Array:
@@ -156,7 +157,7 @@ def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Ar
                   put(state.key_S, setting.key), put(state.temperature_S, setting.temperature),
                   put(state.top_p_S, setting.top_p), put(state.bias_SV, setting.bias_V),
                   put(state.end_SV, setting.end_V), jax.tree.map(put, state.memory, memory),
-                  jax.tree.map(put, state.adapter_SN, setting.adapter_N))
+                  jax.tree.map(put, state.adapter_SR, setting.adapter_R))
     return state, Picked(tok_1, lp_1, top_lp_1K, top_id_1K)
 
 
@@ -170,7 +171,7 @@ def prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array
     positions keep an earlier request's keys, which its decode steps never see (they read positions below its
     length) and overwrite as it goes."""
     P = prompt_1P.shape[1]
-    params = with_rows(params, setting.adapter_N, cfg)  # (the request's adapter, when adapters are served)
+    params = with_rows(params, setting.adapter_R, cfg)  # (the request's adapter, when adapters are served)
     logits_1PV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1, P), 0, False, last_only=False)
     state, first = _start(state, s, cache, logits_1PV[0, T - 1], T, setting, None, banned, vocab_limit)
     return state, first, logprobs(logits_1PV[0, :-1], prompt_1P[0, 1:]) if score else None
@@ -254,14 +255,14 @@ def _advance(params: Any, st: Slots, noise_BV: Array | None, *, cfg: ModelConfig
     span = jax.tree.leaves(st.cache)[0].shape[-2]
     index_B = jnp.minimum(st.length_S, span - 1)  # a free slot's (stale) length never runs past the cache
 
-    def decode_one(tok: Array, cache: Any, index: Array, memory: Any, adapter_N: Array | None) -> tuple[Array, Any]:
+    def decode_one(tok: Array, cache: Any, index: Array, memory: Any, adapter_R: Array | None) -> tuple[Array, Any]:
         if isinstance(cfg, Seq2SeqConfig):
             logits_1V, cache = seq2seq._step(params, cfg, tok[None], cache, index, memory[1], memory[0])
             return logits_1V[0], cache
-        logits_11V, cache = _decode(cfg, with_rows(params, adapter_N, cfg), tok[None, None], cache, index, False)
+        logits_11V, cache = _decode(cfg, with_rows(params, adapter_R, cfg), tok[None, None], cache, index, False)
         return logits_11V[0, 0], cache
 
-    logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory, st.adapter_SN)
+    logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory, st.adapter_SR)
     tok_B = pick_rows(logits_BV + st.bias_SV if needs.bias else logits_BV, noise_BV, st.temperature_S, st.top_p_S,
                       needs.nucleus, banned, vocab_limit)
     live_B = ~st.done_S

@@ -276,8 +276,8 @@ def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1
     with the adapter's leading (layers) axis, so scanned layers slice them like the kernels and every layer and
     target drops its own units; the token table's adapter has none (its input is ids, and PEFT's Embedding drops
     nothing either). The key travels in the tree rather than as the model's dropout rng because the tasks
-    pass that rng only to models with dropout of their own. Stacked entries (A (N, *in, r) beside "rows") have their
-    scales folded in by the stacker: s = 1.
+    pass that rng only to models with dropout of their own. Stacked entries (several adapters packed along the rank
+    axis, "rows" beside them) have their scales folded in by the stacker: s = 1.
     """
     out = dict(params)
     for i, (module, target, ab) in enumerate(adapter_leaves(adapters)):
@@ -294,25 +294,26 @@ def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1
 
 def embed_adapter(ids: Array, entry: Mapping[str, Any], dtype: str) -> Array:
     """The token table adapter's rows for `ids`: A[ids] (s B), (*ids, C) in float32 (B scaled by `overlay`): the
-    lookup of the merged table E + s A B less E's own rows. The stacked form (A (N, V, r), B (N, r, C), "rows"
-    (Bt, N), as `project_adapters` takes it) gives each row of ids (Bt, T) its own adapter's."""
+    lookup of the merged table E + s A B less E's own rows. The stacked form (adapters packed along the rank axis,
+    "rows" (Bt, r) each row's mask over their columns, as `project_adapters` takes it) gives each row of ids (Bt, T)
+    its own adapter's."""
     a, b = entry["lora_a"].astype(dtype), entry["lora_b"].astype(dtype)
-    dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    if "rows" not in entry:
-        return dot("...r,rc->...c", jnp.take(a, ids, axis=0), b)
-    return dot("nbtr,bn,nrc->btc", jnp.take(a, ids, axis=1), entry["rows"].astype(dtype), b)
+    a_ids = jnp.take(a, ids, axis=0)
+    if "rows" in entry:
+        a_ids = a_ids * entry["rows"].astype(dtype)[:, None, :]
+    return jnp.einsum("...r,rc->...c", a_ids, b, preferred_element_type=jnp.float32)
 
 
 def attend_adapter(h: Array, entry: Mapping[str, Any], dtype: str) -> Array:
     """A tied head's logits from the token table adapter: h (s B)^T A^T, (..., V) in float32, so the head reads
     the merged table E + s A B as a merged model's does (and PEFT's with ensure_weight_tying); stacked, h (Bt, T, C)
-    row by row through its own adapter."""
+    row by row through its own adapter's rank columns."""
     a, b = entry["lora_a"].astype(dtype), entry["lora_b"].astype(dtype)
     dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    if "rows" not in entry:
-        return dot("...r,vr->...v", dot("...c,rc->...r", h.astype(dtype), b).astype(dtype), a)
-    hb = dot("btc,nrc->btnr", h.astype(dtype), b).astype(dtype)
-    return dot("btnr,bn,nvr->btv", hb, entry["rows"].astype(dtype), a)
+    hb = dot("...c,rc->...r", h.astype(dtype), b)
+    if "rows" in entry:
+        hb = hb * entry["rows"][:, None, :]
+    return dot("...r,vr->...v", hb.astype(dtype), a)
 
 
 def slot_of(module: str, target: str) -> int | None:
@@ -320,25 +321,27 @@ def slot_of(module: str, target: str) -> int | None:
     return next(dict(t)[target] for (_, m), t in MODULES.items() if m == module and target in dict(t))
 
 
-def _letters(spec: str, n: int) -> str:
-    """`n` einsum letters that `spec` does not use (the rank and adapter axes)."""
-    return "".join([c for c in "rnzyxwvu" if c not in spec][:n])
+def _rank_letter(spec: str) -> str:
+    """An einsum letter for the rank axis that `spec` does not use."""
+    return next(c for c in "rzyxwvu" if c not in spec)
 
 
 def project_adapters(spec: str, module: str, x: Array, y: Array, entries: Mapping[str, Any], dtype: str) -> Array:
     """y (the projection `einsum(spec, x, W) + b`) plus each adapter entry's (x A) B in its slot: `EinsumDense`'s
     unmerged LoRA (the module docstring; the entries as `overlay` or a stacker leave them).
 
-    Single form A (*in, r), B (r, *out). Stacked form A (N, *in, r), B (N, r, *out) and "rows" (Bt, N): x A is
-    computed for every adapter and masked by each row's one-hot, then contracted with B over (n, r), so each
-    adapter's weights are read once per call whatever the batch. Products run in the compute `dtype` with float32
-    accumulation; an entry's "dropout" rate drops x before A, with its own "dropout_key" (`overlay`).
+    Single form A (*in, r), B (r, *out). Stacked form (N adapters served in one batch): the same shapes with the
+    adapters packed side by side along the rank axis (r = the sum of their ranks) and "rows" (Bt, r), each row's
+    mask over those columns (1 on its own adapter's, all 0 for the base alone), which multiplies x A before B: one
+    product as wide as the ranks together, nothing padded, every adapter's weights read once per call whatever the
+    mix of rows. Products run in the compute `dtype` with float32 accumulation; an entry's "dropout" rate drops x
+    before A, with its own "dropout_key" (`overlay`).
     """
     x_axes, k_axes = spec.split("->")[0].split(",")
     out_axes = spec.split("->")[1]
     n_in = sum(a in x_axes for a in k_axes)
     free = "".join(a for a in x_axes if a not in k_axes)
-    r, n = _letters(spec, 2)
+    r = _rank_letter(spec)
     dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
     for target, entry in entries.items():
         slot = slot_of(module, target)
@@ -350,13 +353,10 @@ def project_adapters(spec: str, module: str, x: Array, y: Array, entries: Mappin
             kept = jax.random.bernoulli(jax.random.wrap_key_data(entry["dropout_key"]), keep, x.shape)
             xt = jnp.where(kept, x / keep.astype(x.dtype), 0)
         a, b = entry["lora_a"].astype(dtype), entry["lora_b"].astype(dtype)
-        if "rows" in entry:
-            xa = dot(f"{x_axes},{n}{k_axes[:n_in]}{r}->{free}{n}{r}", xt.astype(dtype), a)
-            rows = entry["rows"].reshape(x.shape[0], *(1,) * (len(free) - 1), -1, 1)
-            d = dot(f"{free}{n}{r},{n}{r}{rest}->{y_axes}", (xa * rows).astype(dtype), b)
-        else:
-            xa = dot(f"{x_axes},{k_axes[:n_in]}{r}->{free}{r}", xt.astype(dtype), a)
-            d = dot(f"{free}{r},{r}{rest}->{y_axes}", xa.astype(dtype), b)
+        xa = dot(f"{x_axes},{k_axes[:n_in]}{r}->{free}{r}", xt.astype(dtype), a)
+        if "rows" in entry:  # the stacked form: each row keeps its own adapter's rank columns
+            xa = xa * entry["rows"].reshape(x.shape[0], *(1,) * (len(free) - 1), -1)
+        d = dot(f"{free}{r},{r}{rest}->{y_axes}", xa.astype(dtype), b)
         if slot is None:
             y = y + d.astype(y.dtype)
         else:

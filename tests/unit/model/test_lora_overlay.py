@@ -50,24 +50,28 @@ def test_without_adapters_the_model_is_bit_identical() -> None:
                                   model.apply({"params": base}, tokens))
 
 
-def stack(adapter_list: list[dict], rows: np.ndarray) -> dict:
-    """N single adapters (scales folded into B) as one stacked tree: ranks padded with zeros to the largest, the
-    adapter axis after scanned layers' L axis, "rows" (L, Bt, N) there."""
-    r = max(ab["lora_a"].shape[-1] for ad in adapter_list for _, _, ab in lora.adapter_leaves(ad))
+def stack(adapter_list: list[dict], adapter_B: list[int | None]) -> dict:
+    """N single adapters (scales folded into B) as one stacked tree: packed side by side along the rank axis, and
+    "rows" (Bt, sum of ranks) masking row b onto adapter `adapter_B[b]`'s columns (None: none), with scanned
+    layers' L axis first."""
+    ranks = [next(ab for _, _, ab in lora.adapter_leaves(ad))["lora_a"].shape[-1] for ad in adapter_list]
+    starts = np.cumsum([0, *ranks])
+    rows = np.zeros((len(adapter_B), starts[-1]), np.float32)
+    for row, n in enumerate(adapter_B):
+        if n is not None:
+            rows[row, starts[n]:starts[n + 1]] = 1.0
     out: dict = {}
     for module, target, _ in lora.adapter_leaves(adapter_list[0]):
         a_s, b_s = [], []
         for ad in adapter_list:
             ab = next(e for m, t, e in lora.adapter_leaves(ad) if (m, t) == (module, target))
-            a, b = np.asarray(ab["lora_a"]), np.asarray(ab["lora_b"])
-            lead = a.ndim - (2 if module[-1] == "out" else 1) - 1  # scanned layers' L axis stays first
-            pad = r - a.shape[-1]
-            a_s.append(np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]))
-            b_s.append(np.pad(b, [(0, 0)] * lead + [(0, pad)] + [(0, 0)] * (b.ndim - lead - 1)))
+            a_s.append(np.asarray(ab["lora_a"]))
+            b_s.append(np.asarray(ab["lora_b"]))
+        lead = a_s[0].ndim - (2 if module[-1] == "out" else 1) - 1  # scanned layers' L axis stays first
         node = out
         for name in module:
             node = node.setdefault(name, {})
-        node[target] = {"lora_a": np.stack(a_s, lead), "lora_b": np.stack(b_s, lead),
+        node[target] = {"lora_a": np.concatenate(a_s, -1), "lora_b": np.concatenate(b_s, lead),
                         "rows": np.broadcast_to(rows, (*a_s[0].shape[:lead], *rows.shape))}
     return out
 
@@ -78,12 +82,11 @@ def test_stacked_adapters_of_different_ranks_equal_each_merged_model_row_by_row(
     scales = (0.5, 1.0, 2.0)
     adapters = [randomized(sites_of(cfg, every_target(cfg), rank=r), seed) for seed, r in enumerate((2, 4, 3))]
     base, model = random_params(cfg), GPT(cfg)
-    rows = np.zeros((4, 3), np.float32)
-    rows[[0, 1, 2], [2, 0, 1]] = 1.0  # rows 0..2 use adapters 2, 0, 1; row 3 the base alone
+    uses = (2, 0, 1, None)  # rows 0..2 use adapters 2, 0, 1; row 3 the base alone
     folded = [lora.overlay({}, ad, s) for ad, s in zip(adapters, scales, strict=True)]
     tokens = prompts(cfg, 8, batch=4)
-    out = np.asarray(model.apply({"params": lora.overlay(base, stack(folded, rows), 1.0)}, tokens))
-    for row, n in enumerate((2, 0, 1, None)):
+    out = np.asarray(model.apply({"params": lora.overlay(base, stack(folded, list(uses)), 1.0)}, tokens))
+    for row, n in enumerate(uses):
         params = base if n is None else lora.merge(base, adapters[n], scales[n])
         expected = np.asarray(model.apply({"params": params}, tokens[row:row + 1]))[0]
         np.testing.assert_allclose(out[row], expected, rtol=1e-4, atol=1e-4)
