@@ -91,7 +91,9 @@ class Core:
             self._send(front, {})
         while self.front_ends:
             by_conn = {front.conn: front for front in self.front_ends}
-            for conn in wait(list(by_conn)):
+            # a timeout, so that this thread runs a SIGTERM handler that Python could only flag (a signal taken by
+            # another of the process's threads does not interrupt this wait; seen as a server that never stopped)
+            for conn in wait(list(by_conn), timeout=1.0):
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):  # that front end has exited
