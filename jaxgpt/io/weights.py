@@ -360,11 +360,18 @@ def fit_architecture(source: str, cfg: ModelConfig, defaults: Mapping[str, Any],
     return have.replace(**runtime, block_size=min(cfg.block_size, have.block_size)), tokenizer_meta
 
 
-def _crop_positions(params: dict, have: ModelConfig, cfg: ModelConfig) -> dict:
-    """A learned position table cut to `cfg`'s shorter context (positions beyond it are never used)."""
-    if cfg.block_size >= have.block_size or have.position != "learned" or "wpe" not in params:
-        return params
-    return {**params, "wpe": {"embedding": params["wpe"]["embedding"][:cfg.n_positions]}}
+def as_run_params(weights: Weights, cfg: ModelConfig) -> dict:
+    """`weights`' parameters as a run of `cfg` holds them: a classifier's head dropped, a learned position table
+    cut to `cfg`'s shorter context (positions beyond it are never used), layers scanned or listed as `cfg` has
+    them. One rule for fine-tuning's start (`load_for`) and for serving's check that an adapter was trained on
+    these weights (their content hash as the run held them)."""
+    params = {k: v for k, v in weights.params.items() if k != "cls_head"}
+    have = weights.model
+    if cfg.block_size < have.block_size and have.position == "learned" and "wpe" in params:
+        params = {**params, "wpe": {"embedding": params["wpe"]["embedding"][:cfg.n_positions]}}
+    if have.scan_layers != cfg.scan_layers:
+        params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else unstack_layers(params, cfg.n_layer)
+    return params
 
 
 def load_for(source: str, cfg: ModelConfig) -> Weights:
@@ -382,7 +389,4 @@ def load_for(source: str, cfg: ModelConfig) -> Weights:
         shown = ", ".join(f"{k}: run {want[k]!r} vs weights {have[k]!r}" for k in diff)
         raise UserError(f"init_from {source} has a different architecture ({shown}): set these model keys to "
                         "the weights' values")
-    params = _crop_positions({k: v for k, v in weights.params.items() if k != "cls_head"}, weights.model, cfg)
-    if weights.model.scan_layers != cfg.scan_layers:
-        params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else unstack_layers(params, cfg.n_layer)
-    return dataclasses.replace(weights, params=params, model=cfg)
+    return dataclasses.replace(weights, params=as_run_params(weights, cfg), model=cfg)

@@ -99,13 +99,9 @@ def _from_run(name: str, directory: str, base: weights.Weights) -> Adapter:
 
 @functools.cache
 def _as_trained(base: weights.Weights, cfg: ModelConfig) -> str:
-    """The content hash of the served base as a LoRA run of `cfg` held it: its position table cropped to the
-    run's context (`weights.load_for`'s rule, used from its one home), its layers scanned or listed as the run's.
-    Once per distinct run config: hashing every weight takes a while on a large base."""
-    params = {k: v for k, v in base.params.items() if k != "cls_head"}
-    params = weights._crop_positions(params, base.model, cfg)
-    if cfg.scan_layers != base.model.scan_layers:
-        params = stack_layers(params, cfg.n_layer) if cfg.scan_layers else unstack_layers(params, cfg.n_layer)
+    """The content hash of the served base as a LoRA run of `cfg` held it (`weights.as_run_params`, fine-tuning's
+    rule). Once per distinct run config: hashing every weight takes a while on a large base."""
+    params = weights.as_run_params(base, cfg)
     return lora.digest(jax.device_get(params))
 
 
