@@ -248,11 +248,11 @@ class Encoded:
 def encode_conversation(tokenizer: WithSpecialTokens, messages: Conversation) -> Encoded:
     """Ids of `messages` in the chat format, equal to encoding CHAT_TEMPLATE's rendering (no generation prompt)."""
     end_id = tokenizer.special_ids[END]
-    ids: list[int] = []
-    assistant: list[bool] = []
+    ids = list(tokenizer.prefix)
+    assistant = [False] * len(ids)
     turn_ends = []
     for m in messages:
-        content = tokenizer.encode(m["content"])
+        content = tokenizer.encode_continuation(m["content"])
         ids += [tokenizer.special_ids[ROLE_TOKENS[m["role"]]], *content, end_id]
         mine = m["role"] == "assistant"
         assistant += [False] + [mine] * (len(content) + 1)

@@ -242,7 +242,8 @@ class WithSpecialTokens(Tokenizer):
     chat template rendered to text (`jaxgpt.data.conversations`) encodes to the ids the model was fine-tuned on,
     whichever tokenizer is underneath (characters, words or GPT-2 BPE), and `decode` writes each back as its
     literal. The text between special tokens is encoded by the base tokenizer piece by piece, which is what
-    tiktoken does with its own special tokens, so one code path serves all three tokenizers.
+    tiktoken does with its own special tokens, so one code path serves every tokenizer; what the base puts before
+    a whole text (`prefix`: a Llama-style BOS) starts the whole text once, not each piece.
     """
 
     def __init__(self, base: Tokenizer, specials: Sequence[str]) -> None:
@@ -257,13 +258,17 @@ class WithSpecialTokens(Tokenizer):
         self.eot_token = base.eot_token
         self.unk_token = base.unk_token
         self.special_ids = {t: base.vocab_size + i for i, t in enumerate(specials)}
+        self.prefix = base.encode_with_prefix("")[0]
         # Longest first, so that a special token that is a prefix of another never splits it.
         self._split = re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
 
     def encode_array(self, text: str) -> np.ndarray:
-        pieces = [np.array([self.special_ids[piece]], np.int64) if i % 2 else self.base.encode_array(piece)
-                  for i, piece in enumerate(self._split.split(text)) if piece]
-        return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
+        own = self.encode_continuation(text)
+        return np.array(own if own[:len(self.prefix)] == self.prefix else [*self.prefix, *own], np.int64)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return [i for n, piece in enumerate(self._split.split(text)) if piece
+                for i in ([self.special_ids[piece]] if n % 2 else self.base.encode_continuation(piece))]
 
     def decode(self, ids: Sequence[int]) -> str:
         _check_ids(ids, self.vocab_size)
