@@ -5,9 +5,10 @@ format, `{"prompt": ..., "chosen": ..., "rejected": ...}` (or a Hub dataset of t
 `hf:NAME[:SUBSET[:SPLIT]]`, read with `datasets`: `hub_pairs`), either as text (the prompt a user turn, each reply an
 assistant turn) or as conversations: the prompt a list of messages (an optional system message, user and assistant
 turns alternating, ending with the user's) and each reply a list of one assistant message. Both are rendered in the
-run's chat format (`encode_conversation`, what SFT trains on and `jaxgpt serve` renders), the prompt followed by
-`<|assistant|>`, each reply by its end token. A bad line is one UserError FILE:LINE: not JSON, a missing, empty or
-malformed prompt or reply, or a chosen reply equal to the rejected one (a Hub dataset's: SPEC row N).
+run's chat format (`encode_chat`: jaxgpt's or the model's own template, what SFT trains on and `jaxgpt serve`
+renders), the prompt followed by the generation prompt, each reply by its end-of-turn token. A bad line is one
+UserError FILE:LINE: not JSON, a missing, empty or malformed prompt or reply, or a chosen reply equal to the rejected
+one (a Hub dataset's: SPEC row N).
 
 Only the replies' tokens carry the loss. A pair longer than the context (`model.block_size` + 1 ids) is cut as TRL
 cuts it, the prompt first: to `max_prompt_length` tokens (its last with truncation_mode "keep_end", its first with
@@ -38,13 +39,13 @@ from jaxgpt.data.conversations import (
     Conversations,
     builtin_conversations,
     conversation_error,
-    encode_conversation,
     jsonl_objects,
     split_held_out,
 )
 from jaxgpt.data.hub import hub_rows
+from jaxgpt.data.model_chat import encode_chat
 from jaxgpt.data.streams import PREFERENCE_STREAM
-from jaxgpt.data.tokenizer import WithSpecialTokens
+from jaxgpt.data.tokenizer_base import Tokenizer
 from jaxgpt.errors import UserError
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
@@ -214,16 +215,19 @@ class EncodedPair:
     cut: bool  # the pair was longer than the context
 
 
-def encode_pair(tokenizer: WithSpecialTokens, pair: Pair, limit: int, max_prompt_length: int,
+def encode_pair(tokenizer: Tokenizer, pair: Pair, limit: int, max_prompt_length: int,
                 truncation_mode: str) -> EncodedPair:
-    """The pair's ids in the chat format, cut to `limit` ids per sequence (the module docstring); a reply the
-    tokenizer cannot write, or a prompt that leaves no room, is a UserError naming the pair."""
+    """The pair's ids in the run's chat format (jaxgpt's or the model's own template: `encode_chat`), cut to
+    `limit` ids per sequence (the module docstring); a reply the tokenizer cannot write, or a prompt that leaves
+    no room, is a UserError naming the pair."""
     replies = []
     try:
         for reply in (pair.chosen, pair.rejected):
-            encoded = encode_conversation(tokenizer, [*pair.prompt, {"role": "assistant", "content": reply}])
-            start = int(np.argmax(encoded.answer))  # the reply's first token: the prompt ends with <|assistant|>
-            replies.append(encoded.ids[start:].tolist())
+            encoded = encode_chat(tokenizer, [*pair.prompt, {"role": "assistant", "content": reply}])
+            # the reply: its first token (the prompt ends with the generation prompt) through its end-of-turn token
+            # (not the newline a template may write after it)
+            start, stop = np.flatnonzero(encoded.answer)[[0, -1]]
+            replies.append(encoded.ids[start:stop + 1].tolist())
     except UserError as e:
         raise UserError(f"{pair.origin}: {e}") from None
     prompt = encoded.ids[:start].tolist()

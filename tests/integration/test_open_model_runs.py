@@ -144,3 +144,40 @@ def test_eval_of_the_directory_is_transformers_loss(llama, tmp_path, capsys):
     with torch.no_grad():
         theirs = float(model(torch.as_tensor(ids[None]), labels=torch.as_tensor(ids[None])).loss)
     assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_dpo_from_the_model_renders_pairs_in_its_template_and_starts_at_ln_2(llama, tmp_path):
+    """DPO straight from the model: each pair's prompt is transformers' rendering with the generation prompt and
+    each reply runs through its end-of-turn token (not the template's newline after it); the first step's loss is
+    ln 2 (policy = reference); the run keeps the model's template, and `sample --chat` answers in it."""
+    import math
+
+    from jaxgpt.data.model_chat import ModelChat
+    from jaxgpt.data.preferences import Pair, encode_pair
+    from jaxgpt.io import weights
+
+    root, _, original = llama
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 3?"}],
+                                         "chosen": [{"role": "assistant", "content": f"It is {i + 3}."}],
+                                         "rejected": [{"role": "assistant", "content": f"It is {i + 4}."}]})
+                             + "\n" for i in range(8)))
+    workdir = tmp_path / "dpo"
+    run([sys.executable, "train.py", "--config", "configs/chat_dpo.py", f"--config.init_from=hf:{root}",
+         f"--config.dpo.data={pairs}", "--config.dpo.rpo_alpha=0", "--config.dpo.val_fraction=0.25",
+         f"--config.workdir={workdir}", "--config.batch_size=2", "--config.cpu_devices=1", "--config.max_steps=2",
+         "--config.log_interval=1", "--config.eval_interval=2", "--config.eval_batches=1"], check=True)
+    steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    first = next(m for m in steps if m["step"] == 1 and "train_loss" in m)
+    assert first["train_loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(first["train_rewards/margins"]) < 1e-5
+    assert (workdir / "chat_template.jinja").read_text() == TEMPLATE
+
+    tokenizer = ModelChat(weights.load(f"hf:{root}").tokenizer(), weights.describe_chat(f"hf:{root}"))
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    encoded = encode_pair(tokenizer, Pair(prompt, "It is 5.", "It is 6.", "pairs", "test"), 200, 0, "keep_end")
+    assert encoded.prompt == original.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]
+    assert encoded.chosen == original.encode("It is 5.<|im_end|>", add_special_tokens=False)
+    chat = run([sys.executable, "sample.py", "--workdir", str(workdir), "--chat", "--temperature", "0",
+                "--max_new_tokens", "8"], input="What is 2 + 3?\n", check=True)
+    assert chat.stdout.strip()

@@ -19,7 +19,7 @@ from jaxgpt import storage
 from jaxgpt.data.conversations import SPECIAL_TOKENS
 from jaxgpt.data.preferences import Pair
 from jaxgpt.data.streams import REJECTED_STREAM
-from jaxgpt.data.tokenizer import WithSpecialTokens
+from jaxgpt.data.tokenizer_base import Tokenizer
 from jaxgpt.generate.engine import generate_many
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.prompts import Prompt
@@ -39,7 +39,7 @@ def saved_rejections(workdir: str, n: int) -> list[str] | None:
     return replies if len(replies) == n else None
 
 
-def sample_rejections(pairs: list[Pair], params: Any, model_cfg: ModelConfig, tokenizer: WithSpecialTokens,
+def sample_rejections(pairs: list[Pair], params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer,
                       end_id: int, seed: int, slots: int) -> list[str]:
     """Each pair's rejected reply: the model's own sampled reply when it is wrong, else the pair's (corrupted) one."""
     prompts = [Prompt(p.prompt, p.chosen, p.kind, p.origin) for p in pairs]

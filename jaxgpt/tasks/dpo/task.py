@@ -33,8 +33,9 @@ import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
-from jaxgpt.data.conversations import CHAT_TEMPLATE, END, SPECIAL_TOKENS, TEMPLATE_FILE
+from jaxgpt.data.conversations import TEMPLATE_FILE
 from jaxgpt.data.hub import HUB_SPEC
+from jaxgpt.data.model_chat import chat_format
 from jaxgpt.data.preferences import (
     REFERENCE_FREE_LOSSES,
     Pair,
@@ -96,7 +97,8 @@ class DPO:
         self.base_cfg, self.tokenizer, self.model_cfg = chat_architecture(cfg, "to write pairs with")
         self.model = GPT(self.model_cfg)
         self.tokenizer_meta = self.tokenizer.to_meta()
-        self.run_files = {TEMPLATE_FILE: CHAT_TEMPLATE}  # written into the work directory when the run starts
+        self.chat = chat_format(self.tokenizer)  # jaxgpt's chat format or the model's own template
+        self.run_files = {TEMPLATE_FILE: self.chat["template"]}  # written into the work directory when the run starts
         if d.rejected == "sampled":
             pairs, description = self._sampled(pairs, description)
         limit = self.model_cfg.block_size + 1
@@ -128,9 +130,7 @@ class DPO:
             f"max_prompt_length {d.max_prompt_length or 'none'})\nloss {d.loss_type}, beta {d.beta}; reference: "
             + ("none (reference-free)" if not self.uses_reference else
                f"{d.reference} (the starting model's log-probabilities)"))
-        self.meta = {"chat": {"special_tokens": list(SPECIAL_TOKENS), "end_token": END,
-                              "end_id": self.tokenizer.special_ids[END], "template": CHAT_TEMPLATE,
-                              "init_from": cfg.init_from, "data": description},
+        self.meta = {"chat": {**self.chat, "init_from": cfg.init_from, "data": description},
                      "dpo": {"settings": self.settings, "n_train": n_train, "n_val": n_val,
                              "train_sha256": self.sha256["train"]}}
         self._logps_program = jax.jit(lambda p, rows: jnp.stack(
@@ -233,7 +233,7 @@ class DPO:
         if rejected is None:
             with on_one_device():
                 rejected = sample_rejections(pairs, local_weights(Chat.pretrained(self)), self.model_cfg,
-                                             self.tokenizer, self.tokenizer.special_ids[END], self.cfg.seed, 64)
+                                             self.tokenizer, self.chat["end_id"], self.cfg.seed, 64)
         self.run_files[REJECTED_FILE] = rejections_file(rejected)
         own = sum(r != p.rejected for p, r in zip(pairs, rejected, strict=True))
         return with_rejections(pairs, rejected), description.replace(
