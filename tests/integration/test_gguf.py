@@ -196,3 +196,30 @@ def test_config_overrides_and_context_crop(tiny):
     params, cfg = load_gguf(GGUFFile(path), block_size=16, param_dtype="bfloat16")
     assert cfg.block_size == 16 and params["wte"]["embedding"].dtype == np.dtype("bfloat16")
     assert hf_config_to_model_config(hf_config(GGUFFile(path))).block_size == 128
+
+
+def test_dpo_starts_from_the_file_in_its_chat_template(tiny, tmp_path):
+    """DPO from a GGUF file: its pairs rendered in the file's own chat template (no token added to the vocabulary),
+    the first step's loss ln 2 (policy = reference), the template kept with the run."""
+    import json
+    import math
+
+    from helpers import train_run
+
+    from jaxgpt.train.config import base_config
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"say {w}", "chosen": "the", "rejected": w}) + "\n"
+                             for w in ("x1", "x2", "x3", "x4", "x5", "x6", "x7", "x8")))
+    c = base_config()
+    c.task, c.workdir, c.init_from = "dpo", str(tmp_path / "run"), f"gguf:{tiny[0]}"
+    c.dpo.data, c.dpo.val_fraction = str(pairs), 0.25
+    c.batch_size, c.max_steps, c.log_interval, c.eval_interval, c.eval_batches, c.cpu_devices = 2, 1, 1, 1, 1, 1
+    c.compilation_cache_dir = ""
+    train_run(c)
+    first = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                 if '"train_loss"' in line)
+    assert first["step"] == 1 and first["train_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    meta = weights.load(f"workdir:{tmp_path / 'run'}")
+    assert meta.model.vocab_size == V and "<|im_start|>assistant" in meta.meta["chat"]["template"]
+    assert (tmp_path / "run" / "chat_template.jinja").read_text() == meta.meta["chat"]["template"]
