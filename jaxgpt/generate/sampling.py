@@ -216,7 +216,7 @@ class DecodeState(NamedTuple):
 
 
 def _decode(cfg: ModelConfig, params: Any, idx_BT: Array, cache: Any, index: Array | int,
-            output_major: bool, last_only: bool = True) -> tuple[Array, Any]:
+            output_major: bool, last_only: bool | Array = True) -> tuple[Array, Any]:
     """Logits of the last position only, which is all the decode loop samples from (`params`:
     `decoding_weights`); every position's for a prompt prefilled with padding after it (`jaxgpt.generate.engine`)."""
     model = GPT(cfg, kernel_storage=kernel_storage(output_major))

@@ -145,9 +145,17 @@ def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Ar
            memory: Any, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
     """Put a prefilled request into slot `s` and pick its first token (step 0) from the prompt's last logits."""
     logits_1V = logits_V[None]
-    noise_1V = row_noise(setting.key[None], jnp.zeros(1, jnp.int32), logits_V.shape[-1])
-    tok_1 = pick_rows(logits_1V + setting.bias_V, noise_1V, setting.temperature[None], setting.top_p[None], True,
-                      banned, vocab_limit)
+
+    def pick(noise: bool, nucleus: bool) -> Array:
+        noise_1V = row_noise(setting.key[None], jnp.zeros(1, jnp.int32), logits_V.shape[-1]) if noise else None
+        return pick_rows(logits_1V + setting.bias_V, noise_1V, setting.temperature[None], setting.top_p[None],
+                         nucleus, banned, vocab_limit)
+
+    # the noise and the nucleus sort (of the whole vocabulary) only for a request that uses them, chosen on the
+    # device: one program serves every request
+    sampled = setting.temperature > 0
+    tok_1 = jax.lax.switch(sampled.astype(jnp.int32) + (sampled & (setting.top_p < 1)),
+                           [lambda: pick(False, False), lambda: pick(True, False), lambda: pick(True, True)])
     lp_1, (top_lp_1K, top_id_1K) = logprobs(logits_1V, tok_1)
     done = (setting.max_new_tokens <= 1) | setting.end_V[tok_1[0]]
     put = lambda whole, one: whole.at[s].set(one)
@@ -172,9 +180,13 @@ def prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array
     length) and overwrite as it goes."""
     P = prompt_1P.shape[1]
     params = with_rows(params, setting.adapter_R, cfg)  # (the request's adapter, when adapters are served)
-    logits_1PV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1, P), 0, False, last_only=False)
-    state, first = _start(state, s, cache, logits_1PV[0, T - 1], T, setting, None, banned, vocab_limit)
-    return state, first, logprobs(logits_1PV[0, :-1], prompt_1P[0, 1:]) if score else None
+    # Every position's logits only to score the prompt; else position T - 1's alone (the vocabulary's head over
+    # every position was the largest product of a SmolLM2 prefill, docs/benchmarks.md)
+    logits_1XV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1, P), 0, False,
+                                last_only=False if score else T - 1)
+    state, first = _start(state, s, cache, logits_1XV[0, T - 1 if score else 0], T, setting, None, banned,
+                          vocab_limit)
+    return state, first, logprobs(logits_1XV[0, :-1], prompt_1P[0, 1:]) if score else None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "bos_id", "banned", "vocab_limit"), donate_argnames=("state",))
