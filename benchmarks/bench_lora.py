@@ -14,6 +14,15 @@ reuse its buffers, so it counts once), the peak a step needs on a device; step t
 after a first one. The targets (issue 63): LoRA's peak <= 0.5x full fine-tuning's, QLoRA 4-bit's <= 0.35x, LoRA's
 step time <= 1.0x, the trainable parameters (and so their gradients and Adam moments) <= 5%.
 
+    python benchmarks/bench_lora.py --checkpoint_size            # one full and one LoRA train state on disk
+
+--checkpoint_size writes a full fine-tuning train state (every weight and its AdamW moments, the trainer's own
+optimizer) and a LoRA one (the adapters and theirs) at that shape through the runs' own checkpointer
+(`jaxgpt.io.checkpoint.Checkpointer`, orbax) into a temporary directory, and prints both sizes on disk and their
+ratio (target: LoRA's <= 5%). No step is taken: every value is drawn at random instead, as a trained state's are,
+since orbax compresses what it writes and an initialized state's zeros (the moments, LoRA's B) would take next to
+no space.
+
     python benchmarks/bench_lora.py --quality                    # full chat SFT vs LoRA chat SFT, same base and steps
 
 --quality measures what LoRA gives up instead: one base (the quick start's model, configs/stdlib_char.py, trained
@@ -23,14 +32,18 @@ learning rate), and LoRA of --rank on every linear layer of the blocks (--lora_l
 per step than a weight of its own, and B starts at zero, so it takes a larger rate; "LoRA Without Regret",
 Thinking Machines 2025, measures the best at about 10x full fine-tuning's). Both are scored on the same held-out
 conversations by the task's own evaluation: greedy exact match (every answer token the argmax, so greedy decoding
-writes the answer). It prints both, the ratio (target: LoRA >= 0.95x full SFT) and the size on disk of each run's
-last checkpoint (target: LoRA's <= 5% of full fine-tuning's).
+writes the answer). A third run (unless --lora_save is "") is the same LoRA with whole parameters trained in full
+beside the adapters (config.lora.modules_to_save, PEFT's modules_to_save) at --lora_save_lr (4e-3): on this small,
+barely pretrained base the task must relearn the token and position tables, the norms and the biases, which no
+adapter reaches. It prints each, the ratios (target: LoRA >= 0.95x full SFT) and the size on disk of each run's
+last checkpoint (target: LoRA's <= 5% of full fine-tuning's). --seed picks the SFT runs' seed (batches, init).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +62,7 @@ from jaxgpt.model.presets import get_preset
 from jaxgpt.tasks import build
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
+from jaxgpt.train.optim import OptimConfig, make_optimizer
 from jaxgpt.train.step import make_train_step
 
 
@@ -84,6 +98,25 @@ def checkpoint_bytes(workdir: Path) -> int:
     return sum(f.stat().st_size for f in Path(checkpoint_dir(workdir) / str(step)).rglob("*") if f.is_file())
 
 
+def checkpoint_sizes(states: dict[str, Any]) -> dict[str, int]:
+    """Bytes on disk of each train state (its params; the trainer's AdamW moments added here), every float drawn
+    at random (incompressible, as trained values are), saved by the runs' checkpointer into a temporary directory."""
+    tx = make_optimizer(OptimConfig())
+    rng = np.random.default_rng(0)
+    noise = lambda x: rng.standard_normal(x.shape, np.float32).astype(x.dtype) if jnp.issubdtype(
+        x.dtype, jnp.floating) and x.ndim else x
+    sizes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, params in states.items():
+            ckpt = Checkpointer(Path(tmp) / name)
+            state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(1)}
+            ckpt.save(jax.tree.map(noise, state), {})
+            ckpt.wait()
+            ckpt.close()
+            sizes[name] = checkpoint_bytes(Path(tmp) / name)
+    return sizes
+
+
 def quality(args: argparse.Namespace) -> None:
     """Full chat SFT and LoRA chat SFT from one base for the same steps: held-out exact match and checkpoint size."""
     out = Path(args.out)
@@ -91,34 +124,38 @@ def quality(args: argparse.Namespace) -> None:
         sys.exit(f"{args.out} already holds a run: give a new --out")
     base_minutes = trained(Path(args.base), "configs/stdlib_char.py", max_steps=args.base_steps,
                            **{"data.dir": args.data_dir})
+    adapters = {"lora.rank": args.rank, "lora.targets": args.lora_targets}
     runs = {"full": {"optim.lr": args.lr, "optim.min_lr": args.lr / 10},
-            "lora": {"optim.lr": args.lora_lr, "optim.min_lr": args.lora_lr / 10, "lora.rank": args.rank,
-                     "lora.targets": args.lora_targets}}
+            "lora": {"optim.lr": args.lora_lr, "optim.min_lr": args.lora_lr / 10, **adapters}}
+    if args.lora_save:
+        runs["lora_save"] = {"optim.lr": args.lora_save_lr, "optim.min_lr": args.lora_save_lr / 10, **adapters,
+                             "lora.modules_to_save": args.lora_save}
     results = {}
     for name, settings in runs.items():
         c = config("configs/chat_sft.py", workdir=str(out / name), init_from=f"workdir:{args.base}", cpu_devices=0,
                    max_steps=args.sft_steps, eval_interval=args.sft_steps, ckpt_interval=args.sft_steps,
-                   batch_size=args.sft_batch, eval_batches=args.eval_batches, **{"chat.datasets": args.datasets},
-                   **settings)
+                   batch_size=args.sft_batch, eval_batches=args.eval_batches, seed=args.seed,
+                   **{"chat.datasets": args.datasets}, **settings)
         c.optim.warmup_steps = min(c.optim.warmup_steps, args.sft_steps // 10)
         t = time.perf_counter()
         metrics = train(from_config_dict(c), build)
         results[name] = {**metrics, "minutes": (time.perf_counter() - t) / 60, "bytes": checkpoint_bytes(out / name)}
-    full, lo = results["full"], results["lora"]
+    full = results["full"]
     print(f"\nbase: configs/stdlib_char.py, {args.base_steps} steps ({base_minutes:.1f} min, 0: there); chat SFT on "
-          f"{args.datasets}: {args.sft_steps} steps of {args.sft_batch} rows, {full['val_conversations']} held-out "
-          f"conversations; {jax.devices()[0].device_kind}")
+          f"{args.datasets}: {args.sft_steps} steps of {args.sft_batch} rows, seed {args.seed}, "
+          f"{full['val_conversations']} held-out conversations; {jax.devices()[0].device_kind}")
     print("| run | learning rate | held-out exact match | per dataset | val loss | checkpoint KiB | minutes |\n"
           "|---|---|---|---|---|---|---|")
+    names = {"full": "full", "lora": f"LoRA rank {args.rank}", "lora_save": f"LoRA rank {args.rank} + {args.lora_save}"}
     for name, r in results.items():
         per = ", ".join(f"{k} {v:.2f}" for k, v in r["val_exact_match_by_dataset"].items())
-        lr = args.lr if name == "full" else args.lora_lr
-        print(f"| {name if name == 'full' else f'LoRA rank {args.rank}'} | {lr:g} | {r['val_exact_match']:.3f} | "
-              f"{per} | {r['val_loss']:.4f} | {r['bytes'] / 1024:,.0f} | {r['minutes']:.1f} |")
-    ratio = lo["val_exact_match"] / max(full["val_exact_match"], 1e-9)
-    size = lo["bytes"] / full["bytes"]
-    print(f"targets: exact match LoRA / full {ratio:.3f} >= 0.95 {'met' if ratio >= 0.95 else 'missed'}; "
-          f"checkpoint LoRA / full {size:.3f} <= 0.05 {'met' if size <= 0.05 else 'missed'}")
+        print(f"| {names[name]} | {runs[name]['optim.lr']:g} | {r['val_exact_match']:.3f} | {per} | "
+              f"{r['val_loss']:.4f} | {r['bytes'] / 1024:,.0f} | {r['minutes']:.1f} |")
+    for name in results.keys() - {"full"}:
+        ratio = results[name]["val_exact_match"] / max(full["val_exact_match"], 1e-9)
+        size = results[name]["bytes"] / full["bytes"]
+        print(f"targets, {names[name]}: exact match / full {ratio:.3f} >= 0.95 {'met' if ratio >= 0.95 else 'missed'}; "
+              f"checkpoint / full {size:.3f} <= 0.05 {'met' if size <= 0.05 else 'missed'}")
 
 
 def main() -> None:
@@ -129,6 +166,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--listed", action="store_true", help="listed layers (default: scanned, which compiles faster)")
+    p.add_argument("--checkpoint_size", action="store_true", help="a full and a LoRA train state on disk (see above)")
     p.add_argument("--quality", action="store_true", help="full chat SFT vs LoRA chat SFT from one base (see above)")
     p.add_argument("--base", default="runs/stdlib_char", help="--quality: the base run (trained here if missing)")
     p.add_argument("--base_steps", type=int, default=150)
@@ -140,10 +178,24 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3, help="--quality: full SFT's (configs/chat_sft.py's)")
     p.add_argument("--lora_lr", type=float, default=1e-2)
     p.add_argument("--lora_targets", default="", help="--quality: config.lora.targets ('': every block linear)")
+    p.add_argument("--lora_save", default="wte,wpe,ln_*,bias",
+                   help="--quality: config.lora.modules_to_save of a third run ('': none)")
+    p.add_argument("--lora_save_lr", type=float, default=4e-3)
+    p.add_argument("--seed", type=int, default=0, help="--quality: the SFT runs' seed")
     p.add_argument("--eval_batches", type=int, default=16)
     args = p.parse_args()
     if args.quality:
         return quality(args)
+    if args.checkpoint_size:
+        cfg = get_preset(args.preset).replace(scan_layers=not args.listed)
+        found = lora.sites(abstract_variables(cfg)["params"], (), args.rank)
+        sizes = checkpoint_sizes({"full": init_params(cfg, jax.random.key(0)),
+                                  "lora": nn.unbox(lora.init_adapters(found, jax.random.key(1)))})
+        ratio = sizes["lora"] / sizes["full"]
+        print(f"{args.preset}, rank {args.rank} on every linear layer of the blocks: checkpoint on disk (params + "
+              f"AdamW moments) full {sizes['full'] / 2 ** 20:,.1f} MiB, LoRA {sizes['lora'] / 2 ** 20:,.2f} MiB, "
+              f"LoRA / full {ratio:.4f} ({ratio:.2%}) <= 0.05 {'met' if ratio <= 0.05 else 'missed'}")
+        return None
     cfg = get_preset(args.preset).replace(block_size=args.block, scan_layers=not args.listed)
     model = GPT(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.batch, args.block + 1))

@@ -15,9 +15,14 @@ table's), which the export sets; an adapter on a tied table without it is refuse
 unadapted table, and its merge the adapted one). PEFT saves an adapted table's or head's base weight beside it
 (`<module>.base_layer.weight`, save_embedding_layers): read back, it is the base's, not the adapter, and is skipped.
 
-Written as vLLM accepts it: no modules_to_save, one rank and alpha for every module except that c_attn. Read back,
-a file with anything else (DoRA, modules_to_save, per-module ranks, unknown keys, other shapes) is refused with one
-line.
+Parameters a run trains in full beside its adapters (config.lora.modules_to_save) are PEFT's modules_to_save: whole
+HF modules, listed by full name in adapter_config.json and stored under their plain HF tensor names
+(`base_model.model.model.norm.weight`), which PeftModel loads into its copies of those modules. A parameter that is
+only part of an HF module (a Linear's bias without its weight), has no HF tensor, or is a tied token table (PEFT's
+copy of the table would leave the tied head reading the original) is refused in one line naming --merge.
+
+Written as vLLM accepts it: one rank and alpha for every module except that c_attn. Read back, a file with anything
+else (DoRA, modules_to_save, per-module ranks, unknown keys, other shapes) is refused with one line.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.io.hf import export_family
+from jaxgpt.io.hf_tensors import params_to_hf_tensors
 from jaxgpt.model import lora
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import stack_layers, unstack_layers
@@ -85,7 +92,8 @@ def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, A
     """Write a run's adapters (host arrays) and its config.lora `settings` (meta["lora"]) as a PEFT directory."""
     safetensors = optional_import("safetensors.numpy", "hf")
     names = module_names(cfg)
-    tensors, fused, places = {}, {}, []
+    tensors, saved_modules = _saved_modules(adapters.get(lora.SAVED, {}), cfg)
+    fused, places = {}, []
     for module, target, ab in lora.adapter_leaves(_unscanned(adapters, cfg)):
         place = names[(module, target)]
         a, b = np.asarray(ab["lora_a"], np.float32), np.asarray(ab["lora_b"], np.float32)
@@ -109,12 +117,38 @@ def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, A
               "r": settings["rank"], "lora_alpha": settings["alpha"], "use_rslora": settings["rslora"],
               "target_modules": modules, "rank_pattern": ranks, "alpha_pattern": alphas,
               "lora_dropout": settings.get("dropout", 0.0), "bias": "none",
-              "fan_in_fan_out": any(p.conv1d for p in places), "modules_to_save": None,
+              "fan_in_fan_out": any(p.conv1d for p in places), "modules_to_save": saved_modules or None,
               "use_dora": False, "inference_mode": True,
               "ensure_weight_tying": cfg.tie_embeddings and "embed" in settings.get("targets", ())}
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     safetensors.save_file(tensors, str(root / TENSORS_FILE), metadata={"format": "pt"})
     return root
+
+
+def _saved_modules(saved: dict[str, Any], cfg: ModelConfig) -> tuple[dict[str, np.ndarray], list[str]]:
+    """PEFT's tensors and modules_to_save (full HF module names) of a run's parameters trained in full (`saved`,
+    the trainable tree's `lora.SAVED` part); one that is no whole HF module is a UserError naming --merge."""
+    if not saved:
+        return {}, []
+    saved = unstack_layers(saved, cfg.n_layer) if cfg.scan_layers and "h" in saved else saved
+    paths = {tuple(k.key for k in kp) for kp, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    specs = export_family(cfg).tensor_specs(cfg)
+    by_module: dict[str, list] = {}
+    for spec in specs:
+        by_module.setdefault(spec.hf_name.rsplit(".", 1)[0], []).append(spec)
+    wanted = {module for module, group in by_module.items() if any(spec.path in paths for spec in group)}
+    fix = "PEFT's modules_to_save holds whole HF modules: export the merged model with --merge"
+    if alone := sorted(paths - {spec.path for m in wanted for spec in by_module[m]}):
+        raise UserError(f"{'/'.join(alone[0])} (trained in full) has no tensor in the Hugging Face model: {fix}")
+    for module in sorted(wanted):
+        if part := [spec for spec in by_module[module] if spec.path not in paths]:
+            raise UserError(f"modules_to_save trains part of {module} in full, not its {part[0].hf_name}: {fix}")
+        if cfg.tie_embeddings and ("wte", "embedding") in {spec.path for spec in by_module[module]}:
+            raise UserError(f"the token table is trained in full and tied to the head, which PEFT's copy of "
+                            f"{module} would leave reading the original: {fix}")
+    chosen = [spec for module in sorted(wanted) for spec in by_module[module]]
+    tensors = {f"{PREFIX}{name}": array for name, array in params_to_hf_tensors(saved, chosen).items()}
+    return tensors, sorted(wanted)
 
 
 def _fused_module(tensors: dict[str, np.ndarray], name: str, n: int, parts: dict[int, tuple]) -> int:
@@ -147,9 +181,13 @@ def read_peft(directory: str, cfg: ModelConfig, settings: lora.LoRAConfig, found
     if c.get("use_dora") or c.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{where} is a {'DoRA' if c.get('use_dora') else c.get('peft_type')} adapter: only plain LoRA "
                         "loads (train it with use_dora=False)")
-    if c.get("modules_to_save") or c.get("rank_pattern") or c.get("alpha_pattern"):
-        raise UserError(f"{where} has modules_to_save or per-module ranks (rank_pattern/alpha_pattern): only one "
-                        "rank and alpha for every module, and no fully trained modules, load")
+    if c.get("modules_to_save"):
+        raise UserError(f"{where} trains {', '.join(c['modules_to_save'])} in full beside its adapters "
+                        "(modules_to_save), which jaxgpt does not read back: merge it in peft (merge_and_unload, "
+                        "save_pretrained) and load that as hf:DIR")
+    if c.get("rank_pattern") or c.get("alpha_pattern"):
+        raise UserError(f"{where} has per-module ranks (rank_pattern/alpha_pattern): only one rank and alpha for "
+                        "every module load")
     tensors = safetensors.load_file(str(root / TENSORS_FILE))
     if cfg.tie_embeddings and not c.get("ensure_weight_tying") and any("lora_embedding_" in name for name in tensors):
         raise UserError(f"{where} adapts the token table of a model with tied embeddings without "

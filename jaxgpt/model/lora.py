@@ -12,6 +12,11 @@ layers put their L axis first on both. Every adapter axis has the kernel's logic
 which the sharding rules replicate. The token table (target "embed", PEFT's Embedding LoRA) gets A (V, r) and
 B (r, C) beside `wte/embedding`: its lookup adds A[ids] s B (`embed_adapter`), a tied head h (s B)^T A^T.
 
+Whole parameters can train in full beside the adapters (config.lora.modules_to_save, PEFT's modules_to_save: e.g.
+the token and position tables and the norms of a small base that must relearn them): the trainable tree then holds
+them under its `SAVED` key at their own paths, so they get gradients, optimizer moments and checkpoint space as the
+adapters do, and `merge` and `overlay` put them in place of the base's.
+
 Two ways to run an adapted model. `merge` writes W + s A B into the kernels: what export and loading merged weights
 read. `overlay` leaves the kernels alone and puts the adapters beside them in the parameter tree, where
 `jaxgpt.model.layers.EinsumDense` finds them and adds (x A) (s B) to its slot of the projection (`project_adapters`):
@@ -21,6 +26,7 @@ no transient copy of any kernel, LoRA dropout on x before A, and (the stacked fo
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import math
@@ -52,6 +58,7 @@ TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "head", "embed")
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # the default: every linear layer of the blocks (gate if gated)
 RANK_AXIS = "lora"
 QUANTIZE = ("int8", "nf4")  # config.lora.quantize's formats (`jaxgpt.model.quant`)
+SAVED = "modules_to_save"  # the trainable tree's key of the parameters trained in full (their paths below it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +76,16 @@ class LoRAConfig:
     dropout: float = 0.0  # PEFT's lora_dropout (its default 0 too): drops x before A, training only
     quantize: str = ""  # QLoRA: the frozen base's block kernels in "int8" (per channel) or "nf4" (`model.quant`)
     quantize_group: int = 64  # inputs per NF4 scale (bitsandbytes' 64)
+    # comma-separated parameter patterns trained in full beside the adapters (PEFT's modules_to_save): names joined
+    # by "/", each a glob, matching consecutive names of a parameter's path: "wte", "ln_*", "h_0/ln_1", "bias"
+    modules_to_save: str = ""
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise UserError(f"config.lora.rank={self.rank} must be >= 0 (0 turns LoRA off)")
-        if not self.rank and (self.targets or self.init_from or self.quantize):
-            raise UserError("config.lora.targets/init_from/quantize are set but config.lora.rank=0 (LoRA off): set "
-                            "--config.lora.rank (e.g. 16) or clear them")
+        if not self.rank and (self.targets or self.init_from or self.quantize or self.modules_to_save):
+            raise UserError("config.lora.targets/init_from/quantize/modules_to_save are set but config.lora.rank=0 "
+                            "(LoRA off): set --config.lora.rank (e.g. 16) or clear them")
         if self.quantize not in ("", *QUANTIZE):
             raise UserError(f"config.lora.quantize={self.quantize!r}: choose from {', '.join(QUANTIZE)} (or '' for a "
                             "float base)")
@@ -92,6 +102,10 @@ class LoRAConfig:
     @property
     def target_names(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+    @property
+    def save_patterns(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.modules_to_save.split(",") if t.strip())
 
 
 def input_axes(module: str) -> int:
@@ -179,6 +193,37 @@ def sites_unscanned(found: list[Site], n_layer: int) -> list[Site]:
     return out
 
 
+def _matches(pattern: str, path: tuple[str, ...]) -> bool:
+    """Whether `pattern` (names joined by "/", each a glob) names consecutive names of the parameter `path`."""
+    names = pattern.split("/")
+    return any(all(fnmatch.fnmatchcase(p, n) for p, n in zip(path[i:i + len(names)], names, strict=True))
+               for i in range(len(path) - len(names) + 1))
+
+
+def saved_params(abstract_params: Any, patterns: tuple[str, ...], found: list[Site]) -> dict[tuple[str, ...], Any]:
+    """path -> boxed abstract leaf of every parameter config.lora.modules_to_save's `patterns` name (trained in full
+    beside the adapters `found`). A pattern that matches nothing, or a weight an adapter adapts (it would train
+    twice), is a UserError."""
+    flat = {tuple(k.key for k in kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(
+        abstract_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]}
+    adapted: dict[tuple[str, ...], str] = {}
+    for s in found:
+        weight = (*s.path, weight_name(s.path[-1]))
+        adapted[weight] = f"{adapted[weight]},{s.target}" if weight in adapted else s.target
+    saved = {}
+    for pattern in patterns:
+        hits = [path for path in flat if _matches(pattern, path)]
+        if not hits:
+            raise UserError(f"config.lora.modules_to_save's {pattern!r} matches no parameter of this model (they are "
+                            f"named like {', '.join('/'.join(p) for p in list(flat)[-3:])}): fix or drop it")
+        if clash := [path for path in hits if path in adapted]:
+            raise UserError(f"config.lora.modules_to_save's {pattern!r} matches {'/'.join(clash[0])}, which LoRA "
+                            f"adapts ({adapted[clash[0]]}): narrow the pattern or drop {adapted[clash[0]]} from "
+                            "config.lora.targets")
+        saved.update({path: flat[path] for path in hits})
+    return saved
+
+
 def init_adapters(found: list[Site], key: jax.Array) -> dict[str, Any]:
     """Adapters boxed with logical names (`nn.LogicallyPartitioned`, as `nn.with_logical_partitioning` boxes):
     A uniform within 1/sqrt(fan_in) and B zero, PEFT's default; the token table's as PEFT's Embedding starts it
@@ -201,13 +246,18 @@ def init_adapters(found: list[Site], key: jax.Array) -> dict[str, Any]:
 
 
 class Adapters:
-    """The "model" a LoRA run initializes: only its adapters (`init` as a Flax module's, boxed, nothing else)."""
+    """The "model" a LoRA run initializes: its adapters and, under `SAVED`, the parameters it trains in full
+    (`init` as a Flax module's, boxed). Those are zeros here, placeholders of their shapes and logical names: the
+    run starts them from its base (`jaxgpt.train.lora.Adapted.pretrained`)."""
 
-    def __init__(self, found: list[Site]) -> None:
-        self.found = found
+    def __init__(self, found: list[Site], saved: dict[tuple[str, ...], Any] | None = None) -> None:
+        self.found, self.saved = found, saved or {}
 
     def init(self, key: jax.Array, *_: Any) -> dict[str, Any]:
-        return {"params": init_adapters(self.found, key)}
+        tree = init_adapters(self.found, key)
+        for path, leaf in self.saved.items():
+            tree = _set(tree, (SAVED, *path), leaf.replace_boxed(jnp.zeros(leaf.value.shape, leaf.value.dtype)))
+        return {"params": tree}
 
 
 def delta(a: jax.Array, b: jax.Array, n_in: int) -> jax.Array:
@@ -221,18 +271,36 @@ def delta(a: jax.Array, b: jax.Array, n_in: int) -> jax.Array:
 
 def adapter_leaves(adapters: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str,
                                                                                               dict[str, Any]]]:
-    """(kernel module path, target, {"lora_a", "lora_b"}) of every adapter in a tree."""
+    """(kernel module path, target, {"lora_a", "lora_b"}) of every adapter in a tree (not its `SAVED` params)."""
     if "lora_a" in adapters:
         return [(prefix[:-1], prefix[-1], dict(adapters))]
-    return [leaf for name, sub in adapters.items() for leaf in adapter_leaves(sub, (*prefix, name))]
+    return [leaf for name, sub in adapters.items() if prefix or name != SAVED
+            for leaf in adapter_leaves(sub, (*prefix, name))]
+
+
+def with_saved(base: Mapping[str, Any], adapters: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with each parameter the trainable tree holds under `SAVED` (trained in full) in place of its own."""
+    out = dict(base)
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(adapters.get(SAVED, {}))[0]:
+        out = _set(out, tuple(k.key for k in key_path), leaf)
+    return out
+
+
+def saved_from(params: Mapping[str, Any], paths: Any) -> dict[str, Any]:
+    """The trainable tree's `SAVED` part with `params`' values of the parameters at `paths`."""
+    out: dict[str, Any] = {SAVED: {}}
+    for path in paths:
+        out = _set(out, (SAVED, *path), _get(params, path))
+    return out
 
 
 def merge(base: Mapping[str, Any], adapters: Mapping[str, Any], s: float) -> dict[str, Any]:
-    """`base` with every adapted kernel replaced by W + s A B (its slot of a fused kernel), in W's dtype.
+    """`base` with every adapted kernel replaced by W + s A B (its slot of a fused kernel), in W's dtype, and the
+    parameters trained in full (`SAVED`) replacing the base's.
 
     Works on device arrays under jit (the training step) and on host arrays (loading, export) alike.
     """
-    merged = dict(base)
+    merged = with_saved(base, adapters)
     for module, target, ab in adapter_leaves(adapters):
         weight = (*module, weight_name(module[-1]))
         kernel = jnp.asarray(_get(merged, weight))
@@ -277,9 +345,10 @@ def overlay(params: Mapping[str, Any], adapters: Mapping[str, Any], s: float = 1
     target drops its own units; the token table's adapter has none (its input is ids, and PEFT's Embedding drops
     nothing either). The key travels in the tree rather than as the model's dropout rng because the tasks
     pass that rng only to models with dropout of their own. Stacked entries (several adapters packed along the rank
-    axis, "rows" beside them) have their scales folded in by the stacker: s = 1.
+    axis, "rows" beside them) have their scales folded in by the stacker: s = 1. Parameters trained in full
+    (`SAVED`) replace the base's.
     """
-    out = dict(params)
+    out = with_saved(params, adapters)
     for i, (module, target, ab) in enumerate(adapter_leaves(adapters)):
         entry = {**ab, "lora_b": ab["lora_b"] if s == 1.0 else ab["lora_b"] * s}
         if dropout and target != "embed":

@@ -82,7 +82,7 @@ def quantize_base(params: dict[str, Any], abstract: Any, kind: str, group: int) 
     """A copy of `params` with the blocks' linear kernels quantized (the head and embeddings stay float), and the
     logical PartitionSpecs of the new tree (from `abstract`, the model's boxed abstract parameters)."""
     params, axes = jax.tree.map(lambda a: a, params), nn.get_partition_spec(abstract)  # new dicts, same arrays
-    for path, leaf in _kernels(abstract):
+    for path, leaf in kernel_paths(abstract):
         n_lead, n_in = int(leaf.names[0] == "layers"), lora.input_axes(path[-2])
         K = math.prod(leaf.value.shape[n_lead:n_lead + n_in])
         if kind == "nf4" and K % group:
@@ -98,14 +98,14 @@ def quantize_base(params: dict[str, Any], abstract: Any, kind: str, group: int) 
 def dequantize_base(params: dict[str, Any], abstract: Any) -> dict[str, Any]:
     """A copy of a `quantize_base` tree with float32 kernels again (merging adapters into it, benchmarks)."""
     params = jax.tree.map(lambda a: a, params)
-    for path, leaf in _kernels(abstract):
+    for path, leaf in kernel_paths(abstract):
         node = _node(params, path[:-1])
         if "kernel_q" in node:
             node["kernel"] = dequantize(node.pop("kernel_q"), node.pop("kernel_scale"), leaf.value.shape)
     return params
 
 
-def _kernels(abstract: Any) -> list[tuple[tuple[str, ...], nn.Partitioned]]:
+def kernel_paths(abstract: Any) -> list[tuple[tuple[str, ...], nn.Partitioned]]:
     """(path, boxed leaf) of the blocks' linear kernels: what QLoRA quantizes."""
     flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
     out = []

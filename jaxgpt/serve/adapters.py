@@ -8,7 +8,9 @@ one the run recorded. A PEFT adapter names no hash: its tensors must fit the ser
 
 Every refusal is one line naming the adapter, and comes before anything is served: bad NAME=PATH syntax, two
 adapters with one name, a name that is the base's own (requests name the base by it), a missing path, a run
-without adapters, an adapter of another base.
+without adapters, an adapter of another base, a run with parameters trained in full beside its adapters
+(config.lora.modules_to_save: the packed form that serves several adapters in one batch has no place for per-adapter
+whole tensors; the run itself, or its merged export, serves them).
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def _from_run(name: str, directory: str, base: weights.Weights) -> Adapter:
     if settings is None:
         raise UserError("that run trained every weight, not LoRA adapters: serve it on its own (jaxgpt serve "
                         f"--workdir {directory})")
+    if lora.SAVED in run.params:
+        full = ", ".join(settings.get("modules_to_save", ())) or "some parameters"
+        raise UserError(f"it trains {full} in full beside its adapters (config.lora.modules_to_save), which the "
+                        "batch's packed adapters cannot hold per adapter: serve the run itself (jaxgpt serve "
+                        f"--workdir {directory}) or its merged export (jaxgpt hf export --merge)")
     recorded = settings["base"]["sha256"]
     if cfg.vocab_size > served.vocab_size:
         raise UserError(f"its vocabulary grew to {cfg.vocab_size} tokens beyond the base's {served.vocab_size} "

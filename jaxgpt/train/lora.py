@@ -45,19 +45,25 @@ class Adapted:
         boxed = jax.eval_shape(inner.model.init, jax.random.key(0), *inner.example_inputs())["params"]
         self.base_axes = nn.get_partition_spec(boxed)
         self.sites = lora.sites(boxed, c.target_names, c.rank)
+        self.saved = lora.saved_params(boxed, c.save_patterns, self.sites)
+        if c.quantize and (clash := sorted({path for path, _ in quant.kernel_paths(boxed)} & set(self.saved))):
+            raise UserError(f"config.lora.modules_to_save trains {'/'.join(clash[0])} in full, which "
+                            f"config.lora.quantize={c.quantize} quantizes: drop it from modules_to_save or quantize")
         self.peft = read_peft(c.init_from.removeprefix("peft:"), self.model_cfg, c, self.sites) if c.init_from \
             else None
         self.base = jax.device_get(inner.pretrained())
+        self._full = lora.saved_from(self.base, self.saved)  # where the parameters trained in full start
         digest = lora.digest(self.base)  # of the float weights, so a quantized run and a float one share a base
         self._n_frozen = sum(x.size for x in jax.tree.leaves(self.base))
         self._abstract = boxed
         if c.quantize:  # QLoRA: the step receives (and the devices hold) the quantized base
             self.base, self.base_axes = quant.quantize_base(self.base, boxed, c.quantize, c.quantize_group)
         self.scale = lora.scale(c.alpha, c.rank, c.rslora)
-        self.model = lora.Adapters(self.sites)
+        self.model = lora.Adapters(self.sites, self.saved)
         self.meta = {**inner.meta, "lora": {"rank": c.rank, "alpha": c.alpha, "rslora": c.rslora, "dropout": c.dropout,
                                             "targets": sorted({s.target for s in self.sites}),
                                             "quantize": c.quantize,
+                                            "modules_to_save": sorted("/".join(p) for p in self.saved),
                                             "base": {"source": cfg.init_from, "sha256": digest}}}
         if hasattr(inner, "run_files"):
             self.run_files = inner.run_files
@@ -88,8 +94,11 @@ class Adapted:
         return self.inner.evaluate(lora.overlay(base, adapters, self.scale), batch)
 
     def pretrained(self) -> Any | None:
-        """The adapters of config.lora.init_from (a PEFT directory), or None: initialized (B = 0)."""
-        return self.peft
+        """The adapters of config.lora.init_from (a PEFT directory), or None: initialized (B = 0); with
+        modules_to_save, beside them the base's values of those parameters (the loop initializes what is missing)."""
+        if not self.saved:
+            return self.peft
+        return {**(self.peft or {}), **self._full}
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         self.inner.check_resume(saved_meta, workdir)
@@ -100,10 +109,11 @@ class Adapted:
                             "the same init_from and config.lora, or a new --config.workdir")
 
     def describe(self) -> str:
-        n = self._n_frozen
+        n, full = self._n_frozen, sum(leaf.value.size for leaf in self.saved.values())
         return "\n".join(line for line in (self.inner.describe(), (
             f"LoRA rank {self.cfg.lora.rank} (scale {self.scale:g}) on {', '.join(self.meta['lora']['targets'])}: "
-            f"{len(self.sites)} adapters beside {n:,} frozen parameters of {self.cfg.init_from}"
+            f"{len(self.sites)} adapters{f' and {full:,} parameters trained in full' if full else ''} beside "
+            f"{n - full:,} frozen parameters of {self.cfg.init_from}"
             f"{f' ({self.cfg.lora.quantize} blocks)' if self.cfg.lora.quantize else ''}")) if line)
 
 

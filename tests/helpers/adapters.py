@@ -18,14 +18,15 @@ from jaxgpt.model.gpt import abstract_variables
 
 
 def random_adapters(cfg: ModelConfig, targets: str, rank: int, seed: int, std: float = 1.0) -> dict:
-    """Adapters of `targets` ("": every linear layer of the blocks) at `rank` for a model of `cfg`, A as PEFT
-    initializes it and B drawn with `std` (host arrays, laid out as `cfg`'s parameters: scanned or not)."""
+    """Adapters of `targets` ("": every linear layer of the blocks) at `rank` for a model of `cfg`, initialized as
+    PEFT does and the factor that starts at zero drawn with `std` (B; the token table's A), host arrays laid out as
+    `cfg`'s parameters: scanned or not."""
     found = lora.sites(abstract_variables(cfg)["params"], tuple(t for t in targets.split(",") if t), rank)
     tree = nn.unbox(lora.init_adapters(found, jax.random.key(seed)))
     rng = np.random.default_rng(seed)
+    zero = lambda path: path[-1].key == ("lora_a" if path[-2].key == "embed" else "lora_b")
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: rng.normal(0, std, x.shape).astype(np.float32) if path[-1].key == "lora_b"
-        else np.asarray(x), tree)
+        lambda path, x: rng.normal(0, std, x.shape).astype(np.float32) if zero(path) else np.asarray(x), tree)
 
 
 def save_lora_run(workdir: Path, base: str, cfg: ModelConfig, adapters: dict, tokenizer_meta: dict, rank: int,

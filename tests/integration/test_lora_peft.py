@@ -62,6 +62,17 @@ def jax_logits(params, cfg) -> np.ndarray:
                                                                                               TOKENS))
 
 
+def peft_gives_ours(base, adapter: Path, run: Path) -> np.ndarray:
+    """`peft.PeftModel` of `adapter` on transformers' `base` gives the jaxgpt `run`'s logits, not the base's: its
+    logits."""
+    base_logits = hf_logits(base)
+    theirs = hf_logits(peft.PeftModel.from_pretrained(base, adapter))
+    loaded = weights.load(f"workdir:{run}")
+    np.testing.assert_allclose(jax_logits(loaded.params, loaded.model), theirs, atol=1e-4, rtol=0)
+    assert np.abs(theirs - base_logits).max() > 1e-3  # the adapter changed the model
+    return theirs
+
+
 def test_export_loads_in_peft_and_merged_export_equals_it(tmp_path: Path, data_dir: Path, llama: Path) -> None:
     from jaxgpt.commands.hf import export
 
@@ -94,12 +105,8 @@ def test_a_gpt2_export_with_q_k_v_loads_in_peft(tmp_path: Path, data_dir: Path) 
     c = lora_config(tmp_path / "run", data_dir, tmp_path / "base", targets="")
     train_run(c)
     export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False)
-    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
-    base_logits = hf_logits(base)
-    theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"))
-    loaded = weights.load(f"workdir:{tmp_path / 'run'}")
-    np.testing.assert_allclose(jax_logits(loaded.params, loaded.model), theirs, atol=1e-4, rtol=0)
-    assert np.abs(theirs - base_logits).max() > 1e-3
+    peft_gives_ours(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base"), tmp_path / "adapter",
+                    tmp_path / "run")
 
 
 def test_a_tied_table_exports_with_its_head_reading_the_adapted_table(tmp_path: Path, data_dir: Path) -> None:
@@ -111,12 +118,46 @@ def test_a_tied_table_exports_with_its_head_reading_the_adapted_table(tmp_path: 
     train_run(lora_config(tmp_path / "run", data_dir, base_dir, targets="q,v,embed"))
     export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False)
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["ensure_weight_tying"]
-    base = transformers.LlamaForCausalLM.from_pretrained(base_dir)
-    base_logits = hf_logits(base)
-    theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter"))
-    loaded = weights.load(f"workdir:{tmp_path / 'run'}")
-    np.testing.assert_allclose(jax_logits(loaded.params, loaded.model), theirs, atol=1e-4, rtol=0)
-    assert np.abs(theirs - base_logits).max() > 1e-3
+    peft_gives_ours(transformers.LlamaForCausalLM.from_pretrained(base_dir), tmp_path / "adapter", tmp_path / "run")
+
+
+def test_modules_to_save_export_as_peft_modules_to_save_with_jaxgpt_logits(tmp_path: Path, data_dir: Path,
+                                                                         llama: Path) -> None:
+    """Parameters trained in full beside the adapters (config.lora.modules_to_save) are PEFT's modules_to_save:
+    PeftModel loads them into its copies of those modules and gives jaxgpt's logits; the merged export too."""
+    from jaxgpt.commands.hf import export
+
+    c = lora_config(tmp_path / "run", data_dir, llama, targets="q,v")
+    c.lora.modules_to_save = "wte,ln_f,h_0/ln_1"
+    train_run(c)
+    export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.embed_tokens", "model.layers.0.input_layernorm", "model.norm"]
+    theirs = peft_gives_ours(transformers.LlamaForCausalLM.from_pretrained(llama), tmp_path / "adapter",
+                             tmp_path / "run")
+    export(str(tmp_path / "run"), str(tmp_path / "merged"), "latest", False, merge=True)
+    merged = hf_logits(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged"))
+    np.testing.assert_allclose(merged, theirs, atol=1e-4, rtol=0)
+
+
+def test_a_gpt2_run_saving_positions_and_layernorms_loads_in_peft(tmp_path: Path, data_dir: Path) -> None:
+    """GPT-2's position table and LayerNorms (weight and bias) are whole HF modules, so PEFT holds them; not a
+    position table the run cropped to its shorter context."""
+    from jaxgpt.commands.hf import export
+
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2,
+                                                         n_head=4)).save_pretrained(tmp_path / "base")
+    for name, block_size in (("cropped", 32), ("run", 64)):
+        c = lora_config(tmp_path / name, data_dir, tmp_path / "base", max_steps=2, targets="q,v")
+        c.model.block_size, c.lora.modules_to_save = block_size, "wpe,ln_*"
+        train_run(c)
+    with pytest.raises(UserError, match=r"cropped to 32 of its 64 positions.*--merge") as e:
+        export(str(tmp_path / "cropped"), str(tmp_path / "refused"), "latest", False)
+    assert "\n" not in str(e.value)
+    export(str(tmp_path / "run"), str(tmp_path / "adapter"), "latest", False)
+    peft_gives_ours(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base"), tmp_path / "adapter",
+                    tmp_path / "run")
 
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -107,3 +107,66 @@ def test_a_chat_run_whose_vocabulary_grew_loads_merged(tmp_path: Path) -> None:
 
     with pytest.raises(UserError, match="--merge"):
         export(str(tmp_path / "chat"), str(tmp_path / "adapter"), "latest", False)
+
+
+def saving_config(workdir: Path, data_dir: Path, base: Path, max_steps: int):
+    c = lora_config(workdir, data_dir, base, max_steps)
+    c.lora.modules_to_save = "wte,ln_f"
+    return c
+
+
+def test_modules_to_save_train_in_full_beside_the_adapters_and_load_merged(tmp_path: Path, data_dir: Path,
+                                                                          base_run: Path) -> None:
+    """Gradients reach the adapters and the saved parameters only: the checkpoint holds just those (with their
+    optimizer moments), the base run's bytes are unchanged, and the run loads as the base with the saved
+    parameters replaced and the adapters merged, every other weight the base's bit for bit."""
+    base_before = final_params(base_run)
+    out = train_run(saving_config(tmp_path / "lora", data_dir, base_run, 6))
+    saved = final_params(tmp_path / "lora")
+    full = {path[1:]: v for path, v in saved.items() if path[0] == lora.SAVED}
+    assert set(full) == {("wte", "embedding"), ("ln_f", "scale"), ("ln_f", "bias")}
+    assert all(path[-1] in ("lora_a", "lora_b") for path in saved if path[0] != lora.SAVED)
+    for path, value in full.items():
+        assert value.shape == base_before[path].shape and not np.array_equal(value, base_before[path]), path
+    moments = [x for x in jax.tree.leaves(out["state"]["opt_state"]) if np.ndim(x)]
+    assert sum(np.size(x) for x in moments) == 2 * sum(v.size for v in saved.values())  # Adam's mu and nu
+    after = final_params(base_run)
+    for key in after:
+        np.testing.assert_array_equal(base_before[key], after[key])
+    base = weights.load(f"workdir:{base_run}").params
+    merged = weights.load(f"workdir:{tmp_path / 'lora'}").params
+    expected = lora.merge(base, traverse_util.unflatten_dict(saved), lora.scale(8.0, 4, False))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), merged, expected)
+    flat_merged, flat_base = traverse_util.flatten_dict(merged), traverse_util.flatten_dict(base)
+    for path, value in flat_merged.items():
+        if path in full:
+            np.testing.assert_array_equal(value, full[path])
+        elif path[-1] != "kernel" or path[-2] not in ("qkv", "out", "fc", "proj"):  # not adapted: the base's
+            np.testing.assert_array_equal(value, flat_base[path])
+
+
+def test_modules_to_save_resume_bit_for_bit(tmp_path: Path, data_dir: Path, base_run: Path) -> None:
+    train_run(saving_config(tmp_path / "straight", data_dir, base_run, 6))
+    train_run(saving_config(tmp_path / "resumed", data_dir, base_run, 3))
+    train_run(saving_config(tmp_path / "resumed", data_dir, base_run, 6))
+    straight, resumed = final_params(tmp_path / "straight"), final_params(tmp_path / "resumed")
+    assert straight.keys() == resumed.keys() and any(path[0] == lora.SAVED for path in straight)
+    for key in straight:
+        np.testing.assert_array_equal(straight[key], resumed[key])
+
+
+@pytest.mark.parametrize(("patterns", "targets", "message"), [
+    ("wte,ln_x", "", "'ln_x' matches no parameter.*fix or drop it"),
+    ("qkv", "", "'qkv' matches h_0/attn/qkv/kernel, which LoRA adapts \\(q,k,v\\)"),
+    ("wte", "q,embed", "LoRA adapts \\(embed\\).*drop embed from config.lora.targets"),
+])
+def test_modules_to_save_that_match_nothing_or_an_adapted_weight_are_refused(
+        tmp_path: Path, data_dir: Path, base_run: Path, patterns: str, targets: str, message: str) -> None:
+    from jaxgpt.tasks import build
+    from jaxgpt.train.config import from_config_dict
+
+    c = lora_config(tmp_path / "bad", data_dir, base_run, 2)
+    c.lora.modules_to_save, c.lora.targets = patterns, targets
+    with pytest.raises(UserError, match=message) as e:
+        build(from_config_dict(c))
+    assert "\n" not in str(e.value)

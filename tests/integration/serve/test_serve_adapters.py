@@ -1,13 +1,14 @@
-"""`jaxgpt serve --adapter NAME=PATH`, over real HTTP through the openai client: four adapters of different ranks
-(three LoRA runs and a PEFT directory) and the base answer concurrent greedy requests, each with its merged model's
-tokens; /v1/models lists them; an unknown model is OpenAI's 404; bad --adapter values are one line, exit 2,
-nothing served."""
+"""`jaxgpt serve --adapter NAME=PATH`, over real HTTP through the openai client: five adapters of different ranks
+(four LoRA runs, one of them on the token table, and a PEFT directory) and the base answer concurrent greedy
+requests, each with its merged model's tokens; /v1/models lists them; an unknown model is OpenAI's 404; bad
+--adapter values are one line, exit 2, nothing served."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -29,7 +30,8 @@ from jaxgpt.model.gpt import abstract_variables  # noqa: E402
 
 ENV = {"JAX_PLATFORMS": "cpu"}
 PROMPTS = ["def f(", "x = (a, b)", "import os", "q"]
-RUNS = {"narrow": ("q,v", 2, 4.0), "wide": ("", 4, 8.0), "deep": ("o,down", 8, 8.0)}  # targets, rank, alpha
+# targets, rank, alpha; "table" adapts the (tied) token table: its lookup and the head that reads it
+RUNS = {"narrow": ("q,v", 2, 4.0), "wide": ("", 4, 8.0), "deep": ("o,down", 8, 8.0), "table": ("embed,v", 2, 4.0)}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                {"rank": 3, "alpha": 6.0, "rslora": False}, root / "peft", "base")
     paths["other"] = save_lora_run(root / "other", f"workdir:{base}", CFG, random_adapters(CFG, "q", 2, 5),
                                    TOKENIZER.to_meta(), 2, 4.0, base_sha="0123456789abcdef")
+    saving = {**random_adapters(CFG, "q", 2, 6), lora.SAVED: {"ln_f": {"scale": np.full(CFG.n_embd, 2, np.float32)}}}
+    paths["saving"] = save_lora_run(root / "saving", f"workdir:{base}", CFG, saving, TOKENIZER.to_meta(), 2, 4.0)
     return paths
 
 
@@ -61,7 +65,7 @@ def merged(made: dict[str, Path]) -> dict[str, dict]:
 
 
 def test_adapters_and_the_base_answer_concurrent_requests_with_their_merged_models(made, tmp_path):
-    """20 greedy requests at once, 4 per model over 8 slots: each answer is its merged model's tokens alone, and
+    """24 greedy requests at once, 4 per model over 8 slots: each answer is its merged model's tokens alone, and
     every adapter says something else than the base for some prompt. /v1/models lists the base and the adapters,
     each adapter's entry naming the base as its parent and its directory as its root."""
     models = merged(made)
@@ -69,9 +73,9 @@ def test_adapters_and_the_base_answer_concurrent_requests_with_their_merged_mode
                  env=ENV) as (_, url):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         listed = client.models.list().data
-        assert [m.id for m in listed] == ["base", "narrow", "wide", "deep", "tuned"]
-        assert [m.model_extra["parent"] for m in listed] == [None] + ["base"] * 4
-        assert [m.model_extra["root"] for m in listed[1::3]] == [str(made["narrow"]), str(made["peft"])]
+        assert [m.id for m in listed] == ["base", "narrow", "wide", "deep", "table", "tuned"]
+        assert [m.model_extra["parent"] for m in listed] == [None] + ["base"] * 5
+        assert [m.model_extra["root"] for m in listed[1::4]] == [str(made["narrow"]), str(made["peft"])]
         work = [(name, prompt) for name in models for prompt in PROMPTS]
         ask = lambda w: client.completions.create(model=w[0], prompt=w[1], max_tokens=10, temperature=0)
         with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
@@ -112,6 +116,7 @@ def test_an_unknown_model_is_openais_404_and_the_base_answers_to_its_name_or_non
     (["a={missing}"], "no such directory"),
     (["a={other}"], "not the weights served here"),
     (["a={base}"], "not LoRA adapters"),
+    (["a={saving}"], "in full beside its adapters"),  # modules_to_save: per-adapter full tensors, serve it merged
 ])
 def test_bad_adapters_are_one_line_and_nothing_is_served(made, capsys, given: list[str], says: str):
     paths = {**{k: str(v) for k, v in made.items()}, "missing": str(made["base"].parent / "missing")}

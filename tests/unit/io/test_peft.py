@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from flax import traverse_util
 from helpers.models import modern, shrink
 
 from jaxgpt.errors import UserError
@@ -136,3 +137,56 @@ def test_what_peft_saves_beside_the_adapter_is_skipped_and_a_foreign_tied_head_r
         with pytest.raises(UserError, match=message) as e:
             peft.read_peft(str(tmp_path / name), tied, settings, found)
         assert "\n" not in str(e.value)
+
+
+
+def saving(cfg, adapters: dict, paths: list[tuple[str, ...]]) -> dict:
+    """`adapters` with random parameters at `paths` trained in full beside them (config.lora.modules_to_save)."""
+    rng = np.random.default_rng(1)
+    flat = traverse_util.flatten_dict(nn.unbox(abstract_variables(cfg)["params"]))
+    return {**adapters, lora.SAVED: traverse_util.unflatten_dict(
+        {p: rng.normal(size=flat[p].shape).astype(np.float32) for p in paths})}
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_modules_to_save_are_written_as_whole_hf_modules(tmp_path: Path, scan: bool) -> None:
+    from safetensors.numpy import load_file
+
+    cfg = llama_like(scan_layers=scan, tie_embeddings=False)
+    _, adapters = adapters_for(cfg, ("q", "v"))
+    layer = ("h", "ln_1", "scale") if scan else ("h_1", "ln_1", "scale")
+    trained = saving(cfg, adapters, [("wte", "embedding"), ("ln_f", "scale"), layer])
+    peft.write_peft(trained, cfg, SETTINGS, tmp_path, "base")
+    config = json.loads((tmp_path / peft.CONFIG_FILE).read_text())
+    layers = [f"model.layers.{i}.input_layernorm" for i in range(cfg.n_layer)] if scan else [
+        "model.layers.1.input_layernorm"]
+    assert config["modules_to_save"] == sorted(["model.embed_tokens", "model.norm", *layers])
+    tensors = load_file(tmp_path / peft.TENSORS_FILE)
+    full = trained[lora.SAVED]
+    np.testing.assert_array_equal(tensors["base_model.model.model.embed_tokens.weight"], full["wte"]["embedding"])
+    np.testing.assert_array_equal(tensors["base_model.model.model.norm.weight"], full["ln_f"]["scale"])
+    ln_1 = tensors["base_model.model.model.layers.1.input_layernorm.weight"]
+    np.testing.assert_array_equal(ln_1, full["h"]["ln_1"]["scale"][1] if scan else full["h_1"]["ln_1"]["scale"])
+    assert sum("lora_" in name for name in tensors) == 2 * 2 * cfg.n_layer  # the adapters, as without
+
+
+@pytest.mark.parametrize(("paths", "message"), [
+    ([("h_0", "mlp", "fc", "bias")], r"part of transformer.h.0.mlp.c_fc in full, not its .*weight"),
+    ([("wte", "embedding")], "token table is trained in full and tied to the head"),
+])
+def test_modules_to_save_peft_cannot_hold_are_refused_naming_merge(tmp_path: Path, paths: list, message: str) -> None:
+    cfg = shrink(get_preset("gpt2"))
+    _, adapters = adapters_for(cfg, ("q",))
+    with pytest.raises(UserError, match=message) as e:
+        peft.write_peft(saving(cfg, adapters, paths), cfg, SETTINGS, tmp_path, "gpt2")
+    assert "--merge" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / peft.CONFIG_FILE).exists()
+
+
+def test_a_peft_adapter_with_modules_to_save_is_refused_in_one_line(tmp_path: Path) -> None:
+    cfg = llama_like(tie_embeddings=False)
+    found, adapters = adapters_for(cfg, ("q",))
+    peft.write_peft(saving(cfg, adapters, [("ln_f", "scale")]), cfg, SETTINGS, tmp_path, "base")
+    with pytest.raises(UserError, match=r"trains model.norm in full.*merge_and_unload") as e:
+        peft.read_peft(str(tmp_path), cfg, lora.LoRAConfig(rank=4, alpha=8.0, targets="q"), found)
+    assert "\n" not in str(e.value)

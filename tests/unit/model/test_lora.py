@@ -136,3 +136,39 @@ def test_digest_tells_bases_apart() -> None:
     other = jax.tree.map(lambda a: a, base)
     other["h_0"]["attn"]["qkv"]["kernel"] = other["h_0"]["attn"]["qkv"]["kernel"] + np.float32(1e-7)
     assert lora.digest(base) == lora.digest(jax.tree.map(np.copy, base)) != lora.digest(other)
+
+
+@pytest.mark.parametrize(("patterns", "paths"), [
+    (("wte",), {("wte", "embedding")}),
+    (("ln_*",), {(f"h_{i}", f"ln_{j}", p) for i in range(2) for j in (1, 2) for p in ("scale", "bias")}
+     | {("ln_f", "scale"), ("ln_f", "bias")}),
+    (("h_1/ln_1", "ln_f/bias"), {("h_1", "ln_1", "scale"), ("h_1", "ln_1", "bias"), ("ln_f", "bias")}),
+    (("mlp/*/bias",), {(f"h_{i}", "mlp", m, "bias") for i in range(2) for m in ("fc", "proj")}),
+])
+def test_modules_to_save_patterns_match_runs_of_path_names(patterns: tuple, paths: set) -> None:
+    cfg = MODELS["fused"]
+    assert set(lora.saved_params(abstract_variables(cfg)["params"], patterns, sites_of(cfg, ("q",)))) == paths
+
+
+def test_saved_parameters_replace_the_base_in_merge_and_overlay_and_get_gradients() -> None:
+    """The trainable tree's SAVED parameters stand in for the base's (merged and unmerged alike), and a loss
+    differentiates them as it does the adapters; the frozen base's other parameters are read as they are."""
+    cfg = MODELS["fused"]
+    boxed = abstract_variables(cfg)["params"]
+    found = sites_of(cfg, ("q", "v"))
+    saved = lora.saved_params(boxed, ("wpe", "ln_f"), found)
+    base = random_params(cfg)
+    trainable = {**randomized(found, 1), **lora.saved_from(jax.tree.map(lambda a: a * 1.5, base), saved)}
+    s = lora.scale(8.0, 4, False)
+    merged = lora.merge(base, trainable, s)
+    np.testing.assert_array_equal(merged["wpe"]["embedding"], 1.5 * base["wpe"]["embedding"])
+    np.testing.assert_array_equal(merged["ln_f"]["bias"], 1.5 * base["ln_f"]["bias"])
+    np.testing.assert_array_equal(merged["h_0"]["ln_1"]["scale"], base["h_0"]["ln_1"]["scale"])
+    x = np.arange(12).reshape(1, 12) % cfg.vocab_size
+    logits = lambda t: GPT(cfg).apply({"params": lora.overlay(base, t, s)}, x)
+    np.testing.assert_allclose(logits(trainable), GPT(cfg).apply({"params": merged}, x), atol=1e-4)
+    grads = jax.grad(lambda t: logits(t).sum())(trainable)
+    assert jax.tree.structure(grads) == jax.tree.structure(trainable)
+    assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads[lora.SAVED]))
+    init = nn.unbox(lora.Adapters(found, saved).init(jax.random.key(0))["params"])
+    assert jax.tree.map(np.shape, init[lora.SAVED]) == jax.tree.map(np.shape, trainable[lora.SAVED])

@@ -18,6 +18,7 @@ from jaxgpt.train.config import base_config, from_config_dict
     ({"lora.rank": 8, "lora.quantize": "int4"}, "int8, nf4"),
     ({"lora.rank": 8, "lora.quantize": "nf4", "lora.quantize_group": 63}, "even"),
     ({"lora.quantize": "nf4"}, "rank=0"),
+    ({"lora.modules_to_save": "wte"}, "modules_to_save are set but config.lora.rank=0"),
     ({"lora.rank": 8, "task": "classify", "init_from": "hf:x"}, "task lm, chat, rl or dpo"),
 ])
 def test_bad_lora_settings_are_one_line_errors(changes: dict, message: str) -> None:
