@@ -135,14 +135,7 @@ def _export_peft(loaded: weights.Weights, workdir: str, out: str, overwrite: boo
         raise UserError(f"{out} exists and is not empty: choose a new directory or pass --overwrite")
     settings = loaded.meta["lora"]
     base = settings["base"]["source"]
-    if loaded.model.vocab_size > weights.describe(base)[0].vocab_size:
-        raise UserError(f"{workdir} grew {base}'s vocabulary (a chat run's special tokens), which a PEFT adapter "
-                        "cannot carry: export the merged model with --merge")
-    if "wpe/embedding" in settings.get("modules_to_save", ()) and (
-            loaded.model.block_size < (positions := weights.describe(base)[0].block_size)):
-        raise UserError(f"{workdir} trains {base}'s position table in full, cropped to {loaded.model.block_size} of "
-                        f"its {positions} positions, which PEFT's copy of the table cannot hold: export the merged "
-                        "model with --merge")
+    peft.check_carried(loaded.model, weights.describe(base)[0], settings, workdir)
     peft.write_peft(jax.device_get(loaded.params), loaded.model, settings, root, base.removeprefix("hf:"))
     return (f"wrote a PEFT adapter {root} from {workdir} ({loaded.description}): {peft.CONFIG_FILE}, "
             f"{peft.TENSORS_FILE}; its base is {base} (--merge writes the merged model instead)")

@@ -125,6 +125,19 @@ def write_peft(adapters: dict[str, Any], cfg: ModelConfig, settings: dict[str, A
     return root
 
 
+def check_carried(cfg: ModelConfig, base_cfg: ModelConfig, settings: dict[str, Any], workdir: str) -> None:
+    """Refuse, naming --merge, a LoRA run (`cfg`, its config.lora `settings`) that changed its base (`base_cfg`) in
+    a way a PEFT adapter, which is applied to the base as published, cannot carry."""
+    base = settings["base"]["source"]
+    if cfg.vocab_size > base_cfg.vocab_size:
+        raise UserError(f"{workdir} grew {base}'s vocabulary (a chat run's special tokens), which a PEFT adapter "
+                        "cannot carry: export the merged model with --merge")
+    if "wpe/embedding" in settings.get("modules_to_save", ()) and cfg.block_size < base_cfg.block_size:
+        raise UserError(f"{workdir} trains {base}'s position table in full, cropped to {cfg.block_size} of its "
+                        f"{base_cfg.block_size} positions, which PEFT's copy of the table cannot hold: export the "
+                        "merged model with --merge")
+
+
 def _saved_modules(saved: dict[str, Any], cfg: ModelConfig) -> tuple[dict[str, np.ndarray], list[str]]:
     """PEFT's tensors and modules_to_save (full HF module names) of a run's parameters trained in full (`saved`,
     the trainable tree's `lora.SAVED` part); one that is no whole HF module is a UserError naming --merge."""

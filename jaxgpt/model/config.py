@@ -11,6 +11,13 @@ from typing import Any
 
 from jaxgpt.errors import UserError
 
+
+def comma_names(text: str) -> tuple[str, ...]:
+    """The names of a comma-separated setting ("q, k,,v" -> ("q", "k", "v")): the one parse of every config value
+    that lists names (LoRA's targets and modules_to_save, the built-in datasets)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 POSITIONS = ("learned", "sinusoidal", "sinusoidal_concat", "none")
 NORM_PLACEMENTS = ("pre", "post")
 NORMS = ("layernorm", "unbiased_std", "rmsnorm")

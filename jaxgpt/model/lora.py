@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.errors import UserError
+from jaxgpt.model.config import comma_names
 
 Array = jax.Array
 
@@ -101,11 +102,11 @@ class LoRAConfig:
 
     @property
     def target_names(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        return comma_names(self.targets)
 
     @property
     def save_patterns(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.modules_to_save.split(",") if t.strip())
+        return comma_names(self.modules_to_save)
 
 
 def input_axes(module: str) -> int:

@@ -54,7 +54,7 @@ from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens, tokenizer_from_m
 from jaxgpt.data.tokenizer_json import JsonTokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
-from jaxgpt.model.config import ModelConfig
+from jaxgpt.model.config import ModelConfig, comma_names
 from jaxgpt.model.gpt import GPT, check_segments, dummy_tokens
 from jaxgpt.ops.loss import token_cross_entropy
 from jaxgpt.train.config import ChatConfig, TrainConfig, base_config
@@ -75,7 +75,7 @@ def configured_conversations(c: Conversations, seed: int) -> tuple[list[Conversa
     """(conversations, where each comes from, its kind (its built-in dataset) for per-dataset accuracy, a
     description) of config.chat, or of config.rl for RL's prompts."""
     if c.data == "builtin":
-        datasets = [t.strip() for t in c.datasets.split(",") if t.strip()]
+        datasets = comma_names(c.datasets)
         conversations = builtin_conversations(seed, c.examples, datasets)
         kinds = [datasets[i % len(datasets)] for i in range(len(conversations))]
         return (conversations, [f"built-in conversation {i}" for i in range(len(conversations))], kinds,

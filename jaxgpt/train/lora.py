@@ -52,7 +52,6 @@ class Adapted:
         self.peft = read_peft(c.init_from.removeprefix("peft:"), self.model_cfg, c, self.sites) if c.init_from \
             else None
         self.base = jax.device_get(inner.pretrained())
-        self._full = lora.saved_from(self.base, self.saved)  # where the parameters trained in full start
         digest = lora.digest(self.base)  # of the float weights, so a quantized run and a float one share a base
         self._n_frozen = sum(x.size for x in jax.tree.leaves(self.base))
         self._abstract = boxed
@@ -98,7 +97,9 @@ class Adapted:
         modules_to_save, beside them the base's values of those parameters (the loop initializes what is missing)."""
         if not self.saved:
             return self.peft
-        return {**(self.peft or {}), **self._full}
+        # taken here, not kept from __init__: the loop asks once (a fresh run), so no second host copy of those
+        # parameters lives as long as the run (QLoRA leaves them float: modules_to_save may not name a kernel)
+        return {**(self.peft or {}), **lora.saved_from(self.base, self.saved)}
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
         self.inner.check_resume(saved_meta, workdir)

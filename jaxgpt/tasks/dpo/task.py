@@ -47,6 +47,7 @@ from jaxgpt.data.preferences import (
     split_pairs,
 )
 from jaxgpt.errors import UserError
+from jaxgpt.model.config import comma_names
 from jaxgpt.model.gpt import GPT, dummy_tokens
 from jaxgpt.tasks.chat import Chat, chat_architecture
 from jaxgpt.tasks.dpo.loss import pair_losses, reply_logps, summary
@@ -70,7 +71,7 @@ ROW_KEYS = tuple(f"{side}_{k}" for side in SIDES for k in ("x", "y", "mask"))
 def configured_pairs(d: PreferenceConfig, seed: int) -> tuple[list[Pair], str]:
     """(pairs, a description) of config.dpo's data."""
     if d.data == "builtin":
-        datasets = [t.strip() for t in d.datasets.split(",") if t.strip()]
+        datasets = comma_names(d.datasets)
         return (builtin_pairs(seed, d.examples, datasets),
                 f"built-in pairs: {d.examples} of {', '.join(datasets)} (seed {seed}; rejected: a corrupted answer)")
     if d.data.startswith("hf:") or d.data.endswith(".jsonl"):
