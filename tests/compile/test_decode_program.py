@@ -18,7 +18,8 @@ jax's CUDA plugin compiles for compile-only GPUs (`jaxgpt.tools.gpus`); skipped 
 * every kernel of that loop's body runs inside a command buffer (a CUDA graph: one launch per trip), and with
   WHILE and CONDITIONAL among the command-buffer types (`generate.decode_weights.WHILE_COMMAND_BUFFERS`) the whole
   generation, loops included, is one command buffer;
-* the engine's decode chunk loops over its steps with a known trip count too.
+* the engine's decode chunk loops over its steps with a known trip count too, and its prefill runs the
+  vocabulary's head for the prompt's last position alone and sends nothing to the host.
 
 The command buffers are in the thunk sequence XLA dumps (`thunk_sequence_after_thunk_passes.txt`), not in the
 HLO; a program compiled here has Triton GEMMs where a GPU's autotuner may pick cuBLAS (the same launch count).
@@ -172,3 +173,46 @@ def test_engine_chunk_loops_over_its_steps_with_a_known_trip_count(tmp_path: Pat
     assert [(loop["known"], loop["trips"] * UNROLL) for loop in loops] == [(True, steps)], loops
     assert not hlo.host_transfers(text)
     assert len(attention_kernels(text)) == CFG.n_layer * UNROLL  # the slots' attention: one kernel a layer, vmapped
+
+
+PROMPT_P = 64  # the engine's prefill bucket of the test below
+# top-p's sort of the vocabulary as XLA's own sort kernel: XLA:GPU sizes CUB's radix sort through the CUDA runtime
+# while compiling, which a host without a GPU fails ("invalid device ordinal"); a GPU compiles it with CUB
+NO_CUB_SORT = {"xla_gpu_enable_cub_radix_sort": False}
+
+
+def prefill_program(score: bool, tmp_path: Path) -> str:
+    """The engine's prefill of a PROMPT_P-token prompt into one of 4 slots (`slots.prefill_slot`), as HLO text."""
+    params = jax.eval_shape(lambda: init_params(CFG, jax.random.key(0)))
+    state = jax.eval_shape(lambda: slots.empty_slots(CFG, 4))
+    V = CFG.vocab_size
+    setting = jax.eval_shape(lambda: slots.Setting(jax.random.key(0), jnp.float32(0), jnp.float32(1), jnp.int32(1),
+                                                   jnp.zeros(V, jnp.float32), jnp.zeros(V, bool)))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    text, _ = compiled(slots.prefill_slot, (params, state, scalar, jax.ShapeDtypeStruct((1, PROMPT_P), jnp.int32),
+                                            scalar, setting), NO_CUB_SORT, tmp_path, cfg=CFG, score=score,
+                       banned=None, vocab_limit=None)
+    return text
+
+
+def per_position_logits(text: str) -> list[str]:
+    """The program's arrays of a vocabulary row for each prompt position (an axis of PROMPT_P or PROMPT_P - 1
+    before the vocabulary's): every position's logits. The tied head's (C, V) kernel and the slots' (S, V) rows
+    are not."""
+    shapes = re.findall(r"\b(?:bf16|f32)\[([\d,]*)\]", text)
+    return [s for s in shapes if s.endswith(f",{CFG.vocab_size}")
+            and any(int(d) in (PROMPT_P - 1, PROMPT_P) for d in s.split(",")[:-1])]
+
+
+def test_engine_prefill_takes_the_head_at_the_last_position_and_reads_nothing_back(tmp_path: Path) -> None:
+    """Unless the prompt is scored, the vocabulary's head runs for the prompt's last position alone (no array of
+    the prompt's length by the vocabulary: it was the largest product of a prefill); nothing goes to the host; the
+    first pick's one conditional (greedy, sampled, sampled with top-p: `slots._start`) is the only branch, which a
+    GPU runs inside its CUDA graph with CONDITIONAL command buffers (`decode_weights.WHILE_COMMAND_BUFFERS`) and
+    otherwise reads once per prefill."""
+    text = prefill_program(False, tmp_path / "last")
+    assert not per_position_logits(text), sorted(set(per_position_logits(text)))
+    assert not hlo.host_transfers(text)
+    assert len(re.findall(r"\bconditional\(", text)) == 1
+    scored = prefill_program(True, tmp_path / "scored")  # what the check tells apart: every position's logits
+    assert per_position_logits(scored)
