@@ -71,9 +71,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """pyproject's `-n auto` (pytest-xdist): a run of the unit tier alone (`python -m pytest tests/unit`, the loop a
-    developer runs) takes every core, as many workers as xdist counts (None: its count); any other run, CI's lanes
-    included (they already run side by side, one per core), stays in one process (0). An explicit -n N wins."""
+    """pyproject's `-n auto` (pytest-xdist): a run whose paths all lie in tests/unit (`python -m pytest tests/unit`,
+    the loop a developer runs, or a file of it) takes every core, as many workers as xdist counts (None: its
+    count); any other run, CI's lanes included (they already run side by side, one per core), stays in one process
+    (0). An explicit -n N wins."""
     unit = TESTS / "unit"
     paths = [Path(arg.split("::", 1)[0]).resolve() for arg in config.args]
     return None if paths and all(path.is_relative_to(unit) for path in paths) else 0
