@@ -1,21 +1,24 @@
-"""RL after SFT, measured: held-out pass@1 of the SFT model and of the RL model it becomes, on every built-in dataset,
-and the rollouts' speed against the engine's own on the same requests, in one run.
+"""RL after SFT, measured: held-out pass@1 of the SFT model and of the RL models it becomes, for 3 seeds from the same
+SFT start, on every built-in dataset, and the rollouts' speed against the engine's own on the same requests, in one run.
 
     python benchmarks/bench_rl.py                              # base and early SFT trained here if missing
-    python benchmarks/bench_rl.py --sft runs/chat_sft --out /tmp/bench_rl --rl_steps 200
+    python benchmarks/bench_rl.py --sft runs/chat_sft --out /tmp/bench_rl --rl_steps 200 --seeds 0
     python benchmarks/bench_rl.py --config my_rl.py            # another RL configuration
 
-The RL run is configs/chat_rl.py or --config (GRPO on built-in prompts, exact-answer reward) from an SFT model that
+The RL runs are configs/chat_rl.py or --config (GRPO on built-in prompts, exact-answer reward) from an SFT model that
 leaves room: the quick start's base model (configs/stdlib_char.py, trained into --base if it holds no run)
 fine-tuned by configs/chat_sft.py for only --sft_steps steps (into --sft if it holds no run), where the full 2000
 steps leave almost nothing to gain (175: from 150 RL finds few right samples to learn from, from 200 the target task
-is near its pass@8 already; docs/rl.md "Measured"). Both models then answer the distinct held-out prompts of each
-built-in dataset (those the SFT split holds out, up to --prompts per task): pass@1 of the greedy reply, pass@8 and
-pass@1 of 8 replies sampled at temperature 1. The task the gain is measured on (--target) is, unless named, the one
-of those RL trains on where the SFT model leaves the most room (its pass@8 less its sampled pass@1: what sampling
-finds but does not find reliably yet), chosen from the SFT model's scores alone. The RL run is timed whole
-(rollouts, updates, evaluations); the targets are a gain of 0.15 or more in the target task's greedy pass@1 within
-30 minutes of RL, and no other task down by more than 0.02.
+is near its pass@8 already; docs/rl.md "Measured"). The SFT model and each RL model answer the distinct held-out
+prompts of each built-in dataset (those the SFT split holds out, up to --prompts per task): pass@1 of the greedy
+reply, pass@8 and pass@1 of 8 replies sampled at temperature 1. The task the gain is measured on (--target) is, unless
+named, the one of those RL trains on where the SFT model leaves the most room (its pass@8 less its sampled pass@1:
+what sampling finds but does not find reliably yet), chosen once from the SFT model's scores alone. Each seed of
+--seeds (config.seed: its own training prompts, rollouts and batches; the held-out prompts are the same) is one RL
+run into --out/seed{N}, timed whole (rollouts, updates, evaluations) and scored as the SFT model was; a table per seed
+as it finishes, then each seed's changes, their mean and minimum. The targets, over the seeds: the target task's
+greedy pass@1 up by 0.15 or more on the mean and by 0.10 or more on the worst seed, no other task's mean change below
+-0.02, all the seeds' RL within 45 minutes together.
 
 Rollout speed: one RL step's rollouts as the task samples them (`RL.rollouts`: the engine's decoding, then the
 rewards, the advantages and the rows, and the reference log-probabilities when the config's rl.beta > 0) against
@@ -121,13 +124,53 @@ def rollout_speed(c: ConfigDict, rounds: int) -> dict[str, float]:
             "task / engine": engine_s / task_s}
 
 
+def task_table(before: dict, after: dict, target: str) -> None:
+    """One seed's scores against the SFT model's, a row per built-in dataset."""
+    print(f"| task (held-out prompts) | SFT pass@1 | RL pass@1 | change | SFT sampled pass@1 | RL sampled pass@1 | "
+          f"SFT pass@{K} | RL pass@{K} |\n|---|---|---|---|---|---|---|---|")
+    for task in BUILTIN_DATASETS:
+        b, a = before[task], after[task]
+        print(f"| {task}{' (target)' if task == target else ''} ({b['val_prompts']}) | {b['val_pass_at_1']:.3f} | "
+              f"{a['val_pass_at_1']:.3f} | {a['val_pass_at_1'] - b['val_pass_at_1']:+.3f} | "
+              f"{b['val_sampled_pass_at_1']:.3f} | {a['val_sampled_pass_at_1']:.3f} | {b['val_pass_at_k']:.3f} | "
+              f"{a['val_pass_at_k']:.3f} |")
+
+
+def summarize(before: dict, after: dict[int, dict], rl_minutes: dict[int, float], target: str, steps: int) -> None:
+    """Each seed's change in greedy pass@1 per task, their mean and minimum over the seeds, and the targets."""
+    total = sum(rl_minutes.values())
+    change = {s: {t: after[s][t]["val_pass_at_1"] - before[t]["val_pass_at_1"] for t in BUILTIN_DATASETS}
+              for s in after}
+    order = [target, *(t for t in BUILTIN_DATASETS if t != target)]
+    sft = ", ".join(f"{t} {before[t]['val_pass_at_1']:.3f}" for t in order)
+    print(f"\nchange in greedy pass@1 over the SFT model ({sft}):\n")
+    print("| seed | RL minutes | " + " | ".join(f"{t}{' (target)' if t == target else ''}" for t in order)
+          + " |\n|---|---|" + "---|" * len(order))
+    for s in after:
+        print(f"| {s} | {rl_minutes[s]:.1f} | " + " | ".join(f"{change[s][t]:+.3f}" for t in order) + " |")
+    for name, reduce, took in (("mean", statistics.mean, f"{statistics.mean(rl_minutes.values()):.1f}"),
+                               ("min", min, "")):
+        print(f"| {name} | {took} | "
+              + " | ".join(f"{reduce(change[s][t] for s in after):+.3f}" for t in order) + " |")
+    gains = [change[s][target] for s in after]
+    others = {t: statistics.mean(change[s][t] for s in after) for t in BUILTIN_DATASETS if t != target}
+    worst = min(others, key=others.get)
+    print(f"\nRL {total:.1f} minutes for {len(after)} seeds of {steps} steps (evaluations included)")
+    print(f"targets ({len(after)} seeds): {target} pass@1 mean {statistics.mean(gains):+.3f} >= +0.15 "
+          f"{'met' if statistics.mean(gains) >= 0.15 else 'missed'}; worst seed {min(gains):+.3f} >= +0.10 "
+          f"{'met' if min(gains) >= 0.10 else 'missed'}; other tasks' worst mean change {others[worst]:+.3f} "
+          f"({worst}) >= -0.02 {'met' if others[worst] >= -0.02 else 'missed'}; RL {total:.1f} minutes <= 45 "
+          f"{'met' if total <= 45 else 'missed'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/chat_rl.py", help="the RL run's configuration file")
+    parser.add_argument("--config", default="configs/chat_rl.py", help="the RL runs' configuration file")
     parser.add_argument("--base", default="runs/stdlib_char")
     parser.add_argument("--sft", default="runs/chat_sft_early")
     parser.add_argument("--sft_steps", type=int, default=175)
-    parser.add_argument("--out", default="/tmp/bench_rl", help="the RL run's work directory (must not hold one)")
+    parser.add_argument("--out", default="/tmp/bench_rl", help="where the RL runs go: seedN each (must not hold them)")
+    parser.add_argument("--seeds", default="0,1,2", help="one RL run per seed, each from the same SFT model")
     parser.add_argument("--rl_steps", type=int, default=0, help="0: configs/chat_rl.py's max_steps")
     parser.add_argument("--prompts", type=int, default=500, help="the most distinct held-out prompts per task")
     parser.add_argument("--slots", type=int, default=64)
@@ -136,41 +179,37 @@ def main() -> None:
     parser.add_argument("--target", default="", choices=("", *BUILTIN_DATASETS),
                         help="the task the gain is measured on (default: where the SFT model leaves the most room)")
     args = parser.parse_args()
-    if Checkpointer(args.out).latest_step() is not None:
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    if any(Checkpointer(out / f"seed{s}").latest_step() is not None for s in seeds):
         parser.error(f"{args.out} already holds a run: give a new --out")
     minutes = {"base": trained(Path(args.base), "configs/stdlib_char.py", **{"data.dir": args.data_dir}),
                "sft": trained(Path(args.sft), "configs/chat_sft.py", max_steps=args.sft_steps,
                               init_from=f"workdir:{args.base}", eval_interval=args.sft_steps)}
-    rl = config(args.config, workdir=args.out, init_from=f"workdir:{args.sft}", **{"rl.slots": args.slots})
+    rl = config(args.config, init_from=f"workdir:{args.sft}", seed=seeds[0], workdir=str(out / f"seed{seeds[0]}"),
+                **{"rl.slots": args.slots})
     rl.max_steps = args.rl_steps or rl.max_steps
     before = scores(Path(args.sft), BUILTIN_DATASETS, args.prompts, args.slots)
     trained_on = [t.strip() for t in rl.rl.datasets.split(",")]
     room = {t: before[t]["val_pass_at_k"] - before[t]["val_sampled_pass_at_1"] for t in trained_on}
     target = args.target or max(room, key=room.get)
-    speed = rollout_speed(rl, args.rounds)
-    t = time.perf_counter()
-    train(from_config_dict(rl), build)
-    minutes["rl"] = (time.perf_counter() - t) / 60
-    after = scores(Path(args.out), BUILTIN_DATASETS, args.prompts, args.slots)
-    print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps), "
-          f"RL {minutes['rl']:.1f} ({rl.max_steps} steps, evaluations included)")
-    print(f"\n| task (held-out prompts) | SFT pass@1 | RL pass@1 | change | SFT sampled pass@1 | RL sampled pass@1 | "
-          f"SFT pass@{K} | RL pass@{K} |\n|---|---|---|---|---|---|---|---|")
-    for task in BUILTIN_DATASETS:
-        b, a = before[task], after[task]
-        print(f"| {task}{' (target)' if task == target else ''} ({b['val_prompts']}) | {b['val_pass_at_1']:.3f} | "
-              f"{a['val_pass_at_1']:.3f} | {a['val_pass_at_1'] - b['val_pass_at_1']:+.3f} | "
-              f"{b['val_sampled_pass_at_1']:.3f} | {a['val_sampled_pass_at_1']:.3f} | {b['val_pass_at_k']:.3f} | "
-              f"{a['val_pass_at_k']:.3f} |")
-    gain = after[target]["val_pass_at_1"] - before[target]["val_pass_at_1"]
-    worst = min(after[t]["val_pass_at_1"] - before[t]["val_pass_at_1"] for t in BUILTIN_DATASETS if t != target)
+    speed = rollout_speed(rl, args.rounds)  # once: the seed changes which prompts are sampled, not how fast
+    print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps)")
     why = "named" if args.target else f"the most room, pass@{K} - sampled pass@1: " + ", ".join(f"{t} {r:.3f}"
                                                                                   for t, r in room.items())
-    print(f"\ntarget {target} ({why}): pass@1 {gain:+.3f} (target >= +0.15 within 30 min: "
-          f"{'met' if gain >= 0.15 and minutes['rl'] <= 30 else 'missed'}); other tasks' worst change {worst:+.3f} "
-          f"(target >= -0.02: {'met' if worst >= -0.02 else 'missed'})")
+    print(f"target {target} ({why})")
     print(f"rollouts: {json.dumps({k: round(v, 3) for k, v in speed.items()})} (target task / engine >= 0.8: "
           f"{'met' if speed['task / engine'] >= 0.8 else 'missed'}); devices: {jax.devices()[0].device_kind}")
+    after, rl_minutes = {}, {}
+    for s in seeds:  # each seed's table as soon as it is in: a run cut short keeps what it measured
+        rl.seed, rl.workdir = s, str(out / f"seed{s}")
+        t = time.perf_counter()
+        train(from_config_dict(rl), build)
+        rl_minutes[s] = (time.perf_counter() - t) / 60
+        after[s] = scores(Path(rl.workdir), BUILTIN_DATASETS, args.prompts, args.slots)
+        print(f"\nseed {s}: RL {rl_minutes[s]:.1f} minutes ({rl.max_steps} steps, evaluations included)\n")
+        task_table(before, after[s], target)
+    summarize(before, after, rl_minutes, target, rl.max_steps)
 
 
 if __name__ == "__main__":
