@@ -44,6 +44,7 @@ from jaxgpt.data.conversations import BUILTIN_DATASETS
 from jaxgpt.generate.engine import generate_many
 from jaxgpt.io import weights
 from jaxgpt.io.checkpoint import Checkpointer
+from jaxgpt.model.config import comma_names
 from jaxgpt.tasks import build
 from jaxgpt.tasks.rl.prompts import Prompt, load_prompts, split_prompts
 from jaxgpt.tasks.rl.rewards import parse_rewards
@@ -190,7 +191,7 @@ def main() -> None:
                 **{"rl.slots": args.slots})
     rl.max_steps = args.rl_steps or rl.max_steps
     before = scores(Path(args.sft), BUILTIN_DATASETS, args.prompts, args.slots)
-    trained_on = [t.strip() for t in rl.rl.datasets.split(",")]
+    trained_on = comma_names(rl.rl.datasets)
     room = {t: before[t]["val_pass_at_k"] - before[t]["val_sampled_pass_at_1"] for t in trained_on}
     target = args.target or max(room, key=room.get)
     speed = rollout_speed(rl, args.rounds)  # once: the seed changes which prompts are sampled, not how fast
