@@ -216,11 +216,11 @@ class DecodeState(NamedTuple):
 
 
 def _decode(cfg: ModelConfig, params: Any, idx_BT: Array, cache: Any, index: Array | int,
-            output_major: bool, last_only: bool | Array = True) -> tuple[Array, Any]:
-    """Logits of the last position only, which is all the decode loop samples from (`params`:
-    `decoding_weights`); every position's for a prompt prefilled with padding after it (`jaxgpt.generate.engine`)."""
+            output_major: bool, logits_at: int | Array | None = -1) -> tuple[Array, Any]:
+    """Logits of position `logits_at` of the new tokens, by default the last, which is all the decode loop samples
+    from (`params`: `decoding_weights`); every position's with None (a prompt the engine scores)."""
     model = GPT(cfg, kernel_storage=kernel_storage(output_major))
-    return model.apply({"params": params}, idx_BT, cache, index, last_only, method=GPT.decode)
+    return model.apply({"params": params}, idx_BT, cache, index, logits_at, method=GPT.decode)
 
 
 SHORTEST_CACHE = 128  # `cache_slots` rounds a generation's cache up to a power of two, at least this

@@ -183,7 +183,7 @@ def prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array
     # Every position's logits only to score the prompt; else position T - 1's alone (the vocabulary's head over
     # every position was the largest product of a SmolLM2 prefill, docs/benchmarks.md)
     logits_1XV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1, P), 0, False,
-                                last_only=False if score else T - 1)
+                                logits_at=None if score else T - 1)
     state, first = _start(state, s, cache, logits_1XV[0, T - 1 if score else 0], T, setting, None, banned,
                           vocab_limit)
     return state, first, logprobs(logits_1XV[0, :-1], prompt_1P[0, 1:]) if score else None

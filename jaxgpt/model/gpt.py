@@ -201,15 +201,15 @@ class GPT(nn.Module):
                  segments_BT: Array | None = None) -> Array:
         return self.logits(self.hidden(idx_BT, mask_BT, deterministic, segments_BT))
 
-    def decode(self, idx_BT: Array, cache: Cache | list[Cache], cache_index: Array, last_only: bool | Array = False
+    def decode(self, idx_BT: Array, cache: Cache | list[Cache], cache_index: Array, logits_at: int | Array | None = None
                ) -> tuple[Array, Cache | list[Cache]]:
         """Run T new tokens at positions cache_index.. against a cache of S = block_size slots.
 
         Used for both the prompt (prefill, T = prompt length) and each new token (T = 1).
-        Returns float32 logits (B, T, V) (only the last position's, (B, 1, V), with `last_only`:
-        a prefill needs no more; with `last_only` a position, an int array, only that one's: a right-padded
-        prompt's last token, so that the vocabulary's head runs for one position, not T) and the updated cache; slots
-        past the written ones are never visible, so the cache may hold stale values there.
+        Returns float32 logits (B, T, V), or with `logits_at` (an index into the T new tokens: a Python int, negative
+        from the end, or an int array) only that position's, (B, 1, V): a prefill samples from its last token's
+        alone (a right-padded prompt's last real one), so the vocabulary's head runs for one position, not T. Also
+        the updated cache; slots past the written ones are never visible, so the cache may hold stale values there.
         """
         T = idx_BT.shape[1]
         S = (cache["k"] if self.cfg.scan_layers else cache[0]["k"]).shape[-2]
@@ -218,10 +218,9 @@ class GPT(nn.Module):
         pos_BT = jnp.broadcast_to(q_pos_T + int(self.cfg.pad_positions), idx_BT.shape)
         x_BTC = self._embed(idx_BT, pos_BT, deterministic=True)
         x_BTC, cache = self._layers(x_BTC, visible_BTS, True, cache, cache_index, q_pos_T=q_pos_T)
-        if last_only is True:
-            x_BTC = x_BTC[:, -1:]
-        elif last_only is not False:
-            x_BTC = jax.lax.dynamic_slice_in_dim(x_BTC, last_only, 1, axis=1)
+        if logits_at is not None:  # (a constant index compiles to a plain slice)
+            x_BTC = jax.lax.dynamic_slice_in_dim(x_BTC, logits_at % T if isinstance(logits_at, int) else logits_at, 1,
+                                                 axis=1)
         h_BTC = self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC
         return self.logits(h_BTC), cache
 
