@@ -25,7 +25,6 @@ trains on the one loop:
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ from jaxgpt.data.conversations import (
     fit_context,
     load_hub,
     load_jsonl,
+    mean_by_kind,
     pack_rows,
     split_held_out,
     to_rows,
@@ -287,10 +287,7 @@ class Chat:
             result[f"{split}_token_accuracy"] = total("correct") / max(total("n_tokens"), 1.0)
             result[f"{split}_exact_match"] = float(exact.mean())
             result[f"{split}_conversations"] = len(kinds)
-            per_kind: dict[str, list[bool]] = defaultdict(list)
-            for kind, ok in zip(kinds.tolist(), exact.tolist(), strict=True):
-                per_kind[kind].append(ok)
-            result[f"{split}_exact_match_by_dataset"] = {k: float(np.mean(v)) for k, v in sorted(per_kind.items())}
+            result[f"{split}_exact_match_by_dataset"] = mean_by_kind(kinds, exact)
         return result
 
     def describe(self) -> str:

@@ -84,8 +84,12 @@ class MetricsLog:
             self.wandb = _wandb_run(wandb_project, wandb_name, workdir, settings, local)
 
     def write(self, step: int, values: dict[str, Any], kind: str = "train") -> None:
-        """Log the numeric scalars of `values` (nested or non-numeric entries are for the caller)."""
-        values = {k: float(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        """Log the numeric scalars of `values`, and those of a dict of them one level down as "NAME/KEY" (a score per
+        dataset: `val_exact_match_by_dataset/reverse`); other entries are for the caller."""
+        values = {f"{name}/{key}" if key else name: float(v)
+                  for name, value in values.items()
+                  for key, v in (value.items() if isinstance(value, dict) else [("", value)])
+                  if isinstance(v, int | float) and not isinstance(v, bool)}
         if not self.enabled:
             return
         with self.path.open("a") as f:

@@ -79,6 +79,7 @@ def test_reward_accuracy_rises_from_ln_2_and_the_run_is_a_chat_run(tmp_path: Pat
     assert all(f"train_{m}" in first for m in TRL_METRICS)
     assert steps[-1]["train_loss"] < 0.6 and result["val_rewards/accuracies"] > 0.8, result
     assert result["val_loss"] < 0.69 and result["val_rewards/margins"] > 0
+    assert result["val_rewards/accuracies_by_dataset"] == {"pairs": result["val_rewards/accuracies"]}  # a file: one
     assert (workdir / "reference_logps.npz").exists() and (workdir / "chat_template.jinja").exists()
     loaded = weights.load(f"workdir:{workdir}")  # sample.py --chat and jaxgpt serve read a run through these
     chat = ChatModel.from_run(loaded.params, loaded.model, loaded.tokenizer(), loaded.meta, None)
@@ -188,7 +189,9 @@ def test_sampled_rejections_are_the_models_own_kept_with_the_run_and_read_back(t
     workdir = tmp_path / "run"
     c = dpo_config(workdir, base_run, max_steps=2, eval_interval=2, ckpt_interval=2,
                    **{"dpo.data": "builtin", "dpo.rejected": "sampled", "dpo.examples": 60})
-    train_run(c)
+    result = train_run(c)
+    assert set(result["val_rewards/accuracies_by_dataset"]) == set(result["val_exact_match_by_dataset"]) == {
+        "arithmetic", "reverse"}
     kept = [json.loads(line) for line in (workdir / "rejected.jsonl").read_text().splitlines()]
     corrupted = [p.rejected for p in builtin_pairs(0, 60, ["arithmetic", "reverse"])]
     own = [r for r, k in zip(kept, corrupted, strict=True) if r != k]

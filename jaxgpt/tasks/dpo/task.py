@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections import defaultdict
 from typing import Any
 
 import jax
@@ -33,7 +32,7 @@ import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
-from jaxgpt.data.conversations import TEMPLATE_FILE
+from jaxgpt.data.conversations import TEMPLATE_FILE, mean_by_kind
 from jaxgpt.data.hub import HUB_SPEC
 from jaxgpt.data.model_chat import chat_format
 from jaxgpt.data.preferences import (
@@ -205,13 +204,12 @@ class DPO:
         n = len(self.eval_idx)
         per_pair = {k: np.concatenate([np.asarray(o[k]) for o in outputs["val"]])[:n] for k in outputs["val"][0]}
         exact, kinds = per_pair.pop("exact"), self.kinds["val"][self.eval_idx]
-        by_kind: dict[str, list[bool]] = defaultdict(list)
-        for kind, ok in zip(kinds.tolist(), exact.tolist(), strict=True):
-            by_kind[kind].append(ok)
+        ranked = per_pair["rewards/chosen"] > per_pair["rewards/rejected"]
         return {"val_loss": float(per_pair.pop("loss").mean()),
                 **{f"val_{k}": float(v) for k, v in summary(per_pair).items()},
                 "val_exact_match": float(exact.mean()), "val_pairs": n,
-                "val_exact_match_by_dataset": {k: float(np.mean(v)) for k, v in sorted(by_kind.items())}}
+                "val_exact_match_by_dataset": mean_by_kind(kinds, exact),
+                "val_rewards/accuracies_by_dataset": mean_by_kind(kinds, ranked)}
 
     def describe(self) -> str:
         return self._description

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxgpt.data.conversations import mean_by_kind
 from jaxgpt.data.model_chat import chat_prompt_ids
 from jaxgpt.data.streams import RL_EVAL_STREAM
 from jaxgpt.data.tokenizer import Tokenizer
@@ -134,5 +135,4 @@ def pass_rates(sampler: Sampler, params: Any, held: PromptSet, k: int, seed: int
     return {"val_reward": float(greedy.mean()), "val_pass_at_1": float(np.mean(greedy >= PASS)),
             "val_pass_at_k": float(np.mean((sampled >= PASS).any(axis=1))),
             "val_sampled_pass_at_1": float(np.mean(sampled >= PASS)), "val_prompts": N, "pass_k": k,
-            "val_pass_at_1_by_dataset": {kind: float(np.mean(greedy[kinds == kind] >= PASS))
-                                      for kind in sorted(set(kinds.tolist()))}}
+            "val_pass_at_1_by_dataset": mean_by_kind(kinds, greedy >= PASS)}
