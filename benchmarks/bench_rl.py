@@ -1,15 +1,18 @@
 """RL after SFT, measured: held-out pass@1 of the SFT model and of the RL models it becomes, for 3 seeds from the same
 SFT start, on every built-in dataset, and the rollouts' speed against the engine's own on the same requests, in one run.
 
-    python benchmarks/bench_rl.py                              # base and early SFT trained here if missing
+    python benchmarks/bench_rl.py                              # base and early SFT runs trained here if missing
     python benchmarks/bench_rl.py --sft runs/chat_sft --out /tmp/bench_rl --rl_steps 200 --seeds 0
     python benchmarks/bench_rl.py --config my_rl.py            # another RL configuration
 
 The RL runs are configs/chat_rl.py or --config (GRPO on built-in prompts, exact-answer reward) from an SFT model that
 leaves room: the quick start's base model (configs/stdlib_char.py, trained into --base if it holds no run)
-fine-tuned by configs/chat_sft.py for only --sft_steps steps (into --sft if it holds no run), where the full 2000
-steps leave almost nothing to gain (175: from 150 RL finds few right samples to learn from, from 200 the target task
-is near its pass@8 already; docs/rl.md "Measured"). The SFT model and each RL model answer the distinct held-out
+fine-tuned by configs/chat_sft.py for only a few steps, where the full 2000 leave almost nothing to gain. Unless
+--sft holds a run, the start is chosen by its score: an SFT run for each of --sft_steps (150, 160, 170, 180 steps,
+into --sft/stepsN, each trained if missing), the one whose best RL dataset's held-out exact match (its own final
+evaluation) comes closest to 0.65 (`sft_start`). From about 0.5 RL finds too few right samples to learn from, from
+about 0.8 the target task is near its pass@8 already, and how many steps reach 0.65 depends on the base run and
+the machine (docs/rl.md "Measured"). The SFT model and each RL model answer the distinct held-out
 prompts of each built-in dataset (those the SFT split holds out, up to --prompts per task): pass@1 of the greedy
 reply, pass@8 and pass@1 of 8 replies sampled at temperature 1. The task the gain is measured on (--target) is, unless
 named, the one of those RL trains on where the SFT model leaves the most room (its pass@8 less its sampled pass@1:
@@ -64,6 +67,39 @@ def config(path: str, **overrides: object) -> ConfigDict:
     c = module.get_config()
     c.update_from_flattened_dict(overrides)
     return c
+
+
+def int_list(text: str) -> list[int]:
+    """--seeds: comma-separated integers, e.g. 0,1,2 (argparse's `type`, shared by the post-training benchmarks)."""
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,1,2") from None
+
+
+START = 0.65  # the SFT start's held-out exact match on its best RL dataset (docs/rl.md "Measured": the most gained)
+
+
+def sft_start(args: argparse.Namespace, datasets: list[str]) -> tuple[Path, float, str]:
+    """The SFT run RL starts from, the minutes spent training it and a line saying why: --sft when it holds a run,
+    else configs/chat_sft.py from --base for each of --sft_steps steps (into --sft/stepsN, each trained if missing),
+    the one whose best dataset of `datasets` comes closest to START in its final held-out exact match. A short SFT's
+    score climbs 0.2 in 25 steps, and how far a number of steps goes depends on the base run and on the machine's
+    arithmetic (the 175 steps that gave 0.650 on 2026-11-28 gave 0.822 a day later from another base run): the score
+    carries from one machine to another, the count of steps does not."""
+    if Checkpointer(args.sft).latest_step() is not None:
+        return Path(args.sft), 0.0, f"{args.sft} (given)"
+    minutes, best = 0.0, {}
+    for n in args.sft_steps:
+        run = Path(args.sft) / f"steps{n}"
+        minutes += trained(run, "configs/chat_sft.py", max_steps=n, init_from=f"workdir:{args.base}",
+                           eval_interval=n)
+        final = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r][-1]
+        best[n] = max(final[f"val_exact_match_by_dataset/{d}"] for d in datasets
+                      if f"val_exact_match_by_dataset/{d}" in final)
+    n = min(best, key=lambda k: abs(best[k] - START))
+    return (Path(args.sft) / f"steps{n}", minutes, f"{n} steps: its best dataset's held-out exact match {best[n]:.2f}, "
+            f"the closest to {START} of " + ", ".join(f"{k} steps {v:.2f}" for k, v in best.items()))
 
 
 def trained(workdir: Path, config_file: str, **overrides: object) -> float:
@@ -168,10 +204,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/chat_rl.py", help="the RL runs' configuration file")
     parser.add_argument("--base", default="runs/stdlib_char")
-    parser.add_argument("--sft", default="runs/chat_sft_early")
-    parser.add_argument("--sft_steps", type=int, default=175)
+    parser.add_argument("--sft", default="runs/chat_sft_early",
+                        help="the SFT run to start from, or where the runs of --sft_steps go (stepsN each)")
+    parser.add_argument("--sft_steps", type=int_list, default="150,160,170,180",
+                        help="the SFT runs' lengths to choose the start from (sft_start)")
     parser.add_argument("--out", default="/tmp/bench_rl", help="where the RL runs go: seedN each (must not hold them)")
-    parser.add_argument("--seeds", default="0,1,2", help="one RL run per seed, each from the same SFT model")
+    parser.add_argument("--seeds", type=int_list, default="0,1,2",
+                        help="one RL run per seed, each from the same SFT model")
     parser.add_argument("--rl_steps", type=int, default=0, help="0: configs/chat_rl.py's max_steps")
     parser.add_argument("--prompts", type=int, default=500, help="the most distinct held-out prompts per task")
     parser.add_argument("--slots", type=int, default=64)
@@ -180,22 +219,20 @@ def main() -> None:
     parser.add_argument("--target", default="", choices=("", *BUILTIN_DATASETS),
                         help="the task the gain is measured on (default: where the SFT model leaves the most room)")
     args = parser.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    out = Path(args.out)
+    seeds, out = args.seeds, Path(args.out)
     if any(Checkpointer(out / f"seed{s}").latest_step() is not None for s in seeds):
         parser.error(f"{args.out} already holds a run: give a new --out")
-    minutes = {"base": trained(Path(args.base), "configs/stdlib_char.py", **{"data.dir": args.data_dir}),
-               "sft": trained(Path(args.sft), "configs/chat_sft.py", max_steps=args.sft_steps,
-                              init_from=f"workdir:{args.base}", eval_interval=args.sft_steps)}
-    rl = config(args.config, init_from=f"workdir:{args.sft}", seed=seeds[0], workdir=str(out / f"seed{seeds[0]}"),
-                **{"rl.slots": args.slots})
+    rl = config(args.config, seed=seeds[0], workdir=str(out / f"seed{seeds[0]}"), **{"rl.slots": args.slots})
     rl.max_steps = args.rl_steps or rl.max_steps
-    before = scores(Path(args.sft), BUILTIN_DATASETS, args.prompts, args.slots)
     trained_on = comma_names(rl.rl.datasets)
+    minutes = {"base": trained(Path(args.base), "configs/stdlib_char.py", **{"data.dir": args.data_dir})}
+    sft, minutes["sft"], chosen = sft_start(args, trained_on)
+    rl.init_from = f"workdir:{sft}"
+    before = scores(sft, BUILTIN_DATASETS, args.prompts, args.slots)
     room = {t: before[t]["val_pass_at_k"] - before[t]["val_sampled_pass_at_1"] for t in trained_on}
     target = args.target or max(room, key=room.get)
     speed = rollout_speed(rl, args.rounds)  # once: the seed changes which prompts are sampled, not how fast
-    print(f"\nminutes: base {minutes['base']:.1f} (0: there), SFT {minutes['sft']:.1f} ({args.sft_steps} steps)")
+    print(f"\nminutes: base {minutes['base']:.1f}, SFT {minutes['sft']:.1f} (0: there)\nSFT start: {chosen}")
     why = "named" if args.target else f"the most room, pass@{K} - sampled pass@1: " + ", ".join(f"{t} {r:.3f}"
                                                                                   for t, r in room.items())
     print(f"target {target} ({why})")

@@ -1,4 +1,4 @@
-"""Preference tuning after SFT: DPO on pairs made from the four built-in datasets (no download).
+"""Preference tuning after SFT: DPO on pairs made from three of the built-in datasets (no download).
 
 Continues runs/chat_sft (configs/chat_sft.py; train it first) with task dpo (jaxgpt/tasks/dpo/): each pair is a
 built-in prompt with its right answer (chosen) and a wrong one close to it (rejected: a number off by one or two,
@@ -27,7 +27,9 @@ def get_config():
     c.workdir = "runs/chat_dpo"
     c.init_from = "workdir:runs/chat_sft"
     c.dpo.data = "builtin"
-    c.dpo.datasets = "arithmetic,reverse,count,fact"
+    # arithmetic left out: its pairs (a sum and the sum off by 1 or 2) stayed at chance, held-out reward accuracy
+    # 0.45-0.59 after 240 steps on 3 seeds, from an SFT model that answers 2-5% of the sums (docs/dpo.md)
+    c.dpo.datasets = "reverse,count,fact"
     c.dpo.examples = 20000
     c.dpo.val_fraction = 0.05
     c.dpo.loss_type = "sigmoid"
@@ -35,8 +37,8 @@ def get_config():
     c.dpo.rpo_alpha = 1.0  # without it the chosen rewards fell (docs/dpo.md#measuring-it)
     c.batch_size = 64  # pairs: 128 sequences a step
     c.cpu_devices = 2
-    schedule(c, max_steps=300, lr=5e-4, min_lr=5e-5, warmup_steps=10, weight_decay=0.0, b2=0.99, eval_interval=100,
+    schedule(c, max_steps=240, lr=5e-4, min_lr=5e-5, warmup_steps=10, weight_decay=0.0, b2=0.99, eval_interval=120,
              eval_batches=4)
-    c.ckpt_interval = 100
+    c.ckpt_interval = 120
     c.keep_checkpoints = 1
     return c

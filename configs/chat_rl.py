@@ -11,13 +11,14 @@ prompts are split by SFT's hash of the prompt: a prompt SFT held out is held out
 A completion cut at the 24 tokens (no end token) takes no part in the loss (rl.mask_truncated_completions), so cut
 rambles do not teach every task to stop sooner.
 
-Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-28; 21.2 minutes of RL with another run beside it)
-from a 175-step SFT run, greedy pass@1 on each task's distinct held-out prompts: reverse 0.650 -> 0.854 (500
-prompts), fact 0.362 -> 0.490 (500), count 0.130 -> 0.172 (500), arithmetic 0.030 -> 0.015 (197: 6 right, then 3,
-near chance). Rollouts ran at 0.97x the engine alone. With operands up to 19, from a 200-step SFT run, a KL penalty
-to the SFT model (rl.beta=0.1) gave the same gains as none (reverse +0.202 against +0.208) at 0.63x the engine: the
-reference pass scores every row again. Every evaluation samples 256 held-out prompts: pass@1 of the greedy reply,
-pass@8 and pass@1 of sampled ones, and scores the loss of their reference answers.
+Measured (benchmarks/bench_rl.py, docs/rl.md "Measured", 2026-11-29; 3 seeds, 37.5 minutes of RL together) from a
+160-step SFT run, greedy pass@1 on each task's distinct held-out prompts, the mean of the seeds: reverse 0.642 ->
+0.807 (500 prompts; the seeds +0.200, +0.202, +0.092), fact 0.282 -> 0.404 (500), count 0.048 -> 0.120 (500),
+arithmetic 0.025 -> 0.029 (197, near chance). Rollouts ran at 1.03x the engine alone. With operands up to 19, from a
+200-step SFT run, a KL penalty to the SFT model (rl.beta=0.1) gave the same gains as none (reverse +0.202 against
++0.208) at 0.63x the engine: the reference pass scores every row again. Every evaluation samples 256 held-out
+prompts: pass@1 of the greedy reply, pass@8 and pass@1 of sampled ones, and scores the loss of their reference
+answers.
 
     python train.py --config configs/chat_rl.py [--config.init_from=workdir:runs/chat_sft]
     python sample.py --workdir runs/chat_rl --chat          # or jaxgpt serve --workdir runs/chat_rl
