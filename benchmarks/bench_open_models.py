@@ -51,6 +51,7 @@ from jaxgpt.io.hf import hf_config_to_model_config, hf_family
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, RAGGED, THREADS, CONTEXT = 32, 16, 2, 256
+SETTLE_S = 1.0  # idle seconds before each timed run (`rounds`)
 TARGETS = {"batch-1 decode vs llama.cpp (F32 file)": 1.0, "batch-1 decode vs transformers": 2.5,
            "16 ragged prompts vs transformers": 3.0, "training tokens/s vs eager PyTorch": 1.2,
            "load peak / float32 params (135M)": 1.5, "load peak / file size (1.1B bf16)": 1.3}
@@ -61,10 +62,13 @@ BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidde
 
 
 def rounds(sides: dict[str, Callable[[], int]], n: int) -> dict[str, float]:
-    """Each side's best tokens/s over `n` rounds taken in turn (A, B, A, B, ...); a side returns its tokens."""
+    """Each side's best tokens/s over `n` rounds taken in turn (A, B, A, B, ...); a side returns its tokens. Each
+    run starts after a pause (SETTLE_S): PyTorch's OpenMP workers and llama.cpp's thread pool spin on the cores for a
+    while after their work, and a run started at once shares the cores with them."""
     best = dict.fromkeys(sides, 0.0)
     for _ in range(n):
         for name, run in sides.items():
+            time.sleep(SETTLE_S)
             t = time.perf_counter()
             tokens = run()
             best[name] = max(best[name], tokens / (time.perf_counter() - t))
