@@ -39,10 +39,10 @@ import numpy as np
 from bench_rl import config, int_list, trained
 
 from jaxgpt.data.conversations import BUILTIN_DATASETS
+from jaxgpt.io import weights
 from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.model.config import comma_names
 from jaxgpt.tasks import build
-from jaxgpt.tasks.chat import Chat
 from jaxgpt.tasks.rl.task import local_weights, on_one_device
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
@@ -81,8 +81,7 @@ def left_out_scores(c, seed: int, out: Path) -> tuple[dict, dict] | None:
     o.seed, o.workdir, o.dpo.datasets = seed, str(out / f"left_out{seed}"), ",".join(left)
     task = build(from_config_dict(o))
     before = held_out_scores(task, task.pretrained())
-    o.init_from, o.workdir = f"workdir:{out / f'seed{seed}'}", str(out / f"left_out{seed}_dpo")
-    return before, held_out_scores(task, Chat.pretrained(build(from_config_dict(o))))
+    return before, held_out_scores(task, weights.load_for(f"workdir:{out / f'seed{seed}'}", task.model_cfg).params)
 
 
 def by_dataset(metrics: dict, key: str) -> str:

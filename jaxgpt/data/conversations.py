@@ -61,7 +61,6 @@ TEMPLATE_FILE = "chat_template.jinja"  # a run's own template, in its workdir (s
 BUILTIN_DATASETS = ("arithmetic", "reverse", "count", "fact")
 
 
-
 def mean_by_kind(kinds: np.ndarray, values: np.ndarray) -> dict[str, float]:
     """The mean of `values` over the examples of each kind (a built-in dataset's name, or a file's one kind), in
     name order: the per-dataset scores every chat-shaped task reports beside its overall one."""

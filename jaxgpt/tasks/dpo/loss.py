@@ -55,8 +55,9 @@ def pair_losses(chosen_B: jax.Array, rejected_B: jax.Array, n_chosen_B: jax.Arra
                 ref_chosen_B: jax.Array | None, ref_rejected_B: jax.Array | None, *, loss_type: str, beta: float,
                 label_smoothing: float = 0.0, simpo_gamma: float = 0.5, orpo_lambda: float = 0.1,
                 rpo_alpha: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(each pair's loss (B,), {name: (B,)}: the chosen and rejected rewards and log-probabilities the metrics
-    average, and ORPO's two terms (the NLL also with rpo_alpha)) from the replies' summed log-probabilities and
+    """(each pair's loss (B,), {name: (B,)}: the chosen and rejected rewards, whether the chosen one is the higher
+    (1.0 or 0.0) and their margin, the log-probabilities, and ORPO's two terms (the NLL also with rpo_alpha): what
+    the metrics average, held-out pairs per dataset too) from the replies' summed log-probabilities and
     token counts; the references are None for the reference-free losses."""
     nll_B = -chosen_B / jnp.maximum(n_chosen_B, 1.0)  # the chosen reply's mean negative log-likelihood per token
     if loss_type in AVERAGED:
@@ -92,17 +93,17 @@ def pair_losses(chosen_B: jax.Array, rejected_B: jax.Array, n_chosen_B: jax.Arra
     if rpo_alpha:
         loss_B, terms = loss_B + rpo_alpha * nll_B, {"nll_loss": nll_B, **terms}
     stop = jax.lax.stop_gradient
-    return loss_B, {"rewards/chosen": stop(chosen_reward_B), "rewards/rejected": stop(rejected_reward_B),
+    chosen_reward_B, rejected_reward_B = stop(chosen_reward_B), stop(rejected_reward_B)
+    return loss_B, {"rewards/chosen": chosen_reward_B, "rewards/rejected": rejected_reward_B,
+                    "rewards/accuracies": (chosen_reward_B > rejected_reward_B).astype(jnp.float32),
+                    "rewards/margins": chosen_reward_B - rejected_reward_B,
                     "logps/chosen": stop(chosen_B), "logps/rejected": stop(rejected_B),
                     **{k: stop(v) for k, v in terms.items()}}
 
 
 def summary(per_pair: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """TRL's metrics (and ORPO's terms), averaged over the pairs, from `pair_losses`'s per-pair values."""
-    chosen_B, rejected_B = per_pair["rewards/chosen"], per_pair["rewards/rejected"]
-    means = {k: jnp.mean(v) for k, v in per_pair.items()}
-    return {**means, "rewards/accuracies": jnp.mean((chosen_B > rejected_B).astype(jnp.float32)),
-            "rewards/margins": jnp.mean(chosen_B - rejected_B)}
+    """TRL's metrics (and ORPO's terms): `pair_losses`'s per-pair values averaged over the pairs."""
+    return {k: jnp.mean(v) for k, v in per_pair.items()}
 
 
 def preference_loss(chosen_B: jax.Array, rejected_B: jax.Array, n_chosen_B: jax.Array, n_rejected_B: jax.Array,

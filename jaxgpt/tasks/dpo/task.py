@@ -204,12 +204,11 @@ class DPO:
         n = len(self.eval_idx)
         per_pair = {k: np.concatenate([np.asarray(o[k]) for o in outputs["val"]])[:n] for k in outputs["val"][0]}
         exact, kinds = per_pair.pop("exact"), self.kinds["val"][self.eval_idx]
-        ranked = per_pair["rewards/chosen"] > per_pair["rewards/rejected"]
         return {"val_loss": float(per_pair.pop("loss").mean()),
                 **{f"val_{k}": float(v) for k, v in summary(per_pair).items()},
                 "val_exact_match": float(exact.mean()), "val_pairs": n,
                 "val_exact_match_by_dataset": mean_by_kind(kinds, exact),
-                "val_rewards/accuracies_by_dataset": mean_by_kind(kinds, ranked)}
+                "val_rewards/accuracies_by_dataset": mean_by_kind(kinds, per_pair["rewards/accuracies"])}
 
     def describe(self) -> str:
         return self._description
