@@ -207,6 +207,20 @@ def scale_by_width(dims: Any) -> optax.GradientTransformation:
     return optax.stateless(lambda updates, _: jax.tree.map(scale, updates, dims, is_leaf=is_dims))
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Gradients scaled by min(1, max_norm / their global norm), as PyTorch's `clip_grad_norm_` does: one factor,
+    then a multiply. optax's version divides every element by the norm, and XLA:CPU does not copy a division into
+    each of its consumers, so the clipped gradients were written out whole and read back by both Adam moments'
+    fusions: SmolLM2-135M's update took 237 ms against 123 ms this way (the same parameters unclipped; clipped,
+    within an ulp). The state is optax's (empty), so checkpoints restore either way."""
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, optax.EmptyState]:
+        factor = jnp.minimum(1.0, max_norm / optax.tree.norm(updates))
+        return jax.tree.map(lambda g: g * factor.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def _adamw(cfg: OptimConfig, d_model: int | None) -> optax.GradientTransformation:
     # The mask is a function: it must be static, or inject_hyperparams would call it as a schedule.
     return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
@@ -238,7 +252,7 @@ def make_optimizer(cfg: OptimConfig, d_model: int | None = None, axes: Any = Non
     else:
         tx = _adamw(cfg, d_model)
     if cfg.grad_clip:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+        return optax.chain(clip_by_global_norm(cfg.grad_clip), tx)
     return tx
 
 

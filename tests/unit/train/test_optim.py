@@ -1,6 +1,6 @@
 """Optimizers and schedules: Muon's partition by role (GPT, scanned GPT, encoder-decoder), Muon on scanned
-kernels as on the per-layer matrices, warmup-stable-decay, z-loss, one-line config errors, and a Muon run
-that resumes bit for bit."""
+kernels as on the per-layer matrices, global-norm clipping against PyTorch's rule, warmup-stable-decay, z-loss,
+one-line config errors, and a Muon run that resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import traverse_util
 from helpers import load_tiny
@@ -76,6 +77,29 @@ def test_muon_update_of_a_scanned_kernel_equals_per_layer_muon() -> None:
     rate_times_width = cfg.muon_lr * 2.0  # fc is (32, 128): sqrt(fan_out / fan_in) = 2
     singular = np.linalg.svd(want[("h_0", "mlp", "fc", "kernel")], compute_uv=False) / rate_times_width
     assert singular.min() > 0.5 and singular.max() < 1.5, singular
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e6])
+def test_global_norm_clipping_is_pytorchs(max_norm: float) -> None:
+    """Above max_norm the gradients scale to it, below they pass unchanged (the same arrays' values), as
+    torch.nn.utils.clip_grad_norm_ leaves them; the state is optax's, so older checkpoints restore."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.standard_normal((64, 7)).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+    tx = optim.clip_by_global_norm(max_norm)
+    clipped, state = tx.update(jax.tree.map(jnp.asarray, grads), tx.init(grads))
+    tensors = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads.values()]
+    for t, g in zip(tensors, grads.values(), strict=True):
+        t.grad = torch.from_numpy(g.copy())
+    torch.nn.utils.clip_grad_norm_(tensors, max_norm)
+    for t, c in zip(tensors, clipped.values(), strict=True):
+        np.testing.assert_allclose(np.asarray(c), t.grad.numpy(), rtol=1e-6, atol=0)
+    norm = float(optax.tree.norm(clipped))
+    assert norm == pytest.approx(min(max_norm, float(optax.tree.norm(grads))), rel=1e-6)
+    if max_norm > norm:
+        assert all(np.array_equal(np.asarray(clipped[k]), grads[k]) for k in grads)
+    assert isinstance(state, optax.EmptyState)
 
 
 def test_wsd_warms_up_holds_then_cools_down() -> None:
