@@ -211,8 +211,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """Gradients scaled by min(1, max_norm / their global norm), as PyTorch's `clip_grad_norm_` does: one factor,
     then a multiply. optax's version divides every element by the norm, and XLA:CPU does not copy a division into
     each of its consumers, so the clipped gradients were written out whole and read back by both Adam moments'
-    fusions: SmolLM2-135M's update took 237 ms against 123 ms this way (the same parameters unclipped; clipped,
-    within an ulp). The state is optax's (empty), so checkpoints restore either way."""
+    fusions, and the update took twice as long (docs/benchmarks.md, "SmolLM2 against transformers"). The state is
+    optax's (empty), so checkpoints restore either way."""
 
     def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, optax.EmptyState]:
         factor = jnp.minimum(1.0, max_norm / optax.tree.norm(updates))
