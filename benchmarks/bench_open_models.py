@@ -3,6 +3,7 @@ batched decode, training and loading memory, measured in one run (issue 62's spe
 
     python benchmarks/bench_open_models.py            # 64 new tokens a row, 3 rounds
     python benchmarks/bench_open_models.py --quick    # 24 new tokens, 2 rounds, a shorter training step
+    python benchmarks/bench_open_models.py --part training   # one comparison (decode, batched, training) alone
 
 Float32 on both sides, 2 CPU threads for torch (jax's CPU client uses the machine's cores, 2 here):
 
@@ -20,9 +21,9 @@ Float32 on both sides, 2 CPU threads for torch (jax's CPU client uses the machin
   `hf.load_hf(..., param_dtype="bfloat16")` of a random 1.1B-parameter Llama-shaped bf16 safetensors checkpoint
   written to /tmp for the run (and deleted) over its file size.
 
-Each speed pair is timed in rounds that run one side then the other (best of the rounds, after a warm-up that
-compiles), so load from the machine's other users falls on both alike; the load average is printed. Each row
-prints its target next to the measured ratio.
+Each comparison runs in a process of its own (`--part`), and each speed pair is timed in rounds that run one
+side then the other (best of the rounds, after a warm-up that compiles), so load from the machine's other users
+falls on both alike; the load average is printed. Each row prints its target next to the measured ratio.
 """
 
 from __future__ import annotations
@@ -233,26 +234,44 @@ def memory() -> None:
           f"params): {ratio:.2f}x   (target <= {TARGETS[name]}x)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="24 new tokens, 2 rounds, training batch 1")
-    args = parser.parse_args()
-    new, n_rounds, batch = (24, 2, 1) if args.quick else (64, 3, 2)
+PARTS = {"decode": decode, "batched": batched, "training": training}
+SETTINGS = {False: (64, 3, 2), True: (24, 2, 1)}  # --quick or not: new tokens a row, rounds, training batch
+
+
+def run_part(part: str, quick: bool) -> None:
+    """One comparison (PARTS) in this process: both sides load the model here."""
+    new, n_rounds, batch = SETTINGS[quick]
     import torch
     import transformers
 
     torch.set_num_threads(THREADS)
     path = gguf_path("smollm2")
-    print(f"jax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {path.name}, "
-          f"float32, {new} new tokens a row, best of {n_rounds} rounds")
     loaded = weights.load("gguf:smollm2", block_size=CONTEXT)  # the engine's 16 caches at 8k positions: 6 GB
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                               dtype=torch.float32).eval()
-    decode(loaded, model, torch, new, n_rounds)
-    batched(loaded, model, torch, new, n_rounds)
-    training(loaded, model, torch, batch, n_rounds)
-    del model
+    PARTS[part](loaded, model, torch, batch if part == "training" else new, n_rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="24 new tokens, 2 rounds, training batch 1")
+    parser.add_argument("--part", choices=PARTS, help="run this comparison alone, in this process")
+    args = parser.parse_args()
+    if args.part:
+        run_part(args.part, args.quick)
+        return
+    import torch
+    import transformers
+
+    new, n_rounds, _ = SETTINGS[args.quick]
+    print(f"jax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; "
+          f"{gguf_path('smollm2').name}, float32, {new} new tokens a row, best of {n_rounds} rounds", flush=True)
+    # Each comparison in a fresh process (both sides of a pair share it): after the other two in one process, the
+    # jitted training step ran a quarter slower than alone (0.95x and 0.97x PyTorch in two runs on 2026-11-30,
+    # where after either one alone it ran 1.22x and 1.29x), so a row measured what came before it.
+    for part in PARTS:
+        subprocess.run([sys.executable, __file__, "--part", part, *(["--quick"] if args.quick else [])], check=True)
     memory()
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
