@@ -69,14 +69,13 @@ from jaxgpt.generate.slots import (
     Needs,
     Picked,
     Setting,
-    chunk_program,
+    decode_chunk,
     empty_slots,
     encode_slot,
     move_slot,
     prefill_slot,
 )
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.ops.platform import current_platform
 
 __all__ = ["TOP_LOGPROBS", "Engine", "Request", "check_request", "generate_many"]
 CHUNK = 8  # tokens a decode chunk gives each busy slot (fewer once they all end)
@@ -168,7 +167,6 @@ class Engine:
         self.unread: deque[tuple[Callable[..., None], Any, Any]] = deque()  # dispatched, not yet read: oldest first
         self.waiting: deque[Request] = deque()
         self.wake = threading.Condition()
-        self.decode_chunk = chunk_program(current_platform())
         self.stopping = False
 
     def warm_up(self, needs: Sequence[Needs] = WARM_NEEDS, prompt_lengths: Sequence[int] | None = None,
@@ -187,7 +185,7 @@ class Engine:
         spans = sorted({min(longest, self._span(1, 1) << i) for i in range(longest.bit_length())})
         for rows in sorted({min(self.n_slots, 1 << i) for i in range(self.n_slots.bit_length() + 1)}):
             for span, need in itertools.product(spans, needs):
-                self.state, _ = self.decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
+                self.state, _ = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
                                                   steps=self.chunk, needs=need, **limits)
         if self.specials is None:
             zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
@@ -318,7 +316,7 @@ class Engine:
         for b in self.active[:rows]:
             if b is not None:
                 b.dispatched += self.chunk
-        self.state, out = self.decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
+        self.state, out = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
                                             steps=self.chunk, needs=needs, banned=self.banned,
                                             vocab_limit=self.vocab_limit)
         self.unread.append((self._take_chunk, self.active[:rows], out))

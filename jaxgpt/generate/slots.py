@@ -5,7 +5,7 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
 * `prefill_slot` / `encode_slot`: a request's prompt (a GPT's, right-padded to a power-of-two bucket) or source
   (an encoder-decoder's) goes into one slot, and the request's first token is picked there, so the server can
   send it as soon as the prefill is done instead of one decode chunk later.
-* `decode_chunk` (compiled per platform by `chunk_program`): up to `steps` tokens for the first `rows` slots (a
+* `decode_chunk`: up to `steps` tokens for the first `rows` slots (a
   power of two: the busy slots are kept at the front, so one client decodes one row, not all of them), in one
   on-device loop, with no return to Python between tokens, attending over the first `span` positions of their
   caches (a power of two that holds what they fill: a decode step reads its row's cache, which for short
@@ -31,7 +31,6 @@ clients asked for no log-probabilities skips the log-softmax and top-k; each com
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -207,20 +206,8 @@ def move_slot(state: Slots, src: Array, dst: Array) -> Slots:
     return state._replace(done_S=state.done_S.at[src].set(True))
 
 
-# XLA:CPU's YNNPACK fusions (on by default in jax 0.10-0.12) take the several-row products of a decode step; without
-# them a many-row step of the 6x6x384 and GPT-2-sized models was faster on the 2-core machines this was measured on
-# (a one-row step, which XLA sends to its GEMV either way, the same), so the engine compiles chunks without them.
-CPU_CHUNK_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-@functools.cache
-def chunk_program(platform: str) -> Callable[..., tuple[Slots, Picked]]:
-    """`decode_chunk` compiled for `platform` (`jaxgpt.ops.platform.current_platform`): with CPU_CHUNK_OPTIONS on
-    CPUs, XLA's defaults elsewhere."""
-    return jax.jit(decode_chunk, static_argnames=("cfg", "rows", "span", "steps", "needs", "banned", "vocab_limit"),
-                   donate_argnames=("state",), compiler_options=CPU_CHUNK_OPTIONS if platform == "cpu" else None)
-
-
+@functools.partial(jax.jit, static_argnames=("cfg", "rows", "span", "steps", "needs", "banned", "vocab_limit"),
+                   donate_argnames=("state",))
 def decode_chunk(params: Any, state: Slots, *, cfg: ModelConfig | Seq2SeqConfig, rows: int, span: int, steps: int,
                  needs: Needs, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
     """Up to `steps` tokens for each of the first `rows` slots, attending over the first `span` positions of

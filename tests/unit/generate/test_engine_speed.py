@@ -10,8 +10,7 @@ import pytest
 from jaxgpt.generate import engine as engine_module
 from jaxgpt.generate import sampling
 from jaxgpt.generate.engine import Engine, Request
-from jaxgpt.generate.slots import chunk_program
-from jaxgpt.ops.platform import current_platform
+from jaxgpt.generate.slots import decode_chunk
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -69,13 +68,11 @@ def test_chunks_of_ragged_requests_give_each_its_tokens_alone_and_its_end():
 def spy_on_chunks(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """The keyword arguments (rows, span, ...) of every decode chunk that engines made from now on dispatch."""
     calls: list[dict] = []
-    chunk = chunk_program(current_platform())
-
     def spy(*args, **kwargs):
         calls.append(kwargs)
-        return chunk(*args, **kwargs)
+        return decode_chunk(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "chunk_program", lambda _platform: spy)
+    monkeypatch.setattr(engine_module, "decode_chunk", spy)
     return calls
 
 
@@ -130,11 +127,11 @@ def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
     cases = [collecting(p, 5 + i, temperature=float(i % 2), seed=i, logprobs=False) for i, p in enumerate(PROMPTS)]
     engine = Engine(PARAMS, CFG, slots=4, chunk=3)
     engine.warm_up()
-    compiled = (engine.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size())
+    compiled = (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size())
     for r, _, _ in cases:
         engine.submit(r)
     engine.drain()
-    assert (engine.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size()) == compiled
+    assert (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size()) == compiled
     for i, (_, tokens, reasons) in enumerate(cases):
         assert (tokens, reasons) == (alone(PROMPTS[i], 5 + i, float(i % 2), i), ["length"])
 
