@@ -186,7 +186,7 @@ class Engine:
         for rows in sorted({min(self.n_slots, 1 << i) for i in range(self.n_slots.bit_length() + 1)}):
             for span, need in itertools.product(spans, needs):
                 self.state, _ = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
-                                                  steps=self.chunk, needs=need, **limits)
+                                             steps=self.chunk, needs=need, **limits)
         if self.specials is None:
             zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
                            np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool),
@@ -317,8 +317,7 @@ class Engine:
             if b is not None:
                 b.dispatched += self.chunk
         self.state, out = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
-                                            steps=self.chunk, needs=needs, banned=self.banned,
-                                            vocab_limit=self.vocab_limit)
+                                       steps=self.chunk, needs=needs, banned=self.banned, vocab_limit=self.vocab_limit)
         self.unread.append((self._take_chunk, self.active[:rows], out))
 
     def _span(self, start: int, new_tokens: int) -> int:

@@ -5,13 +5,13 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
 * `prefill_slot` / `encode_slot`: a request's prompt (a GPT's, right-padded to a power-of-two bucket) or source
   (an encoder-decoder's) goes into one slot, and the request's first token is picked there, so the server can
   send it as soon as the prefill is done instead of one decode chunk later.
-* `decode_chunk`: up to `steps` tokens for the first `rows` slots (a
-  power of two: the busy slots are kept at the front, so one client decodes one row, not all of them), in one
-  on-device loop, with no return to Python between tokens, attending over the first `span` positions of their
-  caches (a power of two that holds what they fill: a decode step reads its row's cache, which for short
-  requests on a long context costs more than the weights when many rows decode). A slot stops advancing at its
-  end (a token of its end set: end-of-text unless ignored, a stop id; or its last token); on CPUs the loop stops
-  early once every row has ended, elsewhere it runs its `steps` (a known trip count: `decode_weights.token_loop`).
+* `decode_chunk`: up to `steps` tokens for the first `rows` slots (a power of two: the busy slots are kept at the
+  front, so one client decodes one row, not all of them), in one on-device loop, with no return to Python
+  between tokens, attending over the first `span` positions of their caches (a power of two that holds what they
+  fill: a decode step reads its row's cache, which for short requests on a long context costs more than the
+  weights when many rows decode). A slot stops advancing at its end (a token of its end set: end-of-text unless
+  ignored, a stop id; or its last token); on CPUs the loop stops early once every row has ended, elsewhere it
+  runs its `steps` (a known trip count: `decode_weights.token_loop`).
 * `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front.
 
 A slot holds the token it picked last, not yet fed to the model: a decode step feeds it at the slot's length and

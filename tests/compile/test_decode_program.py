@@ -167,8 +167,8 @@ def test_engine_chunk_loops_over_its_steps_with_a_known_trip_count(tmp_path: Pat
     params = jax.eval_shape(lambda: init_params(CFG, jax.random.key(0)))
     state = jax.eval_shape(lambda: slots.empty_slots(CFG, rows))
     needs = slots.Needs(bias=False, noise=True, nucleus=False, scores=False)
-    text, _ = compiled(slots.decode_chunk, (params, state), None, tmp_path, cfg=CFG, rows=rows, span=256,
-                       steps=steps, needs=needs, banned=None, vocab_limit=None)
+    text, _ = compiled(slots.decode_chunk, (params, state), None, tmp_path, cfg=CFG, rows=rows, span=256, steps=steps,
+                       needs=needs, banned=None, vocab_limit=None)
     loops = hlo.loops(text)
     assert [(loop["known"], loop["trips"] * UNROLL) for loop in loops] == [(True, steps)], loops
     assert not hlo.host_transfers(text)

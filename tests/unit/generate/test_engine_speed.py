@@ -68,6 +68,7 @@ def test_chunks_of_ragged_requests_give_each_its_tokens_alone_and_its_end():
 def spy_on_chunks(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """The keyword arguments (rows, span, ...) of every decode chunk that engines made from now on dispatch."""
     calls: list[dict] = []
+
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return decode_chunk(*args, **kwargs)
