@@ -5,6 +5,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,14 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     # running it: at level 0 they compile about 3.5x faster (CPU time of test_model.py's init, remat and dropout
     # tests: 270 s -> 78 s). Every comparison with a reference has a tolerance that holds at either level, and
     # subprocesses inherit the flag. Benchmarks and accelerator runs keep XLA's default.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    flags = ["--xla_backend_optimization_level=0"]
+    if tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11):
+        # jaxlib 0.10's XLA can still emit its fusions as LLVM IR directly instead of through MLIR, whose
+        # per-fusion pipelines took most of a test's compile there: tests/unit/generate/test_engine_speed.py,
+        # one process, 131 compiles: 63.7 s -> 35.4 s of compiling, 92 s -> 54 s of CPU. (jaxlib 0.11 and
+        # 0.12 have only the MLIR emitters and refuse the flag.)
+        flags.append("--xla_cpu_use_fusion_emitters=false")
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
 
 
 @pytest.fixture(scope="session")
