@@ -9,7 +9,6 @@ everywhere.
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, aot_cli, load_tiny, train_run
+from helpers import ROOT, aot_cli, load_tiny, logged_records, train_run
 
 from jaxgpt.errors import UserError
 from jaxgpt.ops.loss import chunked_cross_entropy
@@ -67,7 +66,7 @@ def test_metrics_are_fetched_a_step_late_and_batches_sent_a_step_ahead(tmp_path:
     train_run(c)
     assert events == ["batch0", "batch0", "step0", "batch1", "step1", "batch2", "step2", "batch3", "fetch2",
                       "step3", "batch4", "step4", "fetch4", "fetch5"]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(tmp_path / "run")
     assert [r["step"] for r in rows if "tokens_per_sec" in r] == [2, 4, 5]  # the step rows (not the evaluation)
 
 

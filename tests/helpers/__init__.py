@@ -71,16 +71,19 @@ def write_hellaswag_fixture(path: Path, n: int, seed: int = 8) -> Path:
     return path
 
 
+def logged_records(workdir: Path) -> list[dict]:
+    """Every record of a run's metrics.jsonl, in the order written (resumes included, as the file has them)."""
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
 def logged_eval(workdir: Path, key: str) -> list[tuple[int, float]]:
     """(step, value) of every evaluation record of a run's metrics.jsonl that has `key`."""
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r[key]) for r in rows if key in r]
+    return [(r["step"], r[key]) for r in logged_records(workdir) if key in r]
 
 
 def logged_losses(workdir: Path) -> list[tuple[int, float]]:
     """(step, train loss) of every periodic record in a run's metrics.jsonl, in the order written."""
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["train_loss"]) for r in rows if "lr" in r]
+    return [(r["step"], r["train_loss"]) for r in logged_records(workdir) if "lr" in r]
 
 
 def user_error_line(fn: Callable[..., object], *args: object, **kwargs: object) -> str:

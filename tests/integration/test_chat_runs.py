@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import logged_records
 from helpers.chat import ALPHABET, render, sft_config
 from helpers.models import save_random_lm
 
@@ -46,7 +47,7 @@ def test_sft_trains_saves_the_template_and_resumes_bit_exact(tmp_path: Path, bas
 
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
     whole = train_run(sft_config(whole_dir, base_run, **{"chat.pack": pack}))
-    evals = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = logged_records(whole_dir)
     val_losses = [row["val_loss"] for row in evals if "val_loss" in row]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0]
     assert 0 <= whole["val_exact_match"] <= 1 and set(whole["val_exact_match_by_dataset"]) == {

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import logged_records
 from helpers.chat import save_char_base
 
 from jaxgpt.errors import UserError
@@ -57,10 +58,6 @@ def dpo_config(workdir: Path, base: Path, **overrides: object):
     return c
 
 
-def _records(workdir: Path) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_reward_accuracy_rises_from_ln_2_and_the_run_is_a_chat_run(tmp_path: Path, base_run: Path,
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture) -> None:
@@ -72,7 +69,7 @@ def test_reward_accuracy_rises_from_ln_2_and_the_run_is_a_chat_run(tmp_path: Pat
 
     workdir = tmp_path / "run"
     result = train_run(dpo_config(workdir, base_run))
-    steps = [r for r in _records(workdir) if "train_loss" in r and "val_loss" not in r]
+    steps = [r for r in logged_records(workdir) if "train_loss" in r and "val_loss" not in r]
     first = steps[0]
     assert first["step"] == 1 and abs(first["train_loss"] - 0.6931472) < 1e-5, first  # policy = reference
     assert abs(first["train_rewards/margins"]) < 1e-5
@@ -135,7 +132,7 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path: Path, base_run:
         runs[accum]["losses"] = [v for _, v in logged_losses(workdir)]
     np.testing.assert_allclose(runs[1]["losses"], runs[8]["losses"], atol=1e-5, rtol=0)
     assert abs(runs[1]["val_loss"] - runs[8]["val_loss"]) < 1e-5
-    norms = {accum: [r["grad_norm"] for r in _records(tmp_path / f"accum{accum}") if "grad_norm" in r]
+    norms = {accum: [r["grad_norm"] for r in logged_records(tmp_path / f"accum{accum}") if "grad_norm" in r]
              for accum in (1, 8)}
     np.testing.assert_allclose(norms[1][0], norms[8][0], rtol=1e-6)
 

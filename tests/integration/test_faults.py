@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, TINY, one_line_error
+from helpers import ROOT, TINY, logged_records, one_line_error
 from helpers.runs import run
 
 from jaxgpt.io.checkpoint import Checkpointer
@@ -400,7 +400,7 @@ def test_rerun_after_a_kill_before_the_first_checkpoint_drops_the_dead_rows(tmp_
     dead = [{"step": s, "train_loss": 99.0, "lr": 0.1} for s in (5, 10, 15)]
     (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dead) + '{"step": 20, "tr')
     assert run(train_cmd(workdir, data_dir, "--config.max_steps=10")).returncode == 0
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(workdir)
     assert [r["step"] for r in rows if "lr" in r] == [5, 10] and all(r["train_loss"] != 99.0 for r in rows)
 
 
@@ -440,7 +440,7 @@ def test_logs_for_batch_jobs_and_humans(tmp_path: Path, data_dir: Path) -> None:
     assert all(k in lines[0] for k in ("loss", "lr", "tokens/s", "elapsed"))
     out = proc.stdout.decode()
     assert f"jaxgpt sample --workdir {workdir}" in out and "jaxgpt plots curves" in out
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(workdir)
     assert all(isinstance(r["time"], float) for r in rows)
     assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "eval/train_loss",
             "eval/val_loss"} <= tensorboard_tags(workdir / "tensorboard")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import user_error_line
+from helpers import logged_records, user_error_line
 
 pytest.importorskip("gguf")
 
@@ -217,8 +217,7 @@ def test_dpo_starts_from_the_file_in_its_chat_template(tiny, tmp_path):
     c.batch_size, c.max_steps, c.log_interval, c.eval_interval, c.eval_batches, c.cpu_devices = 2, 1, 1, 1, 1, 1
     c.compilation_cache_dir = ""
     train_run(c)
-    first = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-                 if '"train_loss"' in line)
+    first = next(r for r in logged_records(tmp_path / "run") if "train_loss" in r)
     assert first["step"] == 1 and first["train_loss"] == pytest.approx(math.log(2), abs=1e-5)
     meta = weights.load(f"workdir:{tmp_path / 'run'}")
     assert meta.model.vocab_size == V and "<|im_start|>assistant" in meta.meta["chat"]["template"]

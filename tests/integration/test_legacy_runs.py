@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, logged_records
 from helpers.runs import run
 
 LEGACY = ROOT / "tests" / "data" / "legacy_runs"
@@ -86,6 +86,6 @@ def test_legacy_run_resumes_training(tmp_path: Path, run: str) -> None:
         assert proc.stderr.count("warning: RL's prompts are configured under config.rl now: read config.chat."
                                  "{datasets,examples,val_fraction} as config.rl.{datasets,examples,val_fraction}") == 1
         assert "built-in conversations: 200 of arithmetic, reverse (seed 0): 171 training / 29 held-out" in proc.stdout
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(workdir)
     assert max(row["step"] for row in rows) == 6
     assert (workdir / "checkpoints" / "6").is_dir()

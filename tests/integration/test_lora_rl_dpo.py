@@ -3,12 +3,11 @@ reward accuracy rises as the full run's test asks, and rl samples from the merge
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import train_run
+from helpers import logged_records, train_run
 from helpers.chat import save_char_base
 from helpers.runs import final_params
 from test_dpo_runs import dpo_config
@@ -29,7 +28,7 @@ def only_adapters_trained(workdir: Path) -> None:
 def test_dpo_with_lora_raises_the_reward_accuracy(tmp_path: Path, base_run: Path) -> None:
     workdir = tmp_path / "dpo"
     result = train_run(dpo_config(workdir, base_run, **{"lora.rank": 8, "lora.alpha": 16.0, "optim.lr": 1e-1}))
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(workdir)
     first = next(r for r in rows if "train_loss" in r)
     assert abs(first["train_loss"] - 0.6931472) < 1e-5  # fresh adapters: the policy is the reference (the base)
     assert result["val_rewards/accuracies"] > 0.8 and result["val_loss"] < 0.69, result
@@ -47,7 +46,7 @@ def test_rl_with_lora_learns_from_rollouts_of_the_merged_weights(tmp_path: Path,
     result = train_run(rl_config(workdir, base_run, f"{tmp_path / 'toy.py'}:is_a", batch_size=64,
                                  **{"rl.num_generations": 8, "rl.slots": 64, "lora.rank": 8, "lora.alpha": 16.0,
                                     "lora.modules_to_save": "wte"}))
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(workdir)
     rewards = [r["train_reward"] for r in rows if "train_reward" in r]
     assert rewards[0] < 0.2 and rewards[-1] > 0.8, rewards
     assert result["val_pass_at_1"] == 1.0

@@ -11,7 +11,7 @@ import json
 import sys
 
 import pytest
-from helpers import serving
+from helpers import logged_records, serving
 from helpers.runs import run
 from helpers.tiny_llama import TEMPLATE, save_tiny_llama
 
@@ -167,7 +167,7 @@ def test_dpo_from_the_model_renders_pairs_in_its_template_and_starts_at_ln_2(lla
          f"--config.dpo.data={pairs}", "--config.dpo.rpo_alpha=0", "--config.dpo.val_fraction=0.25",
          f"--config.workdir={workdir}", "--config.batch_size=2", "--config.cpu_devices=1", "--config.max_steps=2",
          "--config.log_interval=1", "--config.eval_interval=2", "--config.eval_batches=1"], check=True)
-    steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = logged_records(workdir)
     first = next(m for m in steps if m["step"] == 1 and "train_loss" in m)
     assert first["train_loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(first["train_rewards/margins"]) < 1e-5
     assert (workdir / "chat_template.jinja").read_text() == TEMPLATE

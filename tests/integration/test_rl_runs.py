@@ -3,7 +3,6 @@ reward that turns NaN, SIGKILL and resume (moved from tests/unit/tasks/test_rl.p
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import logged_records
 from helpers.chat import save_char_base
 
 from jaxgpt.errors import UserError
@@ -54,7 +54,7 @@ def test_the_reward_rises_on_a_toy_task_and_the_run_is_a_chat_run(tmp_path: Path
     # first steps whatever the prompts (32 a step depended on a lucky 'a' early: one step of signal is not enough)
     result = train_run(rl_config(workdir, base_run, f"{tmp_path / 'toy.py'}:is_a", batch_size=64,
                                  **{"rl.num_generations": 8, "rl.slots": 64}))
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(workdir)
     rewards = [r["train_reward"] for r in rows if "train_reward" in r]
     assert rewards[0] < 0.2 and rewards[-1] > 0.8, rewards  # one character of ~75 at first, then nearly always
     passes = [v for _, v in logged_eval(workdir, "val_pass_at_1")]
@@ -93,7 +93,7 @@ def test_resumed_inside_a_batch_of_rollouts_it_equals_the_uninterrupted_run(tmp_
     shutil.rmtree(split_dir / "checkpoints" / "6")
     resumed = train_run(rl_config(split_dir, base_run, reward, **overrides))
     assert resumed["steps"] == 3 and resumed["val_pass_at_k"] == whole["val_pass_at_k"]
-    logged = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = logged_records(whole_dir)
     kls = [r["train_kl"] for r in logged if "train_loss" in r]  # beta > 0: the reference is run, the KL reported
     assert kls and min(kls) > 0, kls
     task = build(from_config_dict(rl_config(split_dir, base_run, reward, **overrides)))

@@ -3,7 +3,6 @@ encoder-decoder that the GPT-only readers refuse in one line."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import logged_records
 from helpers.seq2seq import task_config
 
 from jaxgpt.data import pairs
@@ -27,7 +27,7 @@ def test_trains_checkpoints_resumes_exactly_and_loads_as_encoder_decoder(tmp_pat
 
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
     whole = train(from_config_dict(task_config(tmp_path, workdir=str(whole_dir))), build)
-    evals = [json.loads(line) for line in (whole_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = logged_records(whole_dir)
     val_losses = [row["val_loss"] for row in evals if "val_loss" in row]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0] < np.log(9)  # chance: 6 symbols + 3 specials
     assert 0 <= whole["val_exact_match"] <= 1 and whole["val_pairs"] == 32

@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
-from helpers import ROOT, logged_eval, logged_losses, write_hellaswag_fixture
+from helpers import ROOT, logged_eval, logged_losses, logged_records, write_hellaswag_fixture
 from helpers.runs import final_params, run_train, train_cmd, train_losses
 
 from jaxgpt.io.checkpoint import Checkpointer
@@ -104,7 +104,7 @@ def test_train_in_process_learns_and_writes_outputs(tmp_path: Path, data_dir: Pa
 
     c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=60, eval_interval=30)
     out = train_run(c)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(tmp_path / "run")
     evals = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in evals] == [30, 60]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] < np.log(out["state"]["params"]["wte"]["embedding"].shape[0])
@@ -230,7 +230,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, data_dir:
     ckpt = Checkpointer(tmp_path / "w", read_only=True)
     step = ckpt.latest_step()
     assert step is not None
-    rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(tmp_path / "w")
     assert all(np.isfinite(r["train_loss"]) for r in rows if r["step"] <= step)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, TINY, train_run
+from helpers import ROOT, TINY, logged_records, train_run
 from helpers.models import bpe_or_skip, random_params, save_run
 
 from jaxgpt.commands import bpe as bpe_command
@@ -212,7 +212,7 @@ def test_eval_equals_the_trainers_val_loss(data_dir: Path, tmp_path: Path, capsy
 
     workdir = tmp_path / "run"
     train_run(load_tiny(workdir=str(workdir), data_dir=str(data_dir), max_steps=4, eval_interval=4, eval_batches=3))
-    logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    logged = logged_records(workdir)
     val_loss = [r["val_loss"] for r in logged if "val_loss" in r][-1]
     capsys.readouterr()
     code, out, err = run_cli(eval_command.main, ["jaxgpt eval", "--workdir", str(workdir), "--trainer_batches"], capsys)

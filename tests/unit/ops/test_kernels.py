@@ -117,9 +117,9 @@ def test_chunked_loss_equals_the_dense_loss_and_gradients(tied: bool) -> None:
 
 def test_token_nll_is_optaxs_cross_entropy_and_its_gradient_scatters_nothing() -> None:
     """`token_nll` equals optax's integer-label cross-entropy to the bit, values and gradients (reverse and
-    forward mode), and its compiled gradient has no scatter: the target's logit is gathered, but differentiated
-    as a one-hot select that fuses into the softmax's gradient (one pass over the logits, not three). The program
-    is read as lowered, before XLA's passes, which may expand a scatter into a loop (jaxlib 0.10's LLVM emitters)."""
+    forward mode), and its gradient has no scatter: the target's logit is gathered, but differentiated as a
+    one-hot select that fuses into the softmax's gradient (one pass over the logits, not three). The program is
+    read as lowered, before XLA's passes, which may expand a scatter into a loop (jaxlib 0.10's LLVM emitters)."""
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(3, 7, 97)) * 6, jnp.float32)
     targets = jnp.asarray(rng.integers(0, 97, (3, 7)), jnp.int32)

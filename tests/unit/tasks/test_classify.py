@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT
+from helpers import ROOT, logged_records
 from helpers.models import save_random_lm
 
 from jaxgpt.data import classify_data
@@ -212,7 +212,7 @@ def test_finetune_beats_majority_saves_and_predicts(tmp_path: Path, tiny_lm: Pat
     assert result["labels"] == ["high", "low", "mid"]
     assert val["accuracy"] > result["majority_baseline"] + 0.3, (val, result["majority_baseline"])
 
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = logged_records(workdir)
     evals = [r for r in rows if "val_accuracy" in r]
     assert [r["step"] for r in evals] == [20, 40] and evals[-1]["val_accuracy"] == val["accuracy"]
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from helpers import logged_records
 
 from jaxgpt.train.logs import MetricsLog
 
@@ -13,7 +14,7 @@ def test_a_record_keeps_its_numbers_and_each_dataset_score_under_its_own_name(tm
     log.write(7, {"val_loss": 0.5, "val_pairs": 3, "done": True, "note": "text",
                   "val_exact_match_by_dataset": {"count": 0.25, "reverse": 1.0}}, kind="eval")
     log.close()
-    [record] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    [record] = logged_records(tmp_path)
     record.pop("time")
     assert record == {"step": 7, "val_loss": 0.5, "val_pairs": 3.0, "val_exact_match_by_dataset/count": 0.25,
                       "val_exact_match_by_dataset/reverse": 1.0}
