@@ -105,7 +105,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(limit))
     fixed = {item.nodeid: lanes.fixed_lanes(m.name for m in item.iter_markers()) for item in items}
     if path := config.getoption("write_lanes"):
-        split = lanes.split(fixed, lanes.read_durations(ROOT / ".ci" / "durations"))
+        recorded = ROOT / ".ci" / "durations"
+        split = lanes.split(fixed, lanes.read_durations(recorded), lanes.read_outside(recorded))
         Path(path).write_text(json.dumps(split, indent=1) + "\n")
     if lane := config.getoption("lane"):
         files = json.loads((ROOT / ".ci" / "lanes.json").read_text())["files"]

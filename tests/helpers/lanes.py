@@ -4,8 +4,9 @@ lm-evaluation-harness and Chromium; newest = Python 3.12, the newest JAX and its
 A test that needs what one lane alone installs runs there (`ONLY`); a test of what moved between JAX releases
 (marker `jax_release`, and all of tests/compile/) runs in both; every other test runs once, in the lane
 `.ci/lanes.json` gives its file. That file is written from the recorded durations (`.ci/durations/LANE.json`,
-pytest-split's `--store-durations`), longest file first into the lane that then ends first, so that the lanes
-take about as long; a file it does not name yet runs in the lane its name hashes to.
+pytest-split's `--store-durations`, and `outside.json`: each lane's seconds outside pytest, its installs and the
+newest lane's quick start), longest file first into the lane that then ends first, so that the lanes end about
+together; a file it does not name yet runs in the lane its name hashes to.
 """
 
 from __future__ import annotations
@@ -46,16 +47,23 @@ def read_durations(folder: Path) -> dict[str, dict[str, float]]:
     return {lane: json.loads(p.read_text()) if (p := folder / f"{lane}.json").exists() else {} for lane in LANES}
 
 
-def split(tests: dict[str, tuple[str, ...] | None], durations: dict[str, dict[str, float]]) -> dict:
+def read_outside(folder: Path) -> dict[str, float]:
+    """Each lane's recorded seconds outside pytest (`.ci/run` prints them as each lane ends; 0 where not recorded)."""
+    recorded = json.loads(p.read_text()) if (p := folder / "outside.json").exists() else {}
+    return {lane: float(recorded.get(lane, 0.0)) for lane in LANES}
+
+
+def split(tests: dict[str, tuple[str, ...] | None], durations: dict[str, dict[str, float]],
+          outside: dict[str, float] | None = None) -> dict:
     """`tests`: test id -> its fixed lanes (None: free). The lane of each file of free tests, and each lane's
-    expected seconds: the fixed tests load their lanes first, then the files of free tests, longest first, each
-    into the lane whose total it leaves lower."""
+    expected seconds: its time outside pytest (`outside`) and the fixed tests load the lanes first, then the
+    files of free tests, longest first, each into the lane whose total it leaves lower."""
 
     def seconds(nodeid: str, lane: str) -> float:
         other = durations[LANES[1 - LANES.index(lane)]]
         return durations[lane].get(nodeid, other.get(nodeid, UNKNOWN_S))
 
-    load = dict.fromkeys(LANES, 0.0)
+    load = {lane: (outside or {}).get(lane, 0.0) for lane in LANES}
     free: dict[str, list[str]] = defaultdict(list)
     for nodeid, lanes in tests.items():
         if lanes is None:

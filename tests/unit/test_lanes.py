@@ -33,6 +33,17 @@ def test_every_test_runs_in_a_lane_and_the_free_files_balance_them() -> None:
         assert runs_in == list(fixed or [split["files"][lanes.file_of(nodeid)]]), nodeid
 
 
+def test_time_outside_pytest_counts_toward_its_lane() -> None:
+    """A lane that spends longer installing (or runs more after its tests) gets fewer of the free files."""
+    tests = {"tests/a.py::t": None, "tests/b.py::t": None, "tests/c.py::t": None}
+    durations = {"oldest": {"tests/a.py::t": 50.0, "tests/b.py::t": 30.0, "tests/c.py::t": 20.0}, "newest": {}}
+    assert lanes.split(tests, durations)["files"] == {"tests/a.py": "oldest", "tests/b.py": "newest",
+                                                      "tests/c.py": "newest"}
+    split = lanes.split(tests, durations, {"oldest": 0.0, "newest": 60.0})
+    assert split["files"] == {"tests/a.py": "oldest", "tests/b.py": "oldest", "tests/c.py": "newest"}
+    assert split["expected_s"] == {"oldest": 80, "newest": 80}
+
+
 def test_a_file_no_recorded_split_names_runs_in_exactly_one_lane() -> None:
     runs_in = [lane for lane in lanes.LANES if lanes.in_lane(lane, "tests/new.py::t", None, {})]
     assert runs_in == [lanes.hashed_lane("tests/new.py")]
