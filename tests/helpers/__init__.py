@@ -19,6 +19,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from jaxgpt.errors import UserError
+from jaxgpt.storage import Location
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = Path(__file__).resolve().parent / "tiny_config.py"
@@ -71,17 +72,18 @@ def write_hellaswag_fixture(path: Path, n: int, seed: int = 8) -> Path:
     return path
 
 
-def logged_records(workdir: Path) -> list[dict]:
-    """Every record of a run's metrics.jsonl, in the order written (resumes included, as the file has them)."""
+def logged_records(workdir: Location) -> list[dict]:
+    """Every record of a run's metrics.jsonl (a local or a bucket work directory), in the order written (resumes
+    included, as the file has them)."""
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def logged_eval(workdir: Path, key: str) -> list[tuple[int, float]]:
+def logged_eval(workdir: Location, key: str) -> list[tuple[int, float]]:
     """(step, value) of every evaluation record of a run's metrics.jsonl that has `key`."""
     return [(r["step"], r[key]) for r in logged_records(workdir) if key in r]
 
 
-def logged_losses(workdir: Path) -> list[tuple[int, float]]:
+def logged_losses(workdir: Location) -> list[tuple[int, float]]:
     """(step, train loss) of every periodic record in a run's metrics.jsonl, in the order written."""
     return [(r["step"], r["train_loss"]) for r in logged_records(workdir) if "lr" in r]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import traverse_util
-from helpers import ROOT, TINY, one_line_error, storage_servers
+from helpers import ROOT, TINY, logged_losses, one_line_error, storage_servers
 from helpers.runs import run as run_command
 
 STEPS = ["--config.max_steps=30", "--config.ckpt_interval=10", "--config.eval_interval=30",
@@ -80,8 +80,7 @@ def params_at(workdir: str, step: int) -> dict:
 def losses(workdir: str) -> list[tuple[int, float]]:
     from jaxgpt import storage
 
-    text = (storage.location(workdir, "workdir") / "metrics.jsonl").read_text()
-    return [(r["step"], r["train_loss"]) for r in map(json.loads, text.splitlines()) if "lr" in r]
+    return logged_losses(storage.location(workdir, "workdir"))
 
 
 @pytest.fixture(scope="module")
