@@ -148,8 +148,9 @@ def bytes_per_token(cfg: ModelConfig, new_tokens: int = NEW_TOKENS, rows: int = 
 def compiled_generation(params, cfg: ModelConfig, prompt: np.ndarray, new_tokens: int,
                         compiler_options: dict[str, Any] | None) -> Callable[[], np.ndarray]:
     """`generate(params, cfg, prompt, max_new_tokens=new_tokens, temperature=0, dtype="bfloat16")` with its decode
-    loop (`sampling._run`) compiled with XLA `compiler_options` (e.g. `decode_weights.WHILE_COMMAND_BUFFERS`), which
-    `generate` itself never passes: the same tokens, so a GPU run can time the options against the default."""
+    loop (`sampling._run`) compiled with XLA `compiler_options` set over the ones it compiles with
+    (`decode_weights.DECODE_OPTIONS`; e.g. `decode_weights.XLA_DECODE_DEFAULTS`): the same tokens, so a GPU run can
+    time other options against `generate`'s."""
     req = sampling.request(cfg, prompt, num_samples=None, max_new_tokens=new_tokens, temperature=0, top_k=None,
                            top_p=None, key=0, eot_token=None, window_shift=None, return_logits=False, vocab_limit=None)
     weights, dcfg, state = sampling._start(params, cfg, req, "bfloat16")

@@ -597,29 +597,30 @@ GENERATE_TARGETS = {1: 4_000, 64: 150_000}  # tokens/s on one H100 or H200 (issu
 def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int, Any], metrics: dict[str, float],
                        details: dict[str, Any]) -> list[str]:
     """Per batch: tokens/s against the target and against the HBM bound (the weights and the rows' KV caches
-    read once per token, at the chip's bandwidth: `bench_sample.bytes_per_token`), and the decode loop of each
-    variant a GPU decides (WHILE and CONDITIONAL command buffers, `decode_weights.WHILE_COMMAND_BUFFERS`: the whole
-    generation one CUDA graph; XLA's Triton fusion, `decode_weights.TRITON_FUSION`: fewer kernels a token; XLA's
-    attention in place of the one-kernel decode attention, `ops.decode_attention`) against `generate`'s default,
-    interleaved; then a device profile of one batch-1 generation of the first,
-    its command buffers on under the profiler. Lines for the log and the JSON."""
+    read once per token, at the chip's bandwidth: `bench_sample.bytes_per_token`), and against it, interleaved, the
+    decode loop compiled as a GPU could compile it instead: with XLA's own settings of the options `generate` sets
+    (`decode_weights.XLA_DECODE_DEFAULTS`), without its Triton fusion (`decode_weights.TRITON_FUSION`: fewer
+    kernels a token), without its loops in the CUDA graph (`decode_weights.WHILE_COMMAND_BUFFERS`: the whole
+    generation one graph), and with XLA's attention in place of the one-kernel decode attention
+    (`ops.decode_attention`); then a device profile of one batch-1 generation, its command buffers on under the
+    profiler. Lines for the log and the JSON."""
     import jax
     import profile_summary
     from bench_sample import best_seconds, bytes_per_token, compiled_generation
 
-    from jaxgpt.generate.decode_weights import TRITON_FUSION, WHILE_COMMAND_BUFFERS
+    from jaxgpt.generate.decode_weights import TRITON_FUSION, XLA_COMMAND_BUFFERS, XLA_DECODE_DEFAULTS
     from jaxgpt.generate.sampling import generate
     from jaxgpt.ops.platform import on_gpu
     from jaxgpt.train.chips import chip_for
 
     chip = chip_for(jax.devices()[0])
-    # name -> (model, compiler options): "xla_attention" decodes with XLA's attention instead of the one-kernel
-    # cache write and attention (`ops.decode_attention`), which only `attention_impl` "cudnn" (auto) runs
-    sweep = {"while_command_buffers": (cfg, {**WHILE_COMMAND_BUFFERS, "xla_enable_command_buffers_during_profiling":
-                                             True}),
-             "triton_fusion": (cfg, TRITON_FUSION),
+    # name -> (model, compiler options over generate's): "xla_attention" decodes with XLA's attention instead of the
+    # one-kernel cache write and attention (`ops.decode_attention`), which only `attention_impl` "cudnn" (auto) runs
+    sweep = {"xla_defaults": (cfg, XLA_DECODE_DEFAULTS),
+             "no_triton_fusion": (cfg, dict.fromkeys(TRITON_FUSION, False)),
+             "no_while_command_buffers": (cfg, {"xla_gpu_enable_command_buffer": XLA_COMMAND_BUFFERS}),
              "xla_attention": (cfg.replace(attention_impl="xla"), None)} if on_gpu() else {"loop_alone": (cfg, None)}
-    lines, variants = [], {}
+    lines = []
     for batch, prompt in prompts.items():
         got = metrics[f"batch{batch}_tokens_per_s"]
         line = f"batch {batch}: {got:,.0f} tokens/s"
@@ -632,7 +633,6 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
             line += f", {got / bound:.1%} of the HBM bound {bound:,.0f} ({step_bytes / 1e6:,.0f} MB read per token)"
         runs = {name: compiled_generation(params, model, prompt, shapes.new_tokens, options)
                 for name, (model, options) in sweep.items()}
-        variants[batch] = next(iter(runs.values()))
         runs = {"default": lambda prompt=prompt: generate(params, cfg, prompt, max_new_tokens=shapes.new_tokens,
                                                           temperature=0, dtype="bfloat16"), **runs}
         times = {name: [] for name in runs}
@@ -644,9 +644,11 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
             line += f"; {name.replace('_', ' ')} {ratio:.2f}x the default"
         lines.append(line)
         print(lines[-1], flush=True)
-    one = variants[min(variants)]
+    first = min(prompts)
+    one = compiled_generation(params, cfg, prompts[first], shapes.new_tokens,
+                              {"xla_enable_command_buffers_during_profiling": True})
     details["profile"] = profile = profile_summary.profile_steps(lambda n: [one() for _ in range(n)], 1)
-    lines += [f"profile of one batch-{min(variants)} generation of {shapes.new_tokens} tokens (a step below):",
+    lines += [f"profile of one batch-{first} generation of {shapes.new_tokens} tokens (a step below):",
               *profile_summary.describe(profile, 8)]
     print("\n".join(lines[-9:]), flush=True)
     return lines

@@ -137,20 +137,25 @@ def decoding_weights(params: Any, cfg: ModelConfig, dtype: str | None, *,
 
 # Decode steps per trip of a compiled loop on accelerators (`token_loop`): one trip is one launch of its body.
 UNROLL = 2
-# XLA's default command-buffer types (jax 0.12) plus WHILE and CONDITIONAL: compiled with these options a decode
-# program's loops and branches run inside its CUDA graph (conditional nodes, CUDA 12.3 and later; XLA leaves them
-# out on older drivers), so a whole generation is one launch. benchmarks/device_check.py measures them against
-# the defaults; they are not the default until a GPU run shows them faster.
-WHILE_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer":
-                         "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
-
-# XLA:GPU's experimental Triton fusion of whole chains of elementwise ops, reductions and their broadcasts (jax
-# 0.12): compiled with it a batch-1 GPT-2 decode step launches 5 kernels a layer instead of 13 (each layer norm
-# fused with the projection it feeds, the QKV projection as one: tests/test_decode_program.py; 79 a token, 91 with
-# jax 0.11.2's XLA), but the Triton code it emits for one-row products has not been timed against XLA's own
-# reductions, and at batch 64 it launches more. benchmarks/device_check.py measures it against the defaults; not
-# the default until then.
+# XLA:GPU's default command-buffer types (jax 0.11 and 0.12): a loop's body runs as one CUDA graph per trip, the
+# loop itself on the host.
+XLA_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+# The same plus WHILE and CONDITIONAL: a decode program's loops and branches run inside its CUDA graph (conditional
+# nodes, CUDA 12.3 and later; XLA leaves them out on older drivers), so a whole generation is one launch.
+WHILE_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": f"{XLA_COMMAND_BUFFERS},WHILE,CONDITIONAL"}
+# XLA:GPU's experimental Triton fusion of whole chains of elementwise ops, reductions and their broadcasts: a
+# batch-1 GPT-2 decode step launches 5 kernels a layer instead of 13 (each layer norm fused with the projection it
+# feeds, the QKV projection as one: tests/compile/test_decode_program.py; 79 a token on jax 0.12, 91 on 0.11.2).
 TRITON_FUSION = {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}
+# What `generate`'s decode loop compiles with (`sampling._run`). On one H200 (benchmarks/results/
+# device_check-h200-20261130.json, GPT-2 124M in bf16, timed in turns with XLA's defaults) Triton fusion decoded
+# 1.19x faster at batch 1 and 1.00x at batch 64, the whole generation as one graph 1.05x at both; device_check's
+# generate part times this against XLA_DECODE_DEFAULTS and each option left out. Only XLA:GPU reads these options;
+# XLA:CPU and TPUs compile as without them.
+DECODE_OPTIONS = {**WHILE_COMMAND_BUFFERS, **TRITON_FUSION}
+# XLA:GPU's own settings of the same options, to time DECODE_OPTIONS against.
+XLA_DECODE_DEFAULTS = {"xla_gpu_enable_command_buffer": XLA_COMMAND_BUFFERS,
+                       "xla_gpu_experimental_enable_triton_heroless_priority_fusion": False}
 
 
 def fixed_trip_counts() -> bool:

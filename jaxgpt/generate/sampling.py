@@ -55,8 +55,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.errors import UserError
-from jaxgpt.generate.decode_weights import decoding_weights, kernel_storage, output_major_for, token_loop, trip_tokens
-from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
+from jaxgpt.generate.decode_weights import (
+    DECODE_OPTIONS,
+    decoding_weights,
+    kernel_storage,
+    output_major_for,
+    token_loop,
+    trip_tokens,
+)
+from jaxgpt.generate.strategies import NOISE_BLOCK_ELEMENTS, noise_block, pick_tokens
 from jaxgpt.model.attention import init_cache
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import GPT
@@ -277,17 +284,8 @@ def _slide(cfg: ModelConfig, spec: SamplerSpec, params: Any, st: DecodeState, to
     return st._replace(cache=cache, window_BS=window_BS, length=jnp.int32(keep), logits_BV=logits_BKV[:, -1])
 
 
-def _noise_block(key: Array, step0: Array, n: int, shape: tuple[int, int]) -> Array:
-    """Gumbel noise of steps step0 .. step0+n-1, drawn at once: (n, B, V)."""
-    return jax.vmap(lambda i: gumbel_noise(key, step0 + i, shape))(jnp.arange(n))
-
-
-# Pre-drawn noise per block of steps is capped at this many floats (4 MiB) so large vocabularies and
-# batches do not allocate much; small vocabularies get a block as long as the context.
-NOISE_BLOCK_ELEMENTS = 1 << 20
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "num_steps"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "num_steps"), donate_argnames=("state",),
+                   compiler_options=DECODE_OPTIONS)
 def _run(params: Any, state: DecodeState, total: Array, temperature: Array, top_p: Array, *, cfg: ModelConfig,
          spec: SamplerSpec, num_steps: int) -> tuple[DecodeState, Array, Array | None, Array]:
     """Up to `num_steps` tokens (fewer once `total` are done or every row has finished).
@@ -362,7 +360,7 @@ class _Loop:
         step0 = carry[0].step
         B, V = carry[0].logits_BV.shape
         # block + 1 rows: the token after the inner loop (at most `block` steps later) uses the last one.
-        noise_nBV = None if spec.greedy else _noise_block(carry[0].key, step0, self.block + 1, (B, V))
+        noise_nBV = None if spec.greedy else noise_block(carry[0].key, step0, self.block + 1, (B, V))
 
         def room(carry: tuple) -> Array:  # another token fits, and a next one will be needed
             st = carry[0]

@@ -49,6 +49,17 @@ def gumbel_noise(key: Array, step: Array, shape: tuple[int, int]) -> Array:
     return jax.random.gumbel(jax.random.fold_in(key, step), shape, jnp.float32)
 
 
+# Noise drawn ahead for a block of steps is capped at this many floats (4 MiB) so large vocabularies and
+# batches do not allocate much; small vocabularies get a block as long as the context.
+NOISE_BLOCK_ELEMENTS = 1 << 20
+
+
+def noise_block(key: Array, step0: Array, n: int, shape: tuple[int, int]) -> Array:
+    """Gumbel noise of steps step0 .. step0+n-1, drawn at once: (n, B, V). Per-step random bits are a loop of
+    their own on CPUs, so the decode loop draws a block ahead (`jaxgpt.generate.sampling`)."""
+    return jax.vmap(lambda i: gumbel_noise(key, step0 + i, shape))(jnp.arange(n))
+
+
 def first_argmax(x_BV: Array) -> Array:
     """`jnp.argmax(x_BV, -1)` as int32 (ties and NaN alike: the first), as a max and a min over the row.
 

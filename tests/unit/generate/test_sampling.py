@@ -565,7 +565,7 @@ def test_seed000_demo_full_size_from_the_command_line() -> None:
 def test_noise_block_matches_single_steps() -> None:
     """Noise drawn ahead for a block of steps is the noise of each step drawn alone."""
     key = jax.random.key(3)
-    block = sampling._noise_block(key, jnp.int32(5), 4, (2, 7))
+    block = strategies.noise_block(key, jnp.int32(5), 4, (2, 7))
     for i in range(4):
         np.testing.assert_array_equal(block[i], strategies.gumbel_noise(key, jnp.int32(5 + i), (2, 7)))
     assert math.isfinite(float(block.sum()))
