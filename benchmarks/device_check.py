@@ -12,24 +12,24 @@ one-line error and the tail of its log, and the next part runs. The parent proce
 holds no device memory and every part has the whole device to itself.
 
 Parts, in the order they run (docs/accelerators.md describes each): env (devices, versions, CUDA/cuDNN or TPU
-runtime, memory, missing imports, and on GPUs the target description XLA compiles for: `jaxgpt aot`'s input);
-train (GPT-2 124M as configs/gpt2_124m.py trains it, through bench_train's real train step, at the largest
-per-device batch that fits, steps back to back as the trainer runs them: tokens/s, MFU; then where the step's time
-goes (benchmarks/profile_summary.py: top ops, attention/matmul/other, host gaps; on GPUs with command buffers on
-while profiling), the optimizer's update alone); torch_train (the same model in PyTorch: torch.compile, flash
-SDPA, bf16 autocast); train_medium (GPT-2 medium, 350M, the same way: tokens/s, MFU); generate (cached greedy
-generation at batch 1 and 64 against its targets and the HBM bound, with its decode loop under WHILE command
-buffers, and a profile of one generation); serve (`jaxgpt serve`'s app under 1, 16 and 64 streaming clients of the
-openai client, against `generate` alone and the engine alone: benchmarks/bench_serve.py's part 1; the host needs
-the serving wheels, docs/accelerators.md); tests (`pytest -m accelerator tests/`); train_sweep (what a GPU's
-defaults must decide, each candidate compiled in the same process and timed in turns with the recipe, as a ratio
-over it: loss layouts, command-buffer types and minimum graph size, the latency-hiding scheduler, batch 64 vs
-32 x 2 accumulation, remat; --variants picks some); hf_generate (transformers' cached generation, as generate).
-The parts that measure the targets come first, the sweep's settings and transformers' row last: the limits add
-up to more than the 9-minute budget, so a run cut short loses those, and a second call with what is left of a
-GPU's lease runs them (docs/accelerators.md, "A GPU lent for 15 minutes"). The table ends with the ratios:
-jaxgpt's to PyTorch's, the sweep's candidates' to the recipe's, one client's to `generate` alone's, each load's
-to the engine alone's with as many, many clients' to one's.
+runtime, memory, missing imports, and on GPUs the target description XLA compiles for: `jaxgpt aot`'s input); train
+(GPT-2 124M as configs/gpt2_124m.py trains it, through bench_train's real train step, at the largest per-device
+batch that fits, steps back to back as the trainer runs them: tokens/s, MFU; then where the step's time goes
+(benchmarks/profile_summary.py: top ops, attention/matmul/other, host gaps; on GPUs with command buffers on while
+profiling), the optimizer's update alone); torch_train (the same model in PyTorch: torch.compile, flash SDPA, bf16
+autocast); train_medium (GPT-2 medium, 350M, the same way: tokens/s, MFU); generate (cached greedy generation at
+batch 1 and 64 against its targets and the HBM bound, its decode loop's XLA options against XLA's settings and each
+left out, and a profile of one generation); serve (`jaxgpt serve`'s app under 1, 16 and 64 streaming clients of the
+openai client, against `generate` alone and the engine alone: benchmarks/bench_serve.py's part 1; the host needs the
+serving wheels, docs/accelerators.md); tests (`pytest -m accelerator tests/`); train_sweep (what a GPU's defaults
+must decide, each candidate compiled in the same process and timed in turns with the recipe, as a ratio over it:
+loss layouts, command-buffer types and minimum graph size, the latency-hiding scheduler, batch 64 vs 32 x 2
+accumulation, remat; --variants picks some); hf_generate (transformers' cached generation, as generate). The parts
+that measure the targets come first, the sweep's settings and transformers' row last: the limits add up to more than
+the 9-minute budget, so a run cut short loses those, and a second call with what is left of a GPU's lease runs them
+(docs/accelerators.md, "A GPU lent for 15 minutes"). The table ends with the ratios: jaxgpt's to PyTorch's, the
+sweep's candidates' to the recipe's, one client's to `generate` alone's, each load's to the engine alone's with as
+many, many clients' to one's.
 
 --smoke runs every part on the CPU at tiny shapes (a 2-layer model, 64 positions, a few steps and small
 batches); PyTorch's parts are skipped with the reason where torch is not installed, torch.compile is left out
@@ -602,8 +602,9 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
     (`decode_weights.XLA_DECODE_DEFAULTS`), without its Triton fusion (`decode_weights.TRITON_FUSION`: fewer
     kernels a token), without its loops in the CUDA graph (`decode_weights.WHILE_COMMAND_BUFFERS`: the whole
     generation one graph), and with XLA's attention in place of the one-kernel decode attention
-    (`ops.decode_attention`); then a device profile of one batch-1 generation, its command buffers on under the
-    profiler. Lines for the log and the JSON."""
+    (`ops.decode_attention`); then a device profile of one batch-1 generation, which XLA runs kernel by kernel
+    under the profiler (inside its one CUDA graph, the loops' conditional nodes, the kernels reach no trace: 1.3 ms
+    of 214 on the H200). Lines for the log and the JSON."""
     import jax
     import profile_summary
     from bench_sample import best_seconds, bytes_per_token, compiled_generation
@@ -645,8 +646,7 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
         lines.append(line)
         print(lines[-1], flush=True)
     first = min(prompts)
-    one = compiled_generation(params, cfg, prompts[first], shapes.new_tokens,
-                              {"xla_enable_command_buffers_during_profiling": True})
+    one = compiled_generation(params, cfg, prompts[first], shapes.new_tokens, None)
     details["profile"] = profile = profile_summary.profile_steps(lambda n: [one() for _ in range(n)], 1)
     lines += [f"profile of one batch-{first} generation of {shapes.new_tokens} tokens (a step below):",
               *profile_summary.describe(profile, 8)]
