@@ -147,11 +147,10 @@ WHILE_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": f"{XLA_COMMAND_BUFFERS
 # batch-1 GPT-2 decode step launches 5 kernels a layer instead of 13 (each layer norm fused with the projection it
 # feeds, the QKV projection as one: tests/compile/test_decode_program.py; 79 a token on jax 0.12, 91 on 0.11.2).
 TRITON_FUSION = {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}
-# What `generate`'s decode loop compiles with (`sampling._run`). On one H200 (benchmarks/results/
-# device_check-h200-20261130.json, GPT-2 124M in bf16, timed in turns with XLA's defaults) Triton fusion decoded
-# 1.19x faster at batch 1 and 1.00x at batch 64, the whole generation as one graph 1.05x at both; device_check's
-# generate part times this against XLA_DECODE_DEFAULTS and each option left out. Only XLA:GPU reads these options;
-# XLA:CPU and TPUs compile as without them.
+# What `generate`'s decode loop compiles with (`sampling._run`): each decoded GPT-2 124M faster than XLA's settings
+# on an H200, timed in turns (docs/benchmarks.md, "One H200, again"), and device_check's generate part times the
+# pair against XLA_DECODE_DEFAULTS and each option left out. Only XLA:GPU reads these options; XLA:CPU and TPUs
+# compile as without them.
 DECODE_OPTIONS = {**WHILE_COMMAND_BUFFERS, **TRITON_FUSION}
 # XLA:GPU's own settings of the same options, to time DECODE_OPTIONS against.
 XLA_DECODE_DEFAULTS = {"xla_gpu_enable_command_buffer": XLA_COMMAND_BUFFERS,

@@ -56,11 +56,11 @@ from jaxgpt.train.config import from_config_dict  # noqa: E402
 # configs/gpt2_124m.py's model as `generate(..., dtype="bfloat16")` decodes it (`decode_weights.decoding_weights`)
 CFG = from_config_dict(get_config()).model.replace(dtype="bfloat16", param_dtype="bfloat16")
 PROMPT, NEW_TOKENS = 16, 256
-# Kernels one token launches, measured on jax 0.12.0.1 (see the module docstring), with generate's options: at batch
-# 1 5 a layer; the experimental fusion of jax 0.11.2 (what GPU images ship) fuses less, 91 (115 while the kernel took
-# three slices of the QKV projection); and with XLA's own fusion
+# Kernels one token launches (see the module docstring), measured on jax 0.12.0.1: with generate's options, 5 a layer
+# at batch 1, where the experimental fusion of jax 0.11.2 (what GPU images ship) leaves 91; with XLA's own fusion.
 KERNELS_PER_TOKEN = {1: 91 if jax.__version_info__[:2] == (0, 11) else 79, 64: 137}
 XLA_KERNELS_PER_TOKEN = {1: 172, 64: 134}
+
 
 def h100() -> jax.sharding.Mesh:
     return jax.sharding.Mesh(gpus.topology_devices("h100:1"), ("data",))
