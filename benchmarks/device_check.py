@@ -354,24 +354,22 @@ class Candidate:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # XLA compile options (DebugOptions fields)
 
 
-# XLA:GPU's default command-buffer (CUDA graph) types (xla/debug_options_flags.cc); loops are not among them, so a
-# `while` runs its body's kernels as launches from the host, trip after trip.
-COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
-
-
 def candidates(shapes: Shapes) -> dict[str, Candidate]:
     """train_sweep's candidates by name: the recipe first, then each a GPU default could change."""
-    loops_in_graphs = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES + ",WHILE,CONDITIONAL"}
+    # loops in graphs: XLA's command-buffer (CUDA graph) types plus WHILE and CONDITIONAL; without them a `while`
+    # runs its body's kernels as launches from the host, trip after trip
+    from jaxgpt.generate.decode_weights import WHILE_COMMAND_BUFFERS
+
     return {
         "recipe": Candidate(),
         "loss_chunk0": Candidate(loss_chunk=0),  # all logits at once: fewer, larger kernels, more memory
         f"loss_chunk{shapes.wide_loss_chunk}": Candidate(loss_chunk=shapes.wide_loss_chunk),
         "no_command_buffers": Candidate(options={"xla_gpu_enable_command_buffer": ""}),
-        "loops_in_graphs": Candidate(options=loops_in_graphs),
+        "loops_in_graphs": Candidate(options=WHILE_COMMAND_BUFFERS),
         "graph_min_size_1": Candidate(options={"xla_gpu_graph_min_graph_size": 1}),
         "latency_hiding_scheduler": Candidate(options={"xla_gpu_enable_latency_hiding_scheduler": True}),
         "accumulate_2": Candidate(grad_accum=2),
-        "accumulate_2_loops_in_graphs": Candidate(grad_accum=2, options=loops_in_graphs),
+        "accumulate_2_loops_in_graphs": Candidate(grad_accum=2, options=WHILE_COMMAND_BUFFERS),
         "remat_save_dots": Candidate(model={"remat": "save_dots"}),
     }
 
@@ -609,18 +607,26 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
     import profile_summary
     from bench_sample import best_seconds, bytes_per_token, compiled_generation
 
-    from jaxgpt.generate.decode_weights import TRITON_FUSION, XLA_COMMAND_BUFFERS, XLA_DECODE_DEFAULTS
+    from jaxgpt.generate.decode_weights import TRITON_FUSION, WHILE_COMMAND_BUFFERS, XLA_DECODE_DEFAULTS
     from jaxgpt.generate.sampling import generate
     from jaxgpt.ops.platform import on_gpu
     from jaxgpt.train.chips import chip_for
 
     chip = chip_for(jax.devices()[0])
+
+    def xla_own(options: dict[str, Any]) -> dict[str, Any]:
+        """`options` left out: their keys at XLA's own settings."""
+        return {key: XLA_DECODE_DEFAULTS[key] for key in options}
+
     # name -> (model, compiler options over generate's): "xla_attention" decodes with XLA's attention instead of the
     # one-kernel cache write and attention (`ops.decode_attention`), which only `attention_impl` "cudnn" (auto) runs
     sweep = {"xla_defaults": (cfg, XLA_DECODE_DEFAULTS),
-             "no_triton_fusion": (cfg, dict.fromkeys(TRITON_FUSION, False)),
-             "no_while_command_buffers": (cfg, {"xla_gpu_enable_command_buffer": XLA_COMMAND_BUFFERS}),
+             "no_triton_fusion": (cfg, xla_own(TRITON_FUSION)),
+             "no_while_command_buffers": (cfg, xla_own(WHILE_COMMAND_BUFFERS)),
              "xla_attention": (cfg.replace(attention_impl="xla"), None)} if on_gpu() else {"loop_alone": (cfg, None)}
+    default = {batch: lambda prompt=prompt: generate(params, cfg, prompt, max_new_tokens=shapes.new_tokens,
+                                                     temperature=0, dtype="bfloat16")
+               for batch, prompt in prompts.items()}  # generate's own program, which the variants are timed against
     lines = []
     for batch, prompt in prompts.items():
         got = metrics[f"batch{batch}_tokens_per_s"]
@@ -634,8 +640,7 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
             line += f", {got / bound:.1%} of the HBM bound {bound:,.0f} ({step_bytes / 1e6:,.0f} MB read per token)"
         runs = {name: compiled_generation(params, model, prompt, shapes.new_tokens, options)
                 for name, (model, options) in sweep.items()}
-        runs = {"default": lambda prompt=prompt: generate(params, cfg, prompt, max_new_tokens=shapes.new_tokens,
-                                                          temperature=0, dtype="bfloat16"), **runs}
+        runs = {"default": default[batch], **runs}
         times = {name: [] for name in runs}
         for _ in range(2):  # interleaved
             for name, run in runs.items():
@@ -645,9 +650,8 @@ def generation_targets(params: Any, cfg: Any, shapes: Shapes, prompts: dict[int,
             line += f"; {name.replace('_', ' ')} {ratio:.2f}x the default"
         lines.append(line)
         print(lines[-1], flush=True)
-    first = min(prompts)
-    one = compiled_generation(params, cfg, prompts[first], shapes.new_tokens, None)
-    details["profile"] = profile = profile_summary.profile_steps(lambda n: [one() for _ in range(n)], 1)
+    first = min(prompts)  # profiled as timed: `generate`'s own program, compiled already
+    details["profile"] = profile = profile_summary.profile_steps(lambda n: [default[first]() for _ in range(n)], 1)
     lines += [f"profile of one batch-{first} generation of {shapes.new_tokens} tokens (a step below):",
               *profile_summary.describe(profile, 8)]
     print("\n".join(lines[-9:]), flush=True)
