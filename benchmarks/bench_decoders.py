@@ -1,5 +1,5 @@
 """The two GPT decoders side by side: `sampling.generate` (one compiled loop per call) and the engine
-(`engine.generate_many`, continuous batching), in tokens/s, on the same prompts and seeds in one run.
+(`many.generate_many`, continuous batching), in tokens/s, on the same prompts and seeds in one run.
 
 Two cases per model: one prompt of 16 tokens and 200 new tokens (what `jaxgpt sample --prompt` decodes), and 16
 prompts of 4 to 64 tokens with 128 new tokens each (a requests file: `generate` takes them one call each, as it
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxgpt.generate import sampling
-from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.many import generate_many
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.model.gpt import init_params
 

@@ -11,7 +11,7 @@ Float32 on both sides, 2 CPU threads for torch (jax's CPU client uses the machin
   runs) against transformers' `generate(do_sample=False)` on `AutoModelForCausalLM.from_pretrained(...,
   gguf_file=...)` of the same file, a 32-token prompt, new tokens per second of the whole call; and llama.cpp's
   (`llama_cpp`, when it imports) on an F32 GGUF of the same weights that `jaxgpt.io.gguf_export` writes;
-* 16 ragged prompts (8 to 64 tokens): `jaxgpt.generate.engine.generate_many` (the continuous-batching engine
+* 16 ragged prompts (8 to 64 tokens): `jaxgpt.generate.many.generate_many` (the continuous-batching engine
   `jaxgpt serve` runs, 16 slots) against transformers' batched `generate` with left padding;
 * a training step: the trainer's jitted step (`bench_train.prepare_step`: AdamW, the LM loss an SFT run
   computes, a random model of SmolLM2's shape) against an eager PyTorch step (AdamW, `labels=`) on the loaded
@@ -43,7 +43,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.many import generate_many
 from jaxgpt.generate.sampling import generate
 from jaxgpt.io import weights
 from jaxgpt.io.gguf import gguf_path

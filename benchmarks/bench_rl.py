@@ -44,7 +44,7 @@ import jax
 from ml_collections import ConfigDict
 
 from jaxgpt.data.conversations import BUILTIN_DATASETS
-from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.many import generate_many
 from jaxgpt.io import weights
 from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.model.config import comma_names

@@ -26,7 +26,7 @@ engine's includes the model's compute). Targets (issue 49, an accelerator's): on
 alone; the most clients >= 0.8x the engine alone with as many at once and >= 15x one client; their TTFT p99 <=
 250 ms. benchmarks/device_check.py runs this part (`measure`) on an accelerator with GPT-2 124M's shapes and 1,
 16 and 64 clients.
-Part 2: 32 ragged prompts, 48 greedy new tokens each, through `engine.generate_many` (what `sample.py
+Part 2: 32 ragged prompts, 48 greedy new tokens each, through `many.generate_many` (what `sample.py
 --prompt_file` runs) with 16 slots, and through transformers' `generate` on the same weights exported with
 `save_hf`, left-padded in batches of 16 with an attention mask; tokens/s of each and how many rows agree.
 Part 3 (--adapters N, alone): the 6 x 6 x 384 model served with N LoRA adapters (`jaxgpt serve --adapter`: ranks
@@ -65,7 +65,8 @@ import jax  # noqa: E402
 import openai  # noqa: E402
 
 from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer  # noqa: E402
-from jaxgpt.generate.engine import Engine, Request, generate_many  # noqa: E402
+from jaxgpt.generate.engine import Engine, Request  # noqa: E402
+from jaxgpt.generate.many import generate_many  # noqa: E402
 from jaxgpt.generate.sampling import generate  # noqa: E402
 from jaxgpt.generate.slots import Needs  # noqa: E402
 from jaxgpt.model.config import ModelConfig  # noqa: E402

@@ -71,7 +71,7 @@ from jaxgpt.generate import sampling
 from jaxgpt.generate import seq2seq as seq2seq_decoding
 from jaxgpt.generate.chat import ChatModel, converse
 from jaxgpt.generate.checks import check_request
-from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.many import generate_many
 from jaxgpt.generate.text_stream import first_stop, print_stream, until_eot
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig

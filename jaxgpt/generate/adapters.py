@@ -115,20 +115,19 @@ def stack(adapters: Sequence[Adapter], cfg: ModelConfig) -> Stack:
     return Stack(tuple(a.name for a in adapters), tree, starts)
 
 
-def with_rows(params: Mapping[str, Any], mask_R: jax.Array | None, cfg: ModelConfig) -> Mapping[str, Any]:
-    """`params` (the base with a stack laid beside its kernels) with `rows` beside every target's lora_a, for one
-    row (a prefill's, or a decode step's under `jax.vmap`) that uses the rank columns `mask_R` selects
-    (`columns_of`: one adapter's, or none: the base alone); None (no adapters served): `params` as they are.
-    Under scanned layers (`h`) the rows gain the layers axis."""
-    if mask_R is None:
+def with_rows(params: Mapping[str, Any], mask_BR: jax.Array | None, cfg: ModelConfig) -> Mapping[str, Any]:
+    """`params` (the base with a stack laid beside its kernels) with `rows` beside every target's lora_a, for B
+    rows (a prefill's prompts, or one row of a decode step under `jax.vmap`), each using the rank columns its
+    row of `mask_BR` selects (`columns_of`: one adapter's, or none: the base alone); None (no adapters served):
+    `params` as they are. Under scanned layers (`h`) the rows gain the layers axis."""
+    if mask_BR is None:
         return params
-    rows_1R = mask_R[None]
 
     def put(node: Any, scanned: bool) -> Any:
         if not isinstance(node, Mapping):
             return node
         if "lora_a" in node:
-            return {**node, ROWS: jnp.broadcast_to(rows_1R, (cfg.n_layer, *rows_1R.shape)) if scanned else rows_1R}
+            return {**node, ROWS: jnp.broadcast_to(mask_BR, (cfg.n_layer, *mask_BR.shape)) if scanned else mask_BR}
         return {key: put(sub, scanned) for key, sub in node.items()}
 
     return {key: put(sub, cfg.scan_layers and key == "h") for key, sub in params.items()}

@@ -16,7 +16,7 @@ from jaxgpt.data.conversations import ChatTemplate, Conversation, conversation_e
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.generate import sampling
-from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.many import generate_many
 from jaxgpt.generate.text_stream import StreamDecoder
 from jaxgpt.model.config import ModelConfig
 

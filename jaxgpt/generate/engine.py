@@ -7,10 +7,12 @@ decodes at its own position and one program serves any mix of requests: nothing 
 and go. Only the busy slots decode: they are kept at the front (a freed slot takes the last busy one), and a
 chunk decodes the first `rows` slots, the next power of two (one program per power of two up to `slots`), over
 the first `span` positions of their caches, the power of two (from `sampling.SHORTEST_CACHE`) that holds every
-position they write by the chunk's end, so short requests read a short cache whatever the context. A
-new request's prompt is prefilled into the first free slot, right-padded to a power-of-two bucket (one compile
-per bucket), and its first token is picked there and sent at once; the padding's keys and values sit past the
-request's length, invisible to it, and are overwritten as it decodes.
+position they write by the chunk's end, so short requests read a short cache whatever the context. The
+prompts a tick admits are prefilled into the first free slots together: those of one power-of-two bucket
+(right-padded to it) in one call of a power-of-two number of rows, at most `PREFILL_TOKENS` positions (one
+compile per bucket and row count; a prompt that asks for its log-probabilities alone); each request's first
+token is picked there and sent at once. The padding's keys and values sit past the request's length,
+invisible to it, and are overwritten as it decodes.
 
 The device runs ahead of Python: chunk i + 1 is dispatched (JAX's asynchronous dispatch) before chunk i's tokens
 are copied to the host and handed to their requests, so the host's bookkeeping overlaps the next chunk's
@@ -54,7 +56,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from jaxgpt.data.batches import bucket
 from jaxgpt.errors import UserError
@@ -73,12 +74,15 @@ from jaxgpt.generate.slots import (
     empty_slots,
     encode_slot,
     move_slot,
-    prefill_slot,
+    prefill_slots,
 )
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 
-__all__ = ["TOP_LOGPROBS", "Engine", "Request", "check_request", "generate_many"]
+__all__ = ["TOP_LOGPROBS", "Engine", "Request", "check_request"]
 CHUNK = 8  # tokens a decode chunk gives each busy slot (fewer once they all end)
+# the most prompt positions (rows x bucket) one prefill call holds: what bounds its activations, and how long the
+# busy slots wait for it (vLLM's max_num_batched_tokens has the same part)
+PREFILL_TOKENS = 4096
 # what `warm_up` compiles chunks for: sampled and greedy requests that ask for no log-probabilities or bias
 WARM_NEEDS = (Needs(bias=False, noise=True, nucleus=False, scores=False),
               Needs(bias=False, noise=False, nucleus=False, scores=False))
@@ -172,12 +176,13 @@ class Engine:
     def warm_up(self, needs: Sequence[Needs] = WARM_NEEDS, prompt_lengths: Sequence[int] | None = None,
                 max_new_tokens: int | None = None) -> float:
         """Compile, before any request, the decode chunk of every row count (each power of two up to the slots)
-        and span for each of `needs`, and a decoder's prefill of the buckets of `prompt_lengths`; seconds taken.
+        and span for each of `needs`, and a decoder's prefill of every row count of the buckets of
+        `prompt_lengths` (for prompts that do not ask for their log-probabilities); seconds taken.
         Spans: those of requests with `prompt_lengths` and up to `max_new_tokens` new tokens (None: every
         prompt length, and up to the context). Without this the first time a load reaches a row count or span
         it stalls every busy request for that compile (on a GPU a server under 64 clients spent most of its
         time there). Call before `run`, on the empty state: every slot is done, so each chunk's loop ends at
-        once, and the slot the prefills wrote is freed again."""
+        once, and the warm-up's prefills write no slot."""
         t = time.perf_counter()
         limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
         lengths = range(1, self.decoder.block_size + 1) if prompt_lengths is None else prompt_lengths
@@ -187,14 +192,10 @@ class Engine:
             for span, need in itertools.product(spans, needs):
                 self.state, _ = decode_chunk(self.params, self.state, cfg=self.cfg, rows=rows, span=span,
                                              steps=self.chunk, needs=need, **limits)
-        if self.specials is None:
-            zero = Setting(jax.random.key(0), np.float32(0), np.float32(1), np.int32(1),
-                           np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool),
-                           columns_of(self.adapters, None))
-            for P in sorted({bucket(n, self.cfg.block_size) for n in lengths}):
-                self.state, _, _ = prefill_slot(self.params, self.state, np.int32(0), np.zeros((1, P), np.int32),
-                                                np.int32(1), zero, cfg=self.cfg, score=False, **limits)
-            self.state = move_slot(self.state, np.int32(0), np.int32(0))  # slot 0 free again
+        nowhere = (self.n_slots, Request([0], 1, emit=lambda *_: None, done=lambda _: None))  # a row into no slot
+        for P in sorted({bucket(n, self.cfg.block_size) for n in lengths} if self.specials is None else ()):
+            for rows in (1 << i for i in range(self._prefill_rows(P, score=False).bit_length())):
+                self._prefill([nowhere] * rows, P, score=False)
         jax.block_until_ready(self.state)
         return time.perf_counter() - t
 
@@ -263,8 +264,7 @@ class Engine:
             admitted = [self.waiting.popleft() for _ in range(free) if self.waiting and self.pending is None]
         for request in dropped:
             self._end(request, "cancelled")
-        for request in admitted:
-            self._admit(request)
+        self._admit(admitted)
         busy = any(self.active)
         if busy:
             self._step()
@@ -276,33 +276,83 @@ class Engine:
             take, whom, out = self.unread.popleft()
             take(whom, jax.device_get(out))
 
-    def _admit(self, r: Request) -> None:
-        """Dispatch the request's prefill into the first free slot (its first token is read with the chunks)."""
-        if r.cancelled:
-            self._end(r, "cancelled")
+    def _admit(self, requests: list[Request]) -> None:
+        """Dispatch the prefills of the requests a tick admits into the first free slots (their first tokens are
+        read with the chunks): a decoder's prompts of one bucket together, in calls of up to `_prefill_rows`
+        rows; an encoder-decoder's sources one by one."""
+        live = [r for r in requests if not r.cancelled]
+        for r in requests:
+            if r.cancelled:
+                self._end(r, "cancelled")
+        free = iter([s for s, b in enumerate(self.active) if b is None])
+        if self.specials is not None:
+            for r in live:
+                self._encode(next(free), r)
             return
-        s = self.active.index(None)
-        ends = frozenset(r.stop_ids) | ({self.eot_token} if self.eot_token is not None and not r.ignore_eos else set())
-        bias_V, end_V = np.zeros(self.vocab_size, np.float32), np.zeros(self.vocab_size, bool)
-        bias_V[list(r.logit_bias)] = list(r.logit_bias.values())
-        end_V[list(ends)] = True
-        setting = Setting(jax.random.key(r.seed), np.float32(r.temperature), np.float32(r.top_p),
-                          np.int32(r.max_new_tokens), bias_V, end_V, columns_of(self.adapters, r.adapter))
-        limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
-        T, scored = len(r.prompt), None
-        if self.specials is not None:  # the source, padded to src_block_size (the encoder masks padding)
-            src_1L = np.full((1, self.cfg.src_block_size), self.specials["pad_id"], np.int32)
-            src_1L[0, :T] = r.prompt
-            self.state, first = encode_slot(self.params, self.state, np.int32(s), src_1L, setting, cfg=self.cfg,
-                                            bos_id=self.specials["bos_id"], **limits)
-        else:
-            prompt_1P = np.zeros((1, bucket(T, self.cfg.block_size)), np.int32)
-            prompt_1P[0, :T] = r.prompt
-            self.state, first, scored = prefill_slot(self.params, self.state, np.int32(s), prompt_1P, np.int32(T),
-                                                     setting, cfg=self.cfg, score=r.prompt_logprobs is not None,
-                                                     **limits)
-        self.active[s], r.version = _Busy(r, s, ends, self._cached(T)), self.version
-        self.unread.append((self._take_first, self.active[s], (first, scored)))
+        groups: dict[tuple[int, bool], list[Request]] = {}
+        for r in live:
+            groups.setdefault((bucket(len(r.prompt), self.cfg.block_size), r.prompt_logprobs is not None), []).append(r)
+        for (P, score), group in groups.items():
+            n = self._prefill_rows(P, score)
+            for i in range(0, len(group), n):
+                placed = [(next(free), r) for r in group[i:i + n]]
+                out = self._prefill(placed, P, score)
+                self.unread.append((self._take_first, [self._place(s, r) for s, r in placed], out))
+
+    def _prefill(self, placed: list[tuple[int, Request]], P: int, score: bool) -> tuple[Picked, Any]:
+        """Dispatch one call prefilling each (slot, request) of `placed`, their prompts right-padded to P, in a
+        power of two of rows (the padding rows repeat the first request into no slot); its first tokens and
+        scores."""
+        rows = 1 << (len(placed) - 1).bit_length()
+        requests = [r for _, r in placed] + [placed[0][1]] * (rows - len(placed))
+        prompt_NP = np.zeros((rows, P), np.int32)
+        for i, r in enumerate(requests):
+            prompt_NP[i, :len(r.prompt)] = r.prompt
+        s_N = np.array([s for s, _ in placed] + [self.n_slots] * (rows - len(placed)), np.int32)
+        T_N = np.array([len(r.prompt) for r in requests], np.int32)
+        self.state, first, scored = prefill_slots(self.params, self.state, s_N, prompt_NP, T_N,
+                                                  self._settings(requests), cfg=self.cfg, score=score,
+                                                  banned=self.banned, vocab_limit=self.vocab_limit)
+        return first, scored
+
+    def _encode(self, s: int, r: Request) -> None:
+        """Dispatch an encoder-decoder's source into slot `s`, padded to src_block_size (the encoder masks the
+        padding)."""
+        src_1L = np.full((1, self.cfg.src_block_size), self.specials["pad_id"], np.int32)
+        src_1L[0, :len(r.prompt)] = r.prompt
+        self.state, first = encode_slot(self.params, self.state, np.int32(s), src_1L, self._settings([r]),
+                                        cfg=self.cfg, bos_id=self.specials["bos_id"], banned=self.banned,
+                                        vocab_limit=self.vocab_limit)
+        self.unread.append((self._take_first, [self._place(s, r)], (first, None)))
+
+    def _place(self, s: int, r: Request) -> _Busy:
+        """Slot `s` is now `r`'s, on the weights served now."""
+        self.active[s], r.version = _Busy(r, s, self._ends(r), self._cached(len(r.prompt))), self.version
+        return self.active[s]
+
+    def _prefill_rows(self, P: int, score: bool) -> int:
+        """The most rows a prefill of bucket P holds: a power of two up to the slots and `PREFILL_TOKENS`
+        positions; one for prompts that ask for their log-probabilities (every position's logits: P x vocabulary
+        floats a row)."""
+        most = 1 if score else min(self.n_slots, max(1, PREFILL_TOKENS // P))
+        return 1 << (most.bit_length() - 1)
+
+    def _ends(self, r: Request) -> frozenset[int]:
+        """The tokens that end `r`: its stop ids, and end-of-text unless it ignores it."""
+        return frozenset(r.stop_ids) | ({self.eot_token} if self.eot_token is not None and not r.ignore_eos else set())
+
+    def _settings(self, requests: list[Request]) -> Setting:
+        """The requests' rows of the per-slot settings (`slots.Setting`)."""
+        bias_NV, end_NV = (np.zeros((len(requests), self.vocab_size), t) for t in (np.float32, bool))
+        for i, r in enumerate(requests):
+            bias_NV[i, list(r.logit_bias)] = list(r.logit_bias.values())
+            end_NV[i, list(self._ends(r))] = True
+        adapter_NR = None if self.adapters is None else np.stack([columns_of(self.adapters, r.adapter)
+                                                                  for r in requests])
+        return Setting(jnp.stack([jax.random.key(r.seed) for r in requests]),
+                       np.array([r.temperature for r in requests], np.float32),
+                       np.array([r.top_p for r in requests], np.float32),
+                       np.array([r.max_new_tokens for r in requests], np.int32), bias_NV, end_NV, adapter_NR)
 
     def _step(self) -> None:
         """Dispatch a chunk for the busy slots (rows: the next power of two), with what their settings need."""
@@ -331,17 +381,19 @@ class Engine:
         lives in the encoder's memory, not in the decoder's cache)."""
         return 1 if self.specials is not None else prompt_length
 
-    def _take_first(self, busy: _Busy, out: tuple[Picked, Any]) -> None:
-        """A prefill's results: the prompt's log-probabilities when asked for, and the first token."""
+    def _take_first(self, rows: list[_Busy], out: tuple[Picked, Any]) -> None:
+        """A prefill's results, row by row: the prompt's log-probabilities when asked for, and the first token."""
         first, scored = out
-        r = busy.request
-        if scored is not None:
-            lp_P, (top_lp_PK, top_id_PK) = scored
-            r.prompt_logprobs([(float(lp_P[i]), _pairs(top_id_PK[i], top_lp_PK[i])) for i in range(len(r.prompt) - 1)])
-        if r.max_new_tokens == 0:
-            self._retire(busy, "length")
-        else:  # as a chunk of one row and one step
-            self._give(busy, Picked(*(None if x is None else x[:, None] for x in first)), 0, 0)
+        for b, busy in enumerate(rows):
+            r = busy.request
+            if scored is not None:
+                lp_NP, (top_lp_NPK, top_id_NPK) = scored
+                r.prompt_logprobs([(float(lp_NP[b, i]), _pairs(top_id_NPK[b, i], top_lp_NPK[b, i]))
+                                   for i in range(len(r.prompt) - 1)])
+            if r.max_new_tokens == 0:
+                self._retire(busy, "length")
+            else:  # as a chunk of one step
+                self._give(busy, Picked(*(None if x is None else x[:, None] for x in first)), b, 0)
 
     def _take_chunk(self, rows: list[_Busy | None], out: Picked) -> None:
         """A chunk's tokens, row by row, to the requests that were in those rows when it was dispatched."""
@@ -396,39 +448,3 @@ class Engine:
 
 def _pairs(ids_K: np.ndarray, logprobs_K: np.ndarray) -> list[tuple[int, float]]:
     return list(zip(ids_K.tolist(), logprobs_K.tolist(), strict=True))
-
-
-def generate_many(params: Any, cfg: ModelConfig | Seq2SeqConfig, prompts: Sequence[Sequence[int]], *,
-                  max_new_tokens: int | Sequence[int], seeds: int | Sequence[int] = 0,
-                  temperature: float | Sequence[float] = 1.0, top_p: float | Sequence[float] = 1.0,
-                  eot_token: int | None = None, vocab_limit: int | None = None, slots: int = 8,
-                  until: Callable[[int, list[int]], bool] | None = None, progress: bool = False,
-                  specials: dict[str, int] | None = None) -> list[list[int]]:
-    """New tokens for prompts of different lengths, `slots` at a time; every setting is one value or one per row.
-
-    Row r samples what `generate(params, cfg, prompts[r], key=seeds[r], ...)` samples for it alone (an
-    encoder-decoder's prompts are sources, with its `specials`: `seq2seq.sample`/`greedy` of the source). A row
-    ends at `eot_token` (eos; included), after its max_new_tokens, or when `until(r, tokens so far)` says so.
-    """
-    n = len(prompts)
-    per_row = lambda v: list(v) if isinstance(v, Sequence) else [v] * n
-    settings = list(zip(per_row(max_new_tokens), per_row(seeds), per_row(temperature), per_row(top_p), strict=True))
-    engine = Engine(params, cfg, slots=slots, max_waiting=n, eot_token=eot_token, vocab_limit=vocab_limit,
-                    specials=specials)
-    out: list[list[int]] = [[] for _ in range(n)]
-    bar = tqdm(total=n, unit="request", disable=not progress, dynamic_ncols=True)
-    for r, (prompt, (count, seed, temp, p)) in enumerate(zip(prompts, settings, strict=True)):
-        engine.check(list(prompt), count, temp, p)
-        request = Request(list(prompt), count, temperature=temp, top_p=p, seed=seed, emit=lambda *_: None,
-                          done=lambda _: bar.update())
-
-        def emit(token: int, _logprob: float, _top: list, _end: bool, r: int = r, request: Request = request) -> None:
-            out[r].append(token)
-            if until is not None and until(r, out[r]):
-                request.cancelled = True
-
-        request.emit = emit
-        engine.submit(request)
-    engine.drain()
-    bar.close()
-    return out

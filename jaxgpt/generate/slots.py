@@ -2,9 +2,9 @@
 
 Every slot's state lives on the device, stacked on a leading slot axis (`Slots`). Three programs change it:
 
-* `prefill_slot` / `encode_slot`: a request's prompt (a GPT's, right-padded to a power-of-two bucket) or source
-  (an encoder-decoder's) goes into one slot, and the request's first token is picked there, so the server can
-  send it as soon as the prefill is done instead of one decode chunk later.
+* `prefill_slots` / `encode_slot`: requests' prompts (a GPT's, several at once, right-padded to one
+  power-of-two bucket) or a source (an encoder-decoder's) go into free slots, and each request's first token is
+  picked there, so the server can send it as soon as the prefill is done instead of one decode chunk later.
 * `decode_chunk`: up to `steps` tokens for the first `rows` slots (a power of two: the busy slots are kept at the
   front, so one client decodes one row, not all of them), in one on-device loop, with no return to Python
   between tokens, attending over the first `span` positions of their caches (a power of two that holds what they
@@ -69,15 +69,16 @@ class Slots(NamedTuple):
 
 
 class Setting(NamedTuple):
-    """One request's row of the per-slot settings, as `prefill_slot` / `encode_slot` take it."""
+    """The per-slot settings of the N requests a `prefill_slots` call starts (one for `encode_slot`), each
+    field with a leading axis of the N rows."""
 
     key: Array
     temperature: Array
     top_p: Array
     max_new_tokens: Array
-    bias_V: Array
-    end_V: Array
-    adapter_R: Array | None = None  # with adapters served: the request's mask (`adapters.columns_of`)
+    bias_NV: Array
+    end_NV: Array
+    adapter_NR: Array | None = None  # with adapters served: each request's mask (`adapters.columns_of`)
 
 
 class Needs(NamedTuple):
@@ -140,52 +141,59 @@ def logprobs(logits_XV: Array, tok_X: Array) -> tuple[Array, tuple[Array, Array]
     return target_logit(logp_XV, tok_X), jax.lax.top_k(logp_XV, TOP_LOGPROBS)
 
 
-def _start(state: Slots, s: Array, cache: Any, logits_V: Array, length: int | Array, setting: Setting,
+def _start(state: Slots, s_N: Array, cache: Any, logits_NV: Array, length_N: Array, setting: Setting,
            memory: Any, banned: int | None, vocab_limit: int | None) -> tuple[Slots, Picked]:
-    """Put a prefilled request into slot `s` and pick its first token (step 0) from the prompt's last logits."""
-    logits_1V = logits_V[None]
+    """Put N prefilled requests into slots `s_N` (a slot index past the last: a padding row, dropped) and pick
+    each one's first token (step 0) from its prompt's last logits. `cache`, `memory` and `setting` have a
+    leading axis of the N rows."""
+    N, V = logits_NV.shape
 
     def pick(noise: bool, nucleus: bool) -> Array:
-        noise_1V = row_noise(setting.key[None], jnp.zeros(1, jnp.int32), logits_V.shape[-1]) if noise else None
-        return pick_rows(logits_1V + setting.bias_V, noise_1V, setting.temperature[None], setting.top_p[None],
-                         nucleus, banned, vocab_limit)
+        noise_NV = row_noise(setting.key, jnp.zeros(N, jnp.int32), V) if noise else None
+        return pick_rows(logits_NV + setting.bias_NV, noise_NV, setting.temperature, setting.top_p, nucleus, banned,
+                         vocab_limit)
 
-    # the noise and the nucleus sort (of the whole vocabulary) only for a request that uses them, chosen on the
-    # device: one program serves every request
-    sampled = setting.temperature > 0
-    tok_1 = jax.lax.switch(sampled.astype(jnp.int32) + (sampled & (setting.top_p < 1)),
+    # the noise and the nucleus sort (of the whole vocabulary) only when some row uses them, chosen on the
+    # device: one program serves every mix of requests
+    sampled_N = setting.temperature > 0
+    tok_N = jax.lax.switch(jnp.any(sampled_N).astype(jnp.int32) + jnp.any(sampled_N & (setting.top_p < 1)),
                            [lambda: pick(False, False), lambda: pick(True, False), lambda: pick(True, True)])
-    lp_1, (top_lp_1K, top_id_1K) = logprobs(logits_1V, tok_1)
-    done = (setting.max_new_tokens <= 1) | setting.end_V[tok_1[0]]
-    put = lambda whole, one: whole.at[s].set(one)
-    put_cache = lambda whole, one: whole.at[s, ..., :one.shape[-2], :].set(one)  # a prefix of the slot's positions
-    state = Slots(jax.tree.map(put_cache, state.cache, cache), put(state.tok_S, tok_1[0]), put(state.length_S, length),
-                  put(state.step_S, 1), put(state.left_S, setting.max_new_tokens - 1), put(state.done_S, done),
+    lp_N, (top_lp_NK, top_id_NK) = logprobs(logits_NV, tok_N)
+    done_N = (setting.max_new_tokens <= 1) | jnp.take_along_axis(setting.end_NV, tok_N[:, None], axis=1)[:, 0]
+    put = lambda whole, new: whole.at[s_N].set(new, mode="drop")
+    # each cache into a prefix of its slot's positions
+    put_cache = lambda whole, new: whole.at[s_N, ..., :new.shape[-2], :].set(new, mode="drop")
+    state = Slots(jax.tree.map(put_cache, state.cache, cache), put(state.tok_S, tok_N),
+                  put(state.length_S, length_N), put(state.step_S, jnp.ones(N, jnp.int32)),
+                  put(state.left_S, setting.max_new_tokens - 1), put(state.done_S, done_N),
                   put(state.key_S, setting.key), put(state.temperature_S, setting.temperature),
-                  put(state.top_p_S, setting.top_p), put(state.bias_SV, setting.bias_V),
-                  put(state.end_SV, setting.end_V), jax.tree.map(put, state.memory, memory),
-                  jax.tree.map(put, state.adapter_SR, setting.adapter_R))
-    return state, Picked(tok_1, lp_1, top_lp_1K, top_id_1K)
+                  put(state.top_p_S, setting.top_p), put(state.bias_SV, setting.bias_NV),
+                  put(state.end_SV, setting.end_NV), jax.tree.map(put, state.memory, memory),
+                  jax.tree.map(put, state.adapter_SR, setting.adapter_NR))
+    return state, Picked(tok_N, lp_N, top_lp_NK, top_id_NK)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "score", "banned", "vocab_limit"), donate_argnames=("state",))
-def prefill_slot(params: Any, state: Slots, s: Array, prompt_1P: Array, T: Array, setting: Setting, *,
-                 cfg: ModelConfig, score: bool, banned: int | None, vocab_limit: int | None
-                 ) -> tuple[Slots, Picked, tuple[Array, tuple[Array, Array]] | None]:
-    """Prefill a (right-padded) prompt into slot `s` and pick its first token; with `score`, also each prompt
-    position's log-probability of the next prompt token (positions from T - 1 on are padding). The prompt
-    attends over a cache of its own length, which then fills the slot's first positions: the slot's later
-    positions keep an earlier request's keys, which its decode steps never see (they read positions below its
-    length) and overwrite as it goes."""
-    P = prompt_1P.shape[1]
-    params = with_rows(params, setting.adapter_R, cfg)  # (the request's adapter, when adapters are served)
-    # Every position's logits only to score the prompt; else position T - 1's alone (the vocabulary's head over
-    # every position was the largest product of a SmolLM2 prefill, docs/benchmarks.md)
-    logits_1XV, cache = _decode(cfg, params, prompt_1P, init_cache(cfg, 1, P), 0, False,
-                                logits_at=None if score else T - 1)
-    state, first = _start(state, s, cache, logits_1XV[0, T - 1 if score else 0], T, setting, None, banned,
-                          vocab_limit)
-    return state, first, logprobs(logits_1XV[0, :-1], prompt_1P[0, 1:]) if score else None
+def prefill_slots(params: Any, state: Slots, s_N: Array, prompt_NP: Array, T_N: Array, setting: Setting, *,
+                  cfg: ModelConfig, score: bool, banned: int | None, vocab_limit: int | None
+                  ) -> tuple[Slots, Picked, tuple[Array, tuple[Array, Array]] | None]:
+    """Prefill N (right-padded) prompts of one bucket into slots `s_N` (past the last slot: a padding row, whose
+    results go nowhere) and pick each one's first token; with `score`, also each prompt position's
+    log-probability of the next prompt token (positions from T - 1 on are padding). The engine prefills the
+    prompts a tick admits together: one call of N rows costs little more than one of a row where the weights'
+    reads dominate, as they do for short prompts. Each prompt attends over a cache of its own length, which then
+    fills its slot's first positions: the slot's later positions keep an earlier request's keys, which its
+    decode steps never see (they read positions below its length) and overwrite as it goes."""
+    (N, P), scanned = prompt_NP.shape, cfg.scan_layers
+    # Every position's logits only to score the prompts; else each one's position T - 1 alone (the vocabulary's
+    # head over every position was the largest product of a SmolLM2 prefill, docs/benchmarks.md)
+    logits_NXV, cache = _decode(cfg, with_rows(params, setting.adapter_NR, cfg), prompt_NP, init_cache(cfg, N, P), 0,
+                                False, logits_at=None if score else T_N - 1)
+    # each row's cache as a slot holds it: batch-1, rows leading (the batch axis follows the layers' when scanned)
+    cache = jax.tree.map(lambda c: jnp.expand_dims(jnp.moveaxis(c, int(scanned), 0), int(scanned) + 1), cache)
+    last_NV = jnp.take_along_axis(logits_NXV, (T_N - 1)[:, None, None], axis=1)[:, 0] if score else logits_NXV[:, 0]
+    state, first = _start(state, s_N, cache, last_NV, T_N, setting, None, banned, vocab_limit)
+    return state, first, jax.vmap(logprobs)(logits_NXV[:, :-1], prompt_NP[:, 1:]) if score else None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "bos_id", "banned", "vocab_limit"), donate_argnames=("state",))
@@ -196,7 +204,9 @@ def encode_slot(params: Any, state: Slots, s: Array, src_1L: Array, setting: Set
     memory = seq2seq.encode(params, cfg, src_1L)
     logits_1V, cache = seq2seq._step(params, cfg, jnp.full((1,), bos_id, jnp.int32), init_cache(cfg.model, 1),
                                      jnp.int32(0), memory[1], memory[0])
-    return _start(state, s, cache, logits_1V[0], 1, setting, memory, banned, vocab_limit)
+    one_row = lambda x: x[None]  # the slots hold batch-1 caches and memories: a leading axis of one row
+    return _start(state, s[None], jax.tree.map(one_row, cache), logits_1V, jnp.ones(1, jnp.int32), setting,
+                  jax.tree.map(one_row, memory), banned, vocab_limit)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -258,7 +268,8 @@ def _advance(params: Any, st: Slots, noise_BV: Array | None, *, cfg: ModelConfig
         if isinstance(cfg, Seq2SeqConfig):
             logits_1V, cache = seq2seq._step(params, cfg, tok[None], cache, index, memory[1], memory[0])
             return logits_1V[0], cache
-        logits_11V, cache = _decode(cfg, with_rows(params, adapter_R, cfg), tok[None, None], cache, index, False)
+        logits_11V, cache = _decode(cfg, with_rows(params, None if adapter_R is None else adapter_R[None], cfg),
+                                    tok[None, None], cache, index, False)
         return logits_11V[0, 0], cache
 
     logits_BV, cache = jax.vmap(decode_one)(st.tok_S, st.cache, index_B, st.memory, st.adapter_SR)

@@ -207,8 +207,9 @@ class GPT(nn.Module):
 
         Used for both the prompt (prefill, T = prompt length) and each new token (T = 1).
         Returns float32 logits (B, T, V), or with `logits_at` (an index into the T new tokens: a Python int, negative
-        from the end, or an int array) only that position's, (B, 1, V): a prefill samples from its last token's
-        alone (a right-padded prompt's last real one), so the vocabulary's head runs for one position, not T. Also
+        from the end, or an int array, one for all rows or (B,) one per row) only that position's, (B, 1, V): a
+        prefill samples from its last token's alone (a right-padded prompt's last real one), so the vocabulary's
+        head runs for one position, not T. Also
         the updated cache; slots past the written ones are never visible, so the cache may hold stale values there.
         """
         T = idx_BT.shape[1]
@@ -218,7 +219,9 @@ class GPT(nn.Module):
         pos_BT = jnp.broadcast_to(q_pos_T + int(self.cfg.pad_positions), idx_BT.shape)
         x_BTC = self._embed(idx_BT, pos_BT, deterministic=True)
         x_BTC, cache = self._layers(x_BTC, visible_BTS, True, cache, cache_index, q_pos_T=q_pos_T)
-        if logits_at is not None:  # (a constant index compiles to a plain slice)
+        if logits_at is not None and jnp.ndim(logits_at) == 1:  # each row's own position (prompts of a batch)
+            x_BTC = jnp.take_along_axis(x_BTC, logits_at[:, None, None], axis=1)
+        elif logits_at is not None:  # (a constant index compiles to a plain slice)
             x_BTC = jax.lax.dynamic_slice_in_dim(x_BTC, logits_at % T if isinstance(logits_at, int) else logits_at, 1,
                                                  axis=1)
         h_BTC = self.ln_f(x_BTC) if self.cfg.final_norm else x_BTC

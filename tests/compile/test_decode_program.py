@@ -170,22 +170,23 @@ def test_engine_chunk_loops_over_its_steps_with_a_known_trip_count(tmp_path: Pat
     assert len(attention_kernels(text)) == CFG.n_layer * UNROLL  # the slots' attention: one kernel a layer, vmapped
 
 
-PROMPT_P = 64  # the engine's prefill bucket of the test below
+PROMPT_P, PREFILL_ROWS = 64, 4  # the engine's prefill bucket and rows (prompts admitted together) of the test below
 # top-p's sort of the vocabulary as XLA's own sort kernel: XLA:GPU sizes CUB's radix sort through the CUDA runtime
 # while compiling, which a host without a GPU fails ("invalid device ordinal"); a GPU compiles it with CUB
 NO_CUB_SORT = {"xla_gpu_enable_cub_radix_sort": False}
 
 
 def prefill_program(score: bool, tmp_path: Path) -> str:
-    """The engine's prefill of a PROMPT_P-token prompt into one of 4 slots (`slots.prefill_slot`), as HLO text."""
+    """The engine's prefill of PREFILL_ROWS PROMPT_P-token prompts into 4 slots (`slots.prefill_slots`), as HLO
+    text."""
     params = jax.eval_shape(lambda: init_params(CFG, jax.random.key(0)))
     state = jax.eval_shape(lambda: slots.empty_slots(CFG, 4))
-    V = CFG.vocab_size
-    setting = jax.eval_shape(lambda: slots.Setting(jax.random.key(0), jnp.float32(0), jnp.float32(1), jnp.int32(1),
-                                                   jnp.zeros(V, jnp.float32), jnp.zeros(V, bool)))
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    text, _ = compiled(slots.prefill_slot, (params, state, scalar, jax.ShapeDtypeStruct((1, PROMPT_P), jnp.int32),
-                                            scalar, setting), NO_CUB_SORT, tmp_path, cfg=CFG, score=score,
+    N, V = PREFILL_ROWS, CFG.vocab_size
+    setting = jax.eval_shape(lambda: slots.Setting(jax.random.split(jax.random.key(0), N), jnp.zeros(N), jnp.ones(N),
+                                                   jnp.ones(N, jnp.int32), jnp.zeros((N, V)), jnp.zeros((N, V), bool)))
+    rows = jax.ShapeDtypeStruct((N,), jnp.int32)
+    text, _ = compiled(slots.prefill_slots, (params, state, rows, jax.ShapeDtypeStruct((N, PROMPT_P), jnp.int32),
+                                             rows, setting), NO_CUB_SORT, tmp_path, cfg=CFG, score=score,
                        banned=None, vocab_limit=None)
     return text
 

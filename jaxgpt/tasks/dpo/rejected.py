@@ -20,7 +20,7 @@ from jaxgpt.data.conversations import SPECIAL_TOKENS
 from jaxgpt.data.preferences import Pair
 from jaxgpt.data.streams import REJECTED_STREAM
 from jaxgpt.data.tokenizer_base import Tokenizer
-from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.many import generate_many
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.prompts import Prompt
 from jaxgpt.tasks.rl.rollouts import encode_prompts, request_seed

@@ -24,7 +24,7 @@ from jaxgpt.data.model_chat import chat_prompt_ids
 from jaxgpt.data.streams import RL_EVAL_STREAM
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.generate.engine import generate_many
+from jaxgpt.generate.many import generate_many
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.loss import group_advantages
 from jaxgpt.tasks.rl.prompts import Prompt

@@ -23,7 +23,7 @@ from helpers.server import CFG, CHARS, TOKENIZER, Server  # noqa: E402
 
 from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from jaxgpt.generate import sampling  # noqa: E402
-from jaxgpt.generate.engine import generate_many  # noqa: E402
+from jaxgpt.generate.many import generate_many  # noqa: E402
 from jaxgpt.serve.client import EngineClient  # noqa: E402
 
 

@@ -18,7 +18,8 @@ from helpers.server import CFG, KEY, TEMPLATE, TOKENIZER, Server  # noqa: E402
 from jaxgpt.data.conversations import ChatTemplate, load_template  # noqa: E402
 from jaxgpt.errors import UserError  # noqa: E402
 from jaxgpt.evals.loglik import Scorer  # noqa: E402
-from jaxgpt.generate.engine import Engine, Request, generate_many  # noqa: E402
+from jaxgpt.generate.engine import Engine, Request  # noqa: E402
+from jaxgpt.generate.many import generate_many  # noqa: E402
 
 LIMIT = 16_384  # bytes of a request body
 

@@ -10,7 +10,7 @@ import pytest
 from jaxgpt.generate import engine as engine_module
 from jaxgpt.generate import sampling
 from jaxgpt.generate.engine import Engine, Request
-from jaxgpt.generate.slots import decode_chunk
+from jaxgpt.generate.slots import decode_chunk, prefill_slots
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -90,6 +90,33 @@ def test_only_the_busy_slots_decode_in_power_of_two_rows(monkeypatch):
     assert all(t == alone(p, 6) for (_, t, _), p in zip(three, PROMPTS, strict=False))
 
 
+def test_the_prompts_admitted_together_are_prefilled_in_one_call_a_bucket(monkeypatch):
+    """A tick's prompts of one bucket share one prefill call, in a power of two of rows whose padding row writes
+    no slot (here it would leave a free slot started, one that no chunk decodes); a prompt that asks for its
+    log-probabilities has a call of its own; each request gets `generate`'s tokens for its prompt alone."""
+    calls: list[tuple[tuple[int, int], bool]] = []
+
+    def spy(*args, **kwargs):
+        calls.append((args[3].shape, kwargs["score"]))
+        return prefill_slots(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "prefill_slots", spy)
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[3]]  # 18 tokens, then three of 3 or fewer
+    cases = [collecting(p, 6, temperature=float(i % 2), seed=i) for i, p in enumerate(prompts)]
+    engine = run([r for r, _, _ in cases], slots=6)
+    assert calls == [((1, 32), False), ((4, 16), False)]
+    assert [t for _, t, _ in cases] == [alone(p, 6, float(i % 2), i) for i, p in enumerate(prompts)]
+    assert engine.state.done_S.all()  # every slot free again, the one past the 4 busy ones too
+    calls.clear()
+    scored: list = []
+    cases = [collecting(PROMPTS[3], 6, temperature=0.0, prompt_logprobs=scored.append),
+             collecting(PROMPTS[3], 6, temperature=0.0)]
+    run([r for r, _, _ in cases], slots=4)
+    assert calls == [((1, 16), True), ((1, 16), False)]
+    assert [t for _, t, _ in cases] == [alone(PROMPTS[3], 6)] * 2
+    assert len(scored) == 1 and len(scored[0]) == len(PROMPTS[3]) - 1
+
+
 def test_chunks_attend_over_the_span_their_rows_fill_and_a_reused_slot_sees_none_of_its_past(monkeypatch):
     """A chunk reads the power of two of cache positions its busy rows fill by its end, not the whole context:
     requests that cross from one span into the next, and a short request in a slot a longer one had filled
@@ -128,11 +155,11 @@ def test_a_warmed_up_engine_compiles_nothing_more_and_answers_as_a_cold_one():
     cases = [collecting(p, 5 + i, temperature=float(i % 2), seed=i, logprobs=False) for i, p in enumerate(PROMPTS)]
     engine = Engine(PARAMS, CFG, slots=4, chunk=3)
     engine.warm_up()
-    compiled = (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size())
+    compiled = (engine_module.decode_chunk._cache_size(), engine_module.prefill_slots._cache_size())
     for r, _, _ in cases:
         engine.submit(r)
     engine.drain()
-    assert (engine_module.decode_chunk._cache_size(), engine_module.prefill_slot._cache_size()) == compiled
+    assert (engine_module.decode_chunk._cache_size(), engine_module.prefill_slots._cache_size()) == compiled
     for i, (_, tokens, reasons) in enumerate(cases):
         assert (tokens, reasons) == (alone(PROMPTS[i], 5 + i, float(i % 2), i), ["length"])
 

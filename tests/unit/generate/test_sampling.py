@@ -288,7 +288,7 @@ def test_fixed_trip_count_loops_give_the_while_loops_tokens(monkeypatch) -> None
     end masked) give the tokens of the while loops CPUs run: a sliding window (masked steps on a full cache), end
     of text, sampling, streamed chunks and the engine's chunks (`generate_many`)."""
     from jaxgpt.generate import decode_weights
-    from jaxgpt.generate.engine import generate_many
+    from jaxgpt.generate.many import generate_many
 
     cfg = SWEEP["seed001"]
     params, prompt = random_params(cfg), prompts(cfg, 5, seed=3)
