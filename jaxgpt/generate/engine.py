@@ -177,7 +177,8 @@ class Engine:
                 max_new_tokens: int | None = None) -> float:
         """Compile, before any request, the decode chunk of every row count (each power of two up to the slots)
         and span for each of `needs`, and a decoder's prefill of every row count of the buckets of
-        `prompt_lengths` (for prompts that do not ask for their log-probabilities); seconds taken.
+        `prompt_lengths` (for prompts that do not ask for their log-probabilities), and the move that frees a
+        slot; seconds taken.
         Spans: those of requests with `prompt_lengths` and up to `max_new_tokens` new tokens (None: every
         prompt length, and up to the context). Without this the first time a load reaches a row count or span
         it stalls every busy request for that compile (on a GPU a server under 64 clients spent most of its
@@ -196,6 +197,7 @@ class Engine:
         for P in sorted({bucket(n, self.cfg.block_size) for n in lengths} if self.specials is None else ()):
             for rows in (1 << i for i in range(self._prefill_rows(P, score=False).bit_length())):
                 self._prefill([nowhere] * rows, P, score=False)
+        self.state = move_slot(self.state, np.int32(0), np.int32(0))  # what frees a slot: slot 0, free already
         jax.block_until_ready(self.state)
         return time.perf_counter() - t
 
@@ -280,18 +282,16 @@ class Engine:
         """Dispatch the prefills of the requests a tick admits into the first free slots (their first tokens are
         read with the chunks): a decoder's prompts of one bucket together, in calls of up to `_prefill_rows`
         rows; an encoder-decoder's sources one by one."""
-        live = [r for r in requests if not r.cancelled]
+        free = iter([s for s, b in enumerate(self.active) if b is None])
+        groups: dict[tuple[int, bool], list[Request]] = {}
         for r in requests:
             if r.cancelled:
                 self._end(r, "cancelled")
-        free = iter([s for s, b in enumerate(self.active) if b is None])
-        if self.specials is not None:
-            for r in live:
+            elif self.specials is not None:
                 self._encode(next(free), r)
-            return
-        groups: dict[tuple[int, bool], list[Request]] = {}
-        for r in live:
-            groups.setdefault((bucket(len(r.prompt), self.cfg.block_size), r.prompt_logprobs is not None), []).append(r)
+            else:
+                key = (bucket(len(r.prompt), self.cfg.block_size), r.prompt_logprobs is not None)
+                groups.setdefault(key, []).append(r)
         for (P, score), group in groups.items():
             n = self._prefill_rows(P, score)
             for i in range(0, len(group), n):
@@ -316,8 +316,7 @@ class Engine:
         return first, scored
 
     def _encode(self, s: int, r: Request) -> None:
-        """Dispatch an encoder-decoder's source into slot `s`, padded to src_block_size (the encoder masks the
-        padding)."""
+        """Dispatch an encoder-decoder's source into slot `s` (padded to src_block_size: the encoder masks it)."""
         src_1L = np.full((1, self.cfg.src_block_size), self.specials["pad_id"], np.int32)
         src_1L[0, :len(r.prompt)] = r.prompt
         self.state, first = encode_slot(self.params, self.state, np.int32(s), src_1L, self._settings([r]),
@@ -332,8 +331,7 @@ class Engine:
 
     def _prefill_rows(self, P: int, score: bool) -> int:
         """The most rows a prefill of bucket P holds: a power of two up to the slots and `PREFILL_TOKENS`
-        positions; one for prompts that ask for their log-probabilities (every position's logits: P x vocabulary
-        floats a row)."""
+        positions; one to score prompts (every position's logits: P x vocabulary floats a row)."""
         most = 1 if score else min(self.n_slots, max(1, PREFILL_TOKENS // P))
         return 1 << (most.bit_length() - 1)
 
