@@ -381,7 +381,7 @@ class Engine:
 
     def _take_first(self, rows: list[_Busy], out: tuple[Picked, Any]) -> None:
         """A prefill's results, row by row: the prompt's log-probabilities when asked for, and the first token."""
-        first, scored = out
+        scored, first = out[1], Picked(*(None if x is None else x[:, None] for x in out[0]))  # a chunk of one step
         for b, busy in enumerate(rows):
             r = busy.request
             if scored is not None:
@@ -390,8 +390,8 @@ class Engine:
                                    for i in range(len(r.prompt) - 1)])
             if r.max_new_tokens == 0:
                 self._retire(busy, "length")
-            else:  # as a chunk of one step
-                self._give(busy, Picked(*(None if x is None else x[:, None] for x in first)), b, 0)
+            else:
+                self._give(busy, first, b, 0)
 
     def _take_chunk(self, rows: list[_Busy | None], out: Picked) -> None:
         """A chunk's tokens, row by row, to the requests that were in those rows when it was dispatched."""

@@ -209,8 +209,8 @@ class GPT(nn.Module):
         Returns float32 logits (B, T, V), or with `logits_at` (an index into the T new tokens: a Python int, negative
         from the end, or an int array, one for all rows or (B,) one per row) only that position's, (B, 1, V): a
         prefill samples from its last token's alone (a right-padded prompt's last real one), so the vocabulary's
-        head runs for one position, not T. Also
-        the updated cache; slots past the written ones are never visible, so the cache may hold stale values there.
+        head runs for one position, not T. Also the updated cache; slots past the written ones are never visible,
+        so the cache may hold stale values there.
         """
         T = idx_BT.shape[1]
         S = (cache["k"] if self.cfg.scan_layers else cache[0]["k"]).shape[-2]
