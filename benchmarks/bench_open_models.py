@@ -13,9 +13,10 @@ Float32 on both sides, 2 CPU threads for torch (jax's CPU client uses the machin
   (`llama_cpp`, when it imports) on an F32 GGUF of the same weights that `jaxgpt.io.gguf_export` writes;
 * 16 ragged prompts (8 to 64 tokens): `jaxgpt.generate.many.generate_many` (the continuous-batching engine
   `jaxgpt serve` runs, 16 slots) against transformers' batched `generate` with left padding;
-* a training step: the trainer's jitted step (`bench_train.prepare_step`: AdamW, the LM loss an SFT run
-  computes, a random model of SmolLM2's shape) against an eager PyTorch step (AdamW, `labels=`) on the loaded
-  transformers model, batch 2 x 64 tokens (--quick: 1 x 64);
+* a training step: the trainer's jitted step (`bench_train.prepare_step`: AdamW, gradients clipped to a global norm
+  of 1, the LM loss an SFT run computes, a random model of SmolLM2's shape) against an eager PyTorch step of the
+  same work (AdamW, `clip_grad_norm_`, as transformers' Trainer runs by default) on the loaded transformers model,
+  batch 2 x 64 positions (--quick: 1 x 64);
 * loading memory, each in a fresh process: the peak resident memory over the process's baseline (after imports:
   Linux's VmHWM) of `weights.load("gguf:smollm2")` over its float32 parameter bytes, and of
   `hf.load_hf(..., param_dtype="bfloat16")` of a random 1.1B-parameter Llama-shaped bf16 safetensors checkpoint
@@ -154,12 +155,16 @@ def training(loaded: weights.Weights, model, torch, batch: int, n_rounds: int) -
     T = 64
     _, step = prepare_step(loaded.model.replace(block_size=T), batch)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = torch.as_tensor(np.random.default_rng(2).integers(100, 40000, size=(batch, T + 1)))
+    # The work of jaxgpt's step (and of transformers' Trainer, whose max_grad_norm is 1.0): AdamW with its betas and
+    # decay, the gradients clipped to a global norm of 1, T positions in and T targets out.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
+    tokens = np.random.default_rng(2).integers(100, 40000, size=(batch, T + 1))
+    x, y = torch.as_tensor(tokens[:, :-1].copy()), torch.as_tensor(tokens[:, 1:].copy())
 
     def theirs() -> int:
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=x, labels=y, shift_labels=y).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         return batch * T
 

@@ -243,7 +243,11 @@ class Embed(nn.Embed):
         return y if entry is None else y + lora.embed_adapter(inputs, entry, self.dtype).astype(y.dtype)
 
     def attend(self, query: Array) -> Array:
-        y = super().attend(query)
+        """The query times the table's transpose, as one product contracting the table's rows in place: flax's
+        `jnp.dot(query, table.T)` had XLA:CPU fuse a transposed copy of the table, and the final norm, into a
+        loop of its own for batch-1 decoding's tied head (docs/benchmarks.md measures the difference)."""
+        query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
+        y = jax.lax.dot_general(query, table, (((query.ndim - 1,), (1,)), ((), ())))
         entry = self._adapter()
         return y if entry is None else y + lora.attend_adapter(query, entry, self.dtype).astype(y.dtype)
 

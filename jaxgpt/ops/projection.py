@@ -2,9 +2,10 @@
 
 `project` is what `jaxgpt.model.layers.EinsumDense` computes. It picks the path by platform, dtype and
 the kernel's storage:
-* float32, or any accelerator: one `lax.dot_general` contracting in the kernel's own axis order.
-* bfloat16 on XLA:CPU: the same product as a custom VJP whose forward and backward products XLA:CPU runs
-  natively in bf16 (`projection_dot_general`), and a bias gradient written as a product (`add_bias`).
+* any accelerator: one `lax.dot_general` contracting in the kernel's own axis order.
+* XLA:CPU: the same product over x and the kernel flattened to matrices (`projection_dot_general`); in
+  bfloat16 a custom VJP whose forward and backward products XLA:CPU runs natively in bf16, and a bias
+  gradient written as a product (`add_bias`).
 * output-major kernels (`OUTPUT_MAJOR`): every kernel stored as one (outputs, inputs) matrix, which one-row
   products read faster on CPUs and GPUs; the sampler stores them so for batch-1 decoding there
   (`jaxgpt.generate.decode_weights.output_major_for` says why).
@@ -69,28 +70,37 @@ _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 
 def projection_dot_general(x: Array, kernel: Array, dimension_numbers: Any, precision: Any = None,
                            out_dtype: Any = None) -> Array:
-    """`jax.lax.dot_general` for projections, with bfloat16 products that XLA:CPU runs natively.
+    """`jax.lax.dot_general` for projections, as matrix products on CPUs.
 
-    XLA:CPU multiplies bfloat16 natively (YNNPACK, bf16 x bf16 -> f32) only when a product asks for a
-    float32 result and reads its operands untransposed. A bf16 result, or the transposes autodiff puts
-    in front of the backward products, make it convert both operands to float32 and run a float32
-    product instead, slower than float32 training. So on CPUs the bf16 products of a projection whose
-    contracted axes are x's last and the kernel's first (every projection of the GPT) run as one
-    (M, K) x (K, N) product whose input-gradient product is written out transpose-free and whose
-    weight-gradient product reads slices of an explicit X^T (a custom VJP). Same values as the plain
-    product: float32 accumulation, rounded to bfloat16 (or to `out_dtype`, by default x's dtype).
+    On XLA:CPU a projection whose contracted axes are x's last and the kernel's first (every projection of
+    the GPT) runs as one (M, K) x (K, N) product of x and the kernel flattened to matrices (free reshapes).
+    Left with several kernel axes (attention's (C, H, D) and (H, D, C) kernels), autodiff's input-gradient
+    product contracts the kernel's output axes, and XLA:CPU copies the kernel transposed to run it, on every
+    step, and lays the weight gradient out transposed, which the optimizer's update copies back: the flat
+    product needs neither (docs/benchmarks.md, "SmolLM2 against transformers", measures it). In bfloat16 the
+    product is a custom VJP: XLA:CPU multiplies bfloat16 natively (YNNPACK, bf16 x bf16 -> f32) only when a
+    product asks for a float32 result and reads its operands untransposed, where a bf16 result or the
+    transposes autodiff puts in front of the backward products make it convert both operands to float32 and
+    run a float32 product, slower than float32 training; so the input-gradient product is written out
+    transpose-free and the weight-gradient product reads slices of an explicit X^T. Same values as the plain
+    product: float32 accumulation, rounded to `out_dtype` (by default x's dtype). Accelerators, and products
+    of other shapes, run `lax.dot_general` as given.
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     (x_dims, k_dims), batch = dimension_numbers
     n = len(x_dims)
-    plain = (x.dtype != jnp.bfloat16 or kernel.dtype != jnp.bfloat16 or batch != ((), ())
-             or list(x_dims) != list(range(x.ndim - n, x.ndim)) or list(k_dims) != list(range(n))
-             or current_platform() != "cpu")
-    if plain:
+    matrix = (batch == ((), ()) and list(x_dims) == list(range(x.ndim - n, x.ndim)) and list(k_dims) == list(range(n))
+              and current_platform() == "cpu")
+    if not matrix:
         return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision,
                                    preferred_element_type=out_dtype)
     K = math.prod(kernel.shape[:n])
-    y_MN = _bf16_matmul(x.reshape(-1, K), kernel.reshape(K, -1), out_dtype.name)
+    x_MK, w_KN = x.reshape(-1, K), kernel.reshape(K, -1)
+    if x.dtype == kernel.dtype == jnp.bfloat16:
+        y_MN = _bf16_matmul(x_MK, w_KN, out_dtype.name)
+    else:
+        y_MN = jax.lax.dot_general(x_MK, w_KN, (((1,), (0,)), ((), ())), precision=precision,
+                                   preferred_element_type=out_dtype)
     return y_MN.reshape(*x.shape[:x.ndim - n], *kernel.shape[n:])
 
 
