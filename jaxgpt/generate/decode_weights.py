@@ -3,7 +3,8 @@ loop of decode steps as each backend runs it fastest (`token_loop`).
 
 Batch-1 decoding reads every weight once per token, so their layout decides its speed on CPUs and GPUs
 (`output_major_for`, `jaxgpt.ops.projection`). The sampler asks here for the weights and for the kernel
-storage the model then declares (`kernel_storage`); the model itself has no decoding-only code. The
+storage the model then declares (`kernel_storage`); what the storage changes in the model is only the parameters
+it declares (each kernel's matrix shape, grouped-query attention's one `qkv`), never what it computes. The
 prepared copy is kept while the caller holds the weights it came from, so generating again from the same
 weights does not copy them again.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -71,11 +72,30 @@ def output_major_kernels(params: dict, cfg: ModelConfig, dtype: Any = None) -> d
 
     The storage `projection.OUTPUT_MAJOR` names: one-row products read it faster on CPUs and GPUs
     (`output_major_for`), so the sampler decodes a single row from it. `dtype`: the kernels' (None: unchanged).
+    Grouped-query attention's `q` and `kv` become one `qkv` projection (`_stack_grouped_qkv`).
     """
     shapes = _kernel_shapes(cfg)
-    return jax.tree_util.tree_map_with_path(
+    params = jax.tree_util.tree_map_with_path(
         lambda path, a: jnp.swapaxes(a.reshape(shapes[path]), -1, -2).astype(dtype or a.dtype)
         if path in shapes else a, params)
+    return _stack_grouped_qkv(params, cfg) if cfg.n_kv_head != cfg.n_head else params
+
+
+def _stack_grouped_qkv(tree: Mapping, cfg: ModelConfig) -> dict:
+    """Each self-attention's (`attn`) output-major `q` and `kv` as one `qkv`: the q rows, then kv's (its keys'
+    heads, then its values'), which `model.attention.Attention` declares for output-major storage and splits
+    after the product. Biases (H, D) and (2, K, D) stack to (H + 2K, D); a layers axis stays first."""
+    out = {}
+    for name, node in tree.items():
+        if name == "attn" and {"q", "kv"} <= node.keys():
+            q, kv = node["q"], node["kv"]
+            stacked = {"kernel": jnp.concatenate([q["kernel"], kv["kernel"]], axis=-2)}
+            if "bias" in q:
+                kv_bias = kv["bias"].reshape(*kv["bias"].shape[:-3], 2 * cfg.n_kv_head, cfg.head_dim)
+                stacked["bias"] = jnp.concatenate([q["bias"], kv_bias], axis=-2)
+            node = {**{k: v for k, v in node.items() if k not in ("q", "kv")}, "qkv": stacked}
+        out[name] = _stack_grouped_qkv(node, cfg) if isinstance(node, Mapping) else node
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "output_major"))

@@ -54,6 +54,9 @@ class Attention(nn.Module):
     from a memory, given as the memory (B, S, C) or as its keys and values (`memory_kv`: decoding computes them
     once per source). Grouped-query self-attention (n_kv_head K < H) has cross-attention's two kernels, `kv`
     (C, 2, K, D) with K heads, from x: query heads k G .. (k + 1) G - 1 share key/value head k (G = H / K).
+    From output-major kernels (the sampler's batch-1 weights: `jaxgpt.ops.projection`) it has one `qkv` kernel
+    (C, H + 2K, D), the two stacked along their outputs (`decode_weights.output_major_kernels` stacks them):
+    XLA:CPU streams one product's weights faster than two in a row (docs/benchmarks.md).
     Rotary positions (rope_theta) rotate the queries and keys at their positions (cache_index on when decoding;
     `positions_BT` when given, which packed rows restart at each document, `GPT.hidden`: a learned QK-norm scale
     makes even rotary attention depend on more than distances), then QK-norm (qk_norm) normalizes them,
@@ -78,7 +81,9 @@ class Attention(nn.Module):
                                   kernel_storage=self.kernel_storage, bias=cfg.has_qkv_bias)
         fused = ("embed", None, "heads", "head_dim"), (None, "heads", "head_dim")
         kv_heads = "heads" if K == H else "kv_heads"  # K < H heads shard by a rule of their own
-        if self.cross or K != H:
+        if K != H and not self.cross and self.kernel_storage != DECLARED:  # q, then k, then v heads
+            self.qkv = dense("btc,cnd->btnd", (C, H + 2 * K, D), ("embed", None, "head_dim"), (None, "head_dim"))
+        elif self.cross or K != H:
             self.q = dense("btc,chd->bthd", (C, H, D), ("embed", "heads", "head_dim"), ("heads", "head_dim"))
             self.kv = dense("bsc,ckhd->bskhd", (C, 2, K, D), ("embed", None, kv_heads, "head_dim"),
                             (None, kv_heads, "head_dim"), fans=(C, K * D))
@@ -108,7 +113,9 @@ class Attention(nn.Module):
             q_BTHD = self.q(x_BTC)
             k_BKSD, v_BKSD = memory if isinstance(memory, tuple) else self.memory_kv(memory)
         else:
-            if cfg.n_kv_head != cfg.n_head:
+            if cfg.n_kv_head != cfg.n_head and self.kernel_storage != DECLARED:
+                q_BTHD, k_BSKD, v_BSKD = jnp.split(self.qkv(x_BTC), (cfg.n_head, cfg.n_head + cfg.n_kv_head), axis=2)
+            elif cfg.n_kv_head != cfg.n_head:
                 q_BTHD, kv = self.q(x_BTC), self.kv(x_BTC)
                 k_BSKD, v_BSKD = kv[:, :, 0], kv[:, :, 1]
             else:

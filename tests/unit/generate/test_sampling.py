@@ -243,6 +243,25 @@ def test_batch_one_decode_loop_reads_output_major_kernels_as_stored() -> None:
     assert not made, f"kernel- or table-shaped arrays made inside the decode loop: {made[:3]}"
 
 
+@pytest.mark.parametrize("name", ["qwen2-like", "nanochat-gqa-scan-xla"])
+def test_grouped_query_attention_decodes_one_row_with_one_product_for_q_k_and_v(name: str) -> None:
+    """Output-major weights stack grouped-query attention's q and kv kernels (and biases) into one `qkv` per layer,
+    scanned layers too, and one row's logits are the declared kernels' (each output row is the same product)."""
+    cfg = modern(name)
+    raw = random_params(cfg)
+    params, dcfg = sampling.decoding_weights(raw, cfg, None, output_major=True)
+    attn = params["h" if cfg.scan_layers else "h_0"]["attn"]
+    assert "qkv" in attn and not {"q", "kv"} & attn.keys()
+    if cfg.qkv_bias:
+        assert attn["qkv"]["bias"].shape == (cfg.n_head + 2 * cfg.n_kv_head, cfg.head_dim)
+    prompt = jnp.asarray(prompts(cfg, 5, batch=1))
+    got, got_cache = sampling._decode(dcfg, params, prompt, init_cache(cfg, 1), 0, True, None)
+    want, want_cache = sampling._decode(cfg, raw, prompt, init_cache(cfg, 1), 0, False, None)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+    for g, w in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * max(1.0, float(np.abs(w).max())))
+
+
 def test_cache_slots_hold_the_generation_in_a_power_of_two() -> None:
     cfg = ModelConfig(vocab_size=50, block_size=1024, n_layer=1, n_head=1, n_embd=8)
     assert sampling.cache_slots(cfg, 1, 500) == 512  # 1 + 499 decoded tokens
