@@ -25,6 +25,11 @@ Float32 on both sides, 2 CPU threads for torch (jax's CPU client uses the machin
 Each comparison runs in a process of its own (`--part`), and each speed pair is timed in rounds that run one
 side then the other (best of the rounds, after a warm-up that compiles), so load from the machine's other users
 falls on both alike; the load average is printed. Each row prints its target next to the measured ratio.
+
+Under each decode row, the most any program could do on this machine now (`machine_rates`: the fastest float32
+product and weight streaming jax or torch gets, measured in the same process): batch 1 reads every weight once a
+token; the ragged prompts' products run at the peak product rate, a decode step taking at least the time to read
+every weight once. A target above its row's bound is out of this machine's reach; one below it, not.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.generate.many import generate_many
@@ -101,6 +107,10 @@ def decode(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> No
     row("batch-1 decode vs transformers", best["jaxgpt"], best["transformers"])
     row("batch-1 decode vs llama.cpp (F32 file)", best["jaxgpt"], llama_cpp_decode(loaded, prompt[0], new, n_rounds),
         peer="llama.cpp")
+    _, stream = machine_rates(torch)
+    bound = stream / (4 * parameters(loaded)[0])  # every float32 weight read once a token (the embedding as the head)
+    print(f"{'  bound: the weights read once a token':<40} {bound:16.1f} tokens/s at {stream / 1e9:.1f} GB/s = "
+          f"{bound / best['transformers']:.2f}x transformers")
 
 
 def llama_cpp_decode(loaded: weights.Weights, prompt: np.ndarray, new: int, n_rounds: int) -> float | None:
@@ -146,6 +156,41 @@ def batched(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> N
     ours(), theirs()
     best = rounds({"jaxgpt": ours, "transformers": theirs}, n_rounds)
     row("16 ragged prompts vs transformers", best["jaxgpt"], best["transformers"])
+    flops, stream = machine_rates(torch)
+    P, E = parameters(loaded)  # the head's products (E: the tied embedding) run once for every new token, the body's
+    prefill_s = 2 * ((P - E) * sum(map(len, prompts)) + E * RAGGED) / flops  # for every prompt position
+    step_s = max(4 * P / stream, 2 * P * RAGGED / flops)  # a decode step reads every weight and runs 16 rows' products
+    bound = RAGGED * new / (prefill_s + (new - 1) * step_s)
+    print(f"{'  bound: the roofline of the products':<40} {bound:16.1f} tokens/s at {flops / 1e9:.0f} GFLOP/s and "
+          f"{stream / 1e9:.1f} GB/s = {bound / best['transformers']:.2f}x transformers")
+
+def parameters(loaded: weights.Weights) -> tuple[int, int]:
+    """The model's parameter count and its token embedding's (SmolLM2's head is the embedding, tied)."""
+    return sum(x.size for x in jax.tree.leaves(loaded.params)), loaded.model.vocab_size * loaded.model.n_embd
+
+
+def machine_rates(torch) -> tuple[float, float]:
+    """The fastest float32 product (FLOP/s: 2048 x 2048 by 2048 x 2048) and the fastest weight streaming (bytes/s:
+    one row times a 453 MB stack of 1536 x 576 matrices, a batch-1 token's kind of product) that jax or torch gets
+    from this machine now, best of 3 each: what bounds a row from above, whatever the program."""
+    def fastest(*runs: Callable[[], object]) -> float:
+        times = []
+        for run in runs:
+            jax.block_until_ready(run())
+            for _ in range(3):
+                t = time.perf_counter()
+                jax.block_until_ready(run())
+                times.append(time.perf_counter() - t)
+        return min(times)
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((2048, 2048), dtype=np.float32)
+    a_jax, a_torch, matmul = jnp.asarray(a), torch.from_numpy(a), jax.jit(jnp.matmul)
+    flops = 2 * 2048**3 / fastest(lambda: matmul(a_jax, a_jax), lambda: a_torch @ a_torch)
+    w, x = rng.standard_normal((128, 1536, 576), dtype=np.float32), rng.standard_normal(576, dtype=np.float32)
+    product = jax.jit(lambda w, x: jnp.einsum("lnc,c->ln", w, x))
+    w_jax, x_jax = jnp.asarray(w), jnp.asarray(x)
+    return flops, w.nbytes / fastest(lambda: product(w_jax, x_jax), lambda: torch.from_numpy(w) @ torch.from_numpy(x))
 
 
 def training(loaded: weights.Weights, model, torch, batch: int, n_rounds: int) -> None:
