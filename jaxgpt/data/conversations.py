@@ -370,8 +370,8 @@ def _count(rng: np.random.Generator) -> Conversation:
 
     The answer counts aloud: each letter of the string with the count so far, then the total ("q0 w0 x1 r1 x2:
     2"). Every token of it is then a copy, a comparison with the asked letter, or an increment of the digit just
-    written, steps a small model learns; asked for the bare total, the quick-start model stayed at chance (0.31
-    after 3,000 steps), since the total needs every position at once."""
+    written, steps a small model learns; asked for the bare total, the quick-start model stayed at chance
+    (docs/chat.md), since the total needs every position at once."""
     letter = LETTERS[int(rng.integers(len(LETTERS)))]
     others = LETTERS.replace(letter, "")
     chars = [others[i] for i in rng.integers(len(others), size=int(rng.integers(3, 7)))]
