@@ -26,10 +26,11 @@ Each comparison runs in a process of its own (`--part`), and each speed pair is 
 side then the other (best of the rounds, after a warm-up that compiles), so load from the machine's other users
 falls on both alike; the load average is printed. Each row prints its target next to the measured ratio.
 
-Under each decode row, the most any program could do on this machine now (`machine_rates`: the fastest float32
-product and weight streaming jax or torch gets, measured in the same process): batch 1 reads every weight once a
-token; the ragged prompts' products run at the peak product rate, a decode step taking at least the time to read
-every weight once. A target above its row's bound is out of this machine's reach; one below it, not.
+Under each decode row, its bound: the most this machine allows now, as far as the fastest kernels jax and torch run
+on it show (`machine_rates`: a float32 product's peak rate and weight streaming's, measured in the same process).
+Batch 1 reads every weight once a token; the ragged prompts' products run at the peak rate, each decode step taking
+at least one read of every weight. A target past its row's bound is out of reach on this machine; one within it,
+a matter of the program.
 """
 
 from __future__ import annotations
@@ -157,12 +158,15 @@ def batched(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> N
     best = rounds({"jaxgpt": ours, "transformers": theirs}, n_rounds)
     row("16 ragged prompts vs transformers", best["jaxgpt"], best["transformers"])
     flops, stream = machine_rates(torch)
-    P, E = parameters(loaded)  # the head's products (E: the tied embedding) run once for every new token, the body's
-    prefill_s = 2 * ((P - E) * sum(map(len, prompts)) + E * RAGGED) / flops  # for every prompt position
-    step_s = max(4 * P / stream, 2 * P * RAGGED / flops)  # a decode step reads every weight and runs 16 rows' products
+    # The body's products (P - E parameters) run for every prompt position, the head's (E, the tied embedding) for
+    # each row's last one; a decode step reads every weight and runs the products of 16 rows.
+    P, E = parameters(loaded)
+    prefill_s = 2 * ((P - E) * sum(map(len, prompts)) + E * RAGGED) / flops
+    step_s = max(4 * P / stream, 2 * P * RAGGED / flops)
     bound = RAGGED * new / (prefill_s + (new - 1) * step_s)
     print(f"{'  bound: the roofline of the products':<40} {bound:16.1f} tokens/s at {flops / 1e9:.0f} GFLOP/s and "
           f"{stream / 1e9:.1f} GB/s = {bound / best['transformers']:.2f}x transformers")
+
 
 def parameters(loaded: weights.Weights) -> tuple[int, int]:
     """The model's parameter count and its token embedding's (SmolLM2's head is the embedding, tied)."""
@@ -172,7 +176,7 @@ def parameters(loaded: weights.Weights) -> tuple[int, int]:
 def machine_rates(torch) -> tuple[float, float]:
     """The fastest float32 product (FLOP/s: 2048 x 2048 by 2048 x 2048) and the fastest weight streaming (bytes/s:
     one row times a 453 MB stack of 1536 x 576 matrices, a batch-1 token's kind of product) that jax or torch gets
-    from this machine now, best of 3 each: what bounds a row from above, whatever the program."""
+    from this machine now, best of 3 each."""
     def fastest(*runs: Callable[[], object]) -> float:
         times = []
         for run in runs:
