@@ -26,11 +26,12 @@ Each comparison runs in a process of its own (`--part`), and each speed pair is 
 side then the other (best of the rounds, after a warm-up that compiles), so load from the machine's other users
 falls on both alike; the load average is printed. Each row prints its target next to the measured ratio.
 
-Under each decode row, its bound: the most this machine allows now, as far as the fastest kernels jax and torch run
-on it show (`machine_rates`: a float32 product's peak rate and weight streaming's, measured in the same process).
-Batch 1 reads every weight once a token; the ragged prompts' products run at the peak rate, each decode step taking
-at least one read of every weight. A target past its row's bound is out of reach on this machine; one within it,
-a matter of the program.
+Under each decode row, its bound: the most this machine allows now, as far as jax's fastest kernels on it show,
+measured in the same process (a float32 2048^3 product's rate, `jaxgpt.train.flops.measure_matmul_peak`, and
+weight streaming's, `bench_sample.memory_bandwidth_gb_s`: a one-row product over 256 MiB). Batch 1 reads every
+weight once a token; the ragged prompts' products run at the peak rate, each decode step taking at least one read
+of every weight. A target past its row's bound is out of reach on this machine; one within it, a matter of the
+program.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.generate.many import generate_many
@@ -57,6 +57,7 @@ from jaxgpt.io import weights
 from jaxgpt.io.gguf import gguf_path
 from jaxgpt.io.gguf_export import save_gguf
 from jaxgpt.io.hf import hf_config_to_model_config, hf_family
+from jaxgpt.train.flops import measure_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, RAGGED, THREADS, CONTEXT = 32, 16, 2, 256
@@ -108,7 +109,9 @@ def decode(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> No
     row("batch-1 decode vs transformers", best["jaxgpt"], best["transformers"])
     row("batch-1 decode vs llama.cpp (F32 file)", best["jaxgpt"], llama_cpp_decode(loaded, prompt[0], new, n_rounds),
         peer="llama.cpp")
-    _, stream = machine_rates(torch)
+    from bench_sample import memory_bandwidth_gb_s
+
+    stream = memory_bandwidth_gb_s() * 1e9
     bound = stream / (4 * parameters(loaded)[0])  # every float32 weight read once a token (the embedding as the head)
     print(f"{'  bound: the weights read once a token':<40} {bound:16.1f} tokens/s at {stream / 1e9:.1f} GB/s = "
           f"{bound / best['transformers']:.2f}x transformers")
@@ -157,7 +160,9 @@ def batched(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> N
     ours(), theirs()
     best = rounds({"jaxgpt": ours, "transformers": theirs}, n_rounds)
     row("16 ragged prompts vs transformers", best["jaxgpt"], best["transformers"])
-    flops, stream = machine_rates(torch)
+    from bench_sample import memory_bandwidth_gb_s
+
+    flops, stream = measure_matmul_peak(2048, 10), memory_bandwidth_gb_s() * 1e9
     # The body's products (P - E parameters) run for every prompt position, the head's (E, the tied embedding) for
     # each row's last one; a decode step reads every weight and runs the products of 16 rows.
     P, E = parameters(loaded)
@@ -171,30 +176,6 @@ def batched(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> N
 def parameters(loaded: weights.Weights) -> tuple[int, int]:
     """The model's parameter count and its token embedding's (SmolLM2's head is the embedding, tied)."""
     return sum(x.size for x in jax.tree.leaves(loaded.params)), loaded.model.vocab_size * loaded.model.n_embd
-
-
-def machine_rates(torch) -> tuple[float, float]:
-    """The fastest float32 product (FLOP/s: 2048 x 2048 by 2048 x 2048) and the fastest weight streaming (bytes/s:
-    one row times a 453 MB stack of 1536 x 576 matrices, a batch-1 token's kind of product) that jax or torch gets
-    from this machine now, best of 3 each."""
-    def fastest(*runs: Callable[[], object]) -> float:
-        times = []
-        for run in runs:
-            jax.block_until_ready(run())
-            for _ in range(3):
-                t = time.perf_counter()
-                jax.block_until_ready(run())
-                times.append(time.perf_counter() - t)
-        return min(times)
-
-    rng = np.random.default_rng(4)
-    a = rng.standard_normal((2048, 2048), dtype=np.float32)
-    a_jax, a_torch, matmul = jnp.asarray(a), torch.from_numpy(a), jax.jit(jnp.matmul)
-    flops = 2 * 2048**3 / fastest(lambda: matmul(a_jax, a_jax), lambda: a_torch @ a_torch)
-    w, x = rng.standard_normal((128, 1536, 576), dtype=np.float32), rng.standard_normal(576, dtype=np.float32)
-    product = jax.jit(lambda w, x: jnp.einsum("lnc,c->ln", w, x))
-    w_jax, x_jax = jnp.asarray(w), jnp.asarray(x)
-    return flops, w.nbytes / fastest(lambda: product(w_jax, x_jax), lambda: torch.from_numpy(w) @ torch.from_numpy(x))
 
 
 def training(loaded: weights.Weights, model, torch, batch: int, n_rounds: int) -> None:
