@@ -74,6 +74,12 @@ class Attention(nn.Module):
     cross: bool = False
     kernel_storage: str = DECLARED  # `EinsumDense.kernel_storage`
 
+    @property
+    def stacks_grouped_qkv(self) -> bool:
+        """Whether grouped-query self-attention projects with one `qkv` kernel (H + 2K output heads: output-major
+        storage) rather than `q` and `kv`."""
+        return self.cfg.n_kv_head != self.cfg.n_head and not self.cross and self.kernel_storage != DECLARED
+
     def setup(self) -> None:
         cfg = self.cfg
         H, K, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
@@ -81,7 +87,7 @@ class Attention(nn.Module):
                                   kernel_storage=self.kernel_storage, bias=cfg.has_qkv_bias)
         fused = ("embed", None, "heads", "head_dim"), (None, "heads", "head_dim")
         kv_heads = "heads" if K == H else "kv_heads"  # K < H heads shard by a rule of their own
-        if K != H and not self.cross and self.kernel_storage != DECLARED:  # q, then k, then v heads
+        if self.stacks_grouped_qkv:  # q, then k, then v heads
             self.qkv = dense("btc,cnd->btnd", (C, H + 2 * K, D), ("embed", None, "head_dim"), (None, "head_dim"))
         elif self.cross or K != H:
             self.q = dense("btc,chd->bthd", (C, H, D), ("embed", "heads", "head_dim"), ("heads", "head_dim"))
@@ -113,7 +119,7 @@ class Attention(nn.Module):
             q_BTHD = self.q(x_BTC)
             k_BKSD, v_BKSD = memory if isinstance(memory, tuple) else self.memory_kv(memory)
         else:
-            if cfg.n_kv_head != cfg.n_head and self.kernel_storage != DECLARED:
+            if self.stacks_grouped_qkv:
                 q_BTHD, k_BSKD, v_BSKD = jnp.split(self.qkv(x_BTC), (cfg.n_head, cfg.n_head + cfg.n_kv_head), axis=2)
             elif cfg.n_kv_head != cfg.n_head:
                 q_BTHD, kv = self.q(x_BTC), self.kv(x_BTC)
