@@ -338,8 +338,8 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 ATTRIBUTES = ("code", "pet", "city", "lucky number")  # a fact's value: a random word, or a number for the last
 # Operands of the arithmetic task. Held-out conversations are split by prompt (`split_held_out`), so a held-out
 # sum or difference is a pair of operands never seen in training: the task tests carrying digits, not recall.
-# 0 to 49 make 3,775 distinct questions, of which a 5% split holds out about 190: one is 0.006 of pass@1 (with 0
-# to 19, 610 questions, it held out 30, and one was 0.033, coarser than a change of 0.02 can be read).
+# 0 to 49 make 3,775 distinct questions, of which the default val_fraction (0.05) holds out about 190: one is 0.006
+# of pass@1 (with 0 to 19, 610 questions, it held out 30, and one was 0.033, coarser than a change of 0.02 can be read).
 MAX_OPERAND = 49
 
 
