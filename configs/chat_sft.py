@@ -20,7 +20,7 @@ machine (27 minutes, an RL run beside it) held-out exact match was 0.50 at step 
 (benchmarks/bench_chat.py, all 1026 held-out conversations) 0.982 (arithmetic 0.941). With operands up to 19 (before
 2026-11-28) it was 0.992 at 2000 steps and 0.996 through the server, and one conversation per row reached 0.88 at
 1500 and 0.986 at 2000 steps (28 minutes; 0.984 through the server). Count answers count aloud ("b0 a1 n1 a2 n2 a3:
-3"); with the bare total the same model stayed near chance (0.31 after 3000 steps).
+3"); with the bare total the same model stayed near chance (docs/chat.md).
 """
 
 from jaxgpt.train.config import base_config, schedule
