@@ -54,9 +54,9 @@ Action = Callable[[flags.FlagValues, list[str]], object]
 def use_huge_pages() -> None:
     """Restart this process, once, with glibc's malloc asking the kernel for transparent huge pages.
 
-    XLA:CPU allocates each execution's temporaries as one block (736 MB per training step of the quick
-    start) that glibc maps fresh from the kernel every time: with 4 KiB pages that is about 190,000 page
-    faults per step, a third of the quick start's step time on 2 cores. The `glibc.malloc.hugetlb=1`
+    XLA:CPU allocates each execution's temporaries as one block that glibc maps fresh from the kernel every
+    time: with 4 KiB pages, a page fault for every 4 KiB of it, each step, which costs a small model a large
+    share of its step on a CPU (docs/training.md gives the measurement). The `glibc.malloc.hugetlb=1`
     tunable (glibc >= 2.35; older ones ignore it) marks such blocks for 2 MiB pages on kernels whose
     transparent-huge-page mode is `madvise`, the common default. glibc reads tunables only at startup,
     hence the restart, first thing in a long-running command. JAXGPT_HUGE_PAGES=0 opts out.
