@@ -96,6 +96,16 @@ def changed_model_settings(saved_meta: dict[str, Any], cfg: ModelConfig | Seq2Se
     return sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
 
 
+def require_same_run(saved_meta: dict[str, Any], cfg: ModelConfig | Seq2SeqConfig, workdir: str, fix: str,
+                     **others: tuple[Any, Any]) -> None:
+    """A one-line error naming what differs when the run in `workdir` was saved with other model settings than
+    `cfg`, or another value of any of `others` (name -> (saved, now)): its weights would be read as a model
+    they were not trained as. `fix` says what to pass instead (a new --config.workdir is always offered)."""
+    changed = changed_model_settings(saved_meta, cfg) + [name for name, (then, now) in others.items() if then != now]
+    if changed:
+        raise UserError(f"{workdir} holds a run with other {', '.join(changed)}: {fix}, or a new --config.workdir")
+
+
 def require_gpt(source: str, cfg: ModelConfig | Seq2SeqConfig, use: str = "initialize a GPT") -> ModelConfig:
     """`cfg` if it is a GPT's; a one-line error for an encoder-decoder, which only `sample.py --source` reads."""
     if isinstance(cfg, Seq2SeqConfig):

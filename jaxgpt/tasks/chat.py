@@ -249,10 +249,8 @@ class Chat:
         return weights.grow_vocab(jax.device_get(loaded.params), self.model_cfg.vocab_size, self.cfg.seed)
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
-        if (weights.changed_model_settings(saved_meta, self.model_cfg)
-                or saved_meta.get("tokenizer") != self.tokenizer_meta):
-            raise UserError(f"{workdir} holds a run with a different model or tokenizer: use the same config and "
-                            "init_from, or a new --config.workdir")
+        weights.require_same_run(saved_meta, self.model_cfg, workdir, "use the same config and init_from",
+                                 tokenizer=(saved_meta.get("tokenizer"), self.tokenizer_meta))
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         idx = batch_indices(self.cfg.seed, step, len(self.train["x"]), self.cfg.batch_size)

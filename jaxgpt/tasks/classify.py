@@ -131,11 +131,10 @@ class Classification:
         return jax.device_get(self.body.params)
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
-        keys = ("labels", "cls_token_id", "max_len")
-        if weights.changed_model_settings(saved_meta, self.model_cfg) or any(
-                saved_meta.get("classifier", {}).get(k) != self.meta["classifier"][k] for k in keys):
-            raise UserError(f"{workdir} holds a classifier with a different model, labels, class token or "
-                            "row width: choose a new --config.workdir")
+        saved = saved_meta.get("classifier", {})
+        weights.require_same_run(saved_meta, self.model_cfg, workdir, "use the same config and data",
+                                 **{k: (saved.get(k), self.meta["classifier"][k])
+                                    for k in ("labels", "cls_token_id", "max_len")})
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["x"]), self.cfg.batch_size)

@@ -176,10 +176,7 @@ class LanguageModelling:
         return jax.device_get(weights.load_for(self.cfg.init_from, self.model_cfg).params)
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
-        diff = weights.changed_model_settings(saved_meta, self.model_cfg)
-        if diff:
-            raise UserError(f"the checkpoint in {workdir} was trained with different model settings {diff}: "
-                            "use the same model config or a new --config.workdir")
+        weights.require_same_run(saved_meta, self.model_cfg, workdir, "use the same model config")
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         x, y = batch_for_step(self.dataset.train, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size,

@@ -133,10 +133,8 @@ class Seq2Seq:
         return None
 
     def check_resume(self, saved_meta: dict[str, Any], workdir: str) -> None:
-        if (weights.changed_model_settings(saved_meta, self.model_cfg)
-                or saved_meta.get("tokenizer") != self.tokenizer_meta):
-            raise UserError(f"{workdir} holds a run with a different model or vocabulary: use the same config and "
-                            "data, or a new --config.workdir")
+        weights.require_same_run(saved_meta, self.model_cfg, workdir, "use the same config and data",
+                                 vocabulary=(saved_meta.get("tokenizer"), self.tokenizer_meta))
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["src"]), self.cfg.batch_size)

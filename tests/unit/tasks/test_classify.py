@@ -224,7 +224,7 @@ def test_finetune_beats_majority_saves_and_predicts(tmp_path: Path, tiny_lm: Pat
 
     again = finetune(tiny_config(workdir, tiny_lm, data))  # resumes at the end: nothing to do
     assert again["steps"] == 0
-    with pytest.raises(UserError, match="different model, labels"):
+    with pytest.raises(UserError, match="holds a run with other max_len: "):
         finetune(tiny_config(workdir, tiny_lm, synthetic_csv(tmp_path / "two.csv", 40, 1), max_len=8))
 
 
