@@ -177,7 +177,8 @@ def fixed_batches(idx: np.ndarray, batch_size: int) -> list[tuple[np.ndarray, in
             for i in range(0, len(idx), batch_size)]
 
 
-def bucket(length: int, block_size: int) -> int:
-    """The padded length of a row of `length` inputs: the next power of two from 16, at most block_size, so rows
-    of any length compile one program per bucket (the evaluations' scorer, the engine's prefill)."""
-    return min(block_size, max(16, 1 << (length - 1).bit_length()))
+def bucket(length: int, block_size: int, shortest: int = 16) -> int:
+    """The padded length of a row of `length` inputs: the next power of two from `shortest`, at most block_size,
+    so rows of any length compile one program per bucket (the evaluations' scorer, the engine's prefill, the
+    sampler's cache)."""
+    return min(block_size, max(shortest, 1 << (length - 1).bit_length()))

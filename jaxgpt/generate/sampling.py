@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.data.batches import bucket
 from jaxgpt.errors import UserError
 from jaxgpt.generate.decode_weights import (
     DECODE_OPTIONS,
@@ -241,9 +242,8 @@ def cache_slots(cfg: ModelConfig, prompt_length: int, max_new_tokens: int) -> in
     min(T, block_size) tokens and all but the last new token are written; when they do not fit in
     block_size slots, the window slides (module docstring) and the cache has block_size slots.
     """
-    S = cfg.block_size
-    written = min(prompt_length, S) + max_new_tokens - 1
-    return S if written >= S else min(S, max(SHORTEST_CACHE, 1 << max(written - 1, 0).bit_length()))
+    written = min(prompt_length, cfg.block_size) + max_new_tokens - 1
+    return bucket(written, cfg.block_size, SHORTEST_CACHE)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "output_major", "slots"))
