@@ -324,11 +324,16 @@ def to_rows(encoded: Sequence[Encoded], width: int, rows: Sequence[Sequence[int]
             "segments": segments_NW[:, :-1]}
 
 
+def prompt_key(prompt: list[Message]) -> bytes:
+    """What SFT, RL and DPO hold out by (`batches.held_out_split`'s key): a prompt's messages, so that a prompt is
+    held out by all three or by none, and a prompt repeated in the data is on one side only."""
+    return json.dumps(prompt, sort_keys=True).encode()
+
+
 def split_held_out(conversations: list[Conversation], val_fraction: float) -> tuple[list, list]:
-    """(train, val), held out by prompt (everything before the last assistant turn): a prompt repeated in the
-    data is on one side only."""
-    return held_out_split(conversations, lambda c: json.dumps(c[:-1], sort_keys=True).encode(), val_fraction,
-                          "conversations", "config.chat.val_fraction")
+    """(train, val), held out by prompt (everything before the last assistant turn, `prompt_key`)."""
+    return held_out_split(conversations, lambda c: prompt_key(c[:-1]), val_fraction, "conversations",
+                          "config.chat.val_fraction")
 
 
 # ----------------------------------------------------------------------------------------------------

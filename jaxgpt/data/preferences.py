@@ -22,7 +22,7 @@ The built-in pairs (`builtin_pairs`) are the built-in conversations (`builtin_co
 datasets as SFT's): chosen is the right answer and rejected a wrong one close to it, made by a deterministic
 corruption (`wrong_answer`: a number off by one or two, one letter changed), so the stage runs offline and the set
 is a pure function of the seed (config.dpo.rejected=sampled puts the starting model's own wrong replies in their
-place: `jaxgpt.tasks.dpo.rejected`). Pairs are held out by `split_held_out`'s hash of the prompt, SFT's split: an
+place: `jaxgpt.tasks.dpo.rejected`). Pairs are held out by the hash of the prompt (`prompt_key`), SFT's split: an
 SFT run on the same settings held out the same prompts.
 """
 
@@ -34,13 +34,14 @@ from typing import ClassVar
 
 import numpy as np
 
+from jaxgpt.data.batches import held_out_split
 from jaxgpt.data.conversations import (
     Conversation,
     Conversations,
     builtin_conversations,
     conversation_error,
     jsonl_objects,
-    split_held_out,
+    prompt_key,
 )
 from jaxgpt.data.hub import hub_rows
 from jaxgpt.data.model_chat import encode_chat
@@ -201,10 +202,8 @@ def builtin_pairs(seed: int, n: int, datasets: Sequence[str]) -> list[Pair]:
 
 
 def split_pairs(pairs: list[Pair], val_fraction: float) -> tuple[list[Pair], list[Pair]]:
-    """(train, held out) by SFT's split (`split_held_out`, a hash of the prompt): each pair goes in as its prompt
-    followed by its index in place of the reply the hash leaves out."""
-    train, val = split_held_out([[*p.prompt, {"index": i}] for i, p in enumerate(pairs)], val_fraction)
-    return [pairs[c[-1]["index"]] for c in train], [pairs[c[-1]["index"]] for c in val]
+    """(train, held out) by SFT's split (a hash of the prompt, `prompt_key`)."""
+    return held_out_split(pairs, lambda p: prompt_key(p.prompt), val_fraction, "pairs", "config.dpo.val_fraction")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ From `config.rl.data` (the same keys as config.chat's, `Conversations`):
   rewards that need no answer; a bad line is one UserError FILE:LINE;
 * `hf:NAME[:SUBSET[:SPLIT]]`: a Hub dataset of conversations (`load_hub`), the last assistant turn the answer.
 
-Held-out prompts are split by `split_held_out`'s hash of the prompt (everything before the answer), as SFT splits
+Held-out prompts are split by a hash of the prompt (everything before the answer, `prompt_key`), as SFT splits
 its conversations: a prompt SFT held out is held out here too.
 """
 
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxgpt.data.batches import held_out_split
 from jaxgpt.data.conversations import (
     Conversation,
     Conversations,
     conversation_error,
     jsonl_objects,
-    split_held_out,
+    prompt_key,
 )
 from jaxgpt.errors import UserError
 from jaxgpt.tasks.chat import configured_conversations
@@ -70,7 +71,6 @@ def load_prompts(c: Conversations, seed: int) -> tuple[list[Prompt], str]:
 
 
 def split_prompts(prompts: list[Prompt], val_fraction: float) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, held out) by SFT's split (`split_held_out`, a hash of the prompt): each prompt goes in as the
-    conversation it came from, with its index in place of the answer turn that the hash leaves out."""
-    train, val = split_held_out([[*p.messages, {"index": i}] for i, p in enumerate(prompts)], val_fraction)
-    return [prompts[c[-1]["index"]] for c in train], [prompts[c[-1]["index"]] for c in val]
+    """(train, held out) by SFT's split (a hash of the prompt, `prompt_key`)."""
+    return held_out_split(prompts, lambda p: prompt_key(p.messages), val_fraction, "prompts",
+                          "config.rl.val_fraction")

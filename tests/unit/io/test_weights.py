@@ -21,5 +21,5 @@ def test_every_difference_is_named_in_one_line() -> None:
     with pytest.raises(UserError) as info:
         weights.require_same_run({"model": CFG.to_dict()}, CFG.replace(n_layer=3, block_size=64), "runs/x",
                                  "use the same config", tokenizer=({"type": "char"}, {"type": "bpe"}))
-    assert str(info.value) == ("runs/x holds a run with other block_size, n_layer, tokenizer: use the same config, or a "
-                               "new --config.workdir")
+    assert str(info.value) == ("runs/x holds a run with other block_size, n_layer, tokenizer: use the same config, "
+                               "or a new --config.workdir")

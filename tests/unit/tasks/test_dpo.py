@@ -149,6 +149,7 @@ def test_a_long_pair_is_cut_prompt_first_as_the_mode_says_and_a_prompt_that_fill
 def test_builtin_pairs_reject_a_close_wrong_answer_and_hold_out_what_sft_holds_out() -> None:
     from jaxgpt.data.conversations import BUILTIN_DATASETS, builtin_conversations, split_held_out
     from jaxgpt.data.preferences import builtin_pairs, split_pairs, wrong_answer
+    from jaxgpt.errors import UserError
 
     pairs = builtin_pairs(3, 400, BUILTIN_DATASETS)
     assert pairs == builtin_pairs(3, 400, BUILTIN_DATASETS)  # a pure function of the seed
@@ -161,6 +162,8 @@ def test_builtin_pairs_reject_a_close_wrong_answer_and_hold_out_what_sft_holds_o
     _, sft_held = split_held_out(builtin_conversations(3, 400, BUILTIN_DATASETS), 0.1)
     assert [p.prompt for p in held] == [c[:-1] for c in sft_held]
     assert [p.chosen for p in held] == [c[-1]["content"] for c in sft_held]
+    with pytest.raises(UserError, match=r"^2 pairs are too few .* change config\.dpo\.val_fraction$"):
+        split_pairs(pairs[:2], 0.1)
 
 
 @pytest.mark.parametrize(("overrides", "says"), [

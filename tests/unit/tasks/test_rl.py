@@ -121,6 +121,8 @@ def test_held_out_prompts_are_those_sft_holds_out() -> None:
     train, held = split_prompts(prompts, c.val_fraction)
     _, sft_held = split_held_out(builtin_conversations(3, 400, c.datasets.split(",")), c.val_fraction)
     assert [p.messages for p in held] == [conv[:-1] for conv in sft_held] and len(train) + len(held) == 400
+    with pytest.raises(UserError, match=r"^2 prompts are too few .* change config\.rl\.val_fraction$"):
+        split_prompts(prompts[:2], c.val_fraction)
 
 
 def test_answer_rows_of_a_bos_tokenizer_continue_the_prompt_without_a_bos() -> None:
