@@ -244,9 +244,16 @@ def move_dir(source: Location, target: Location) -> None:
         fs.mv(path, fsspec.core.url_to_fs(str(target))[1], recursive=True)
 
 
+def cache_root() -> Path:
+    """Where jaxgpt keeps what it downloads or stages by itself: $JAXGPT_CACHE, default ~/.cache/jaxgpt. (The GPT-2
+    ranks' default path and XLA's compilation cache have settings of their own: $JAXGPT_BPE_FILE,
+    config.compilation_cache_dir.)"""
+    return Path(os.environ.get("JAXGPT_CACHE") or Path.home() / ".cache" / "jaxgpt").expanduser()
+
+
 def cache_dir(kind: str, url: str) -> Path:
-    """A local directory for files of `url` (JAXGPT_CACHE, default ~/.cache/jaxgpt): one per URL and kind."""
-    root = Path(os.environ.get("JAXGPT_CACHE") or Path.home() / ".cache" / "jaxgpt").expanduser()
+    """A local directory for files of `url` under `cache_root`: one per URL and kind."""
+    root = cache_root()
     name = url.split("://", 1)[-1].strip("/").replace("/", "_")[-60:]
     path = root / kind / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)

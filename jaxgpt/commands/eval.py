@@ -15,8 +15,8 @@ batches from the run's saved config (seed, batch size, eval_batches), so its los
 `val_loss` (or `train_loss` with --split train). A progress bar runs on stderr; the result is one line.
 
 `--benchmark hellaswag` / `--benchmark lambada` score a benchmark instead (`jaxgpt.evals.benchmarks`): its JSONL
-is downloaded once into ~/.cache/jaxgpt, or given with --data on an offline machine. `--task NAME`, this flag's
-old name, still works and says once that it is deprecated ("task" is what `jaxgpt train` trains).
+is downloaded once into $JAXGPT_CACHE (~/.cache/jaxgpt), or given with --data on an offline machine. `--task
+NAME`, this flag's old name, still works and says once that it is deprecated ("task" is what `jaxgpt train` trains).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_enum("benchmark", None, benchmarks.BENCHMARKS, "score a benchmark instead of the loss on text or a "
                       "dataset", flag_values=flags_)
     flags.DEFINE_enum("task", None, ("text", *benchmarks.BENCHMARKS), "deprecated: --benchmark", flag_values=flags_)
-    flags.DEFINE_string("data", None, "the benchmark's JSONL (default: downloaded into ~/.cache/jaxgpt)",
+    flags.DEFINE_string("data", None, "the benchmark's JSONL (default: downloaded into $JAXGPT_CACHE, ~/.cache/jaxgpt)",
                         flag_values=flags_)
     flags.DEFINE_integer("limit", None, "score only the benchmark's first N examples", flag_values=flags_)
     flags.DEFINE_string("bpe_file", None, "local GPT-2 ranks file (gpt2.tiktoken) for BPE models", flag_values=flags_)

@@ -24,6 +24,7 @@ import tiktoken
 
 from jaxgpt.data.tokenizer_base import Tokenizer
 from jaxgpt.errors import UserError
+from jaxgpt.storage import cache_root
 
 EOT_TEXT = "<|endoftext|>"
 GPT2_EOT = 50256
@@ -42,7 +43,6 @@ TIKTOKEN_ENCODINGS = {
     "o200k_base": ("https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
                    "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
 }
-TIKTOKEN_CACHE = Path.home() / ".cache" / "jaxgpt" / "tiktoken"
 BPE_FILE_ENV = "JAXGPT_BPE_FILE"
 # Where `jaxgpt bpe fetch` and `.ci/provision_bpe.sh` put the ranks by default; looked at when no path is configured.
 DEFAULT_BPE_FILE = Path.home() / ".cache" / "jaxgpt" / "gpt2.tiktoken"
@@ -345,13 +345,14 @@ def _tiktoken_encoding(name: str, bpe_file: str | os.PathLike[str] | None) -> BP
             raise UserError(f"cannot read BPE ranks file {bpe_file} ({e.strerror}): {how}") from None
         if hashlib.sha256(data).hexdigest() != sha256:
             raise UserError(f"BPE ranks file {bpe_file} is not {name}'s (its sha256 differs): {how}")
-        TIKTOKEN_CACHE.mkdir(parents=True, exist_ok=True)
-        cached = TIKTOKEN_CACHE / hashlib.sha1(url.encode()).hexdigest()  # the name tiktoken's cache gives `url`
+        cache = cache_root() / "tiktoken"
+        cache.mkdir(parents=True, exist_ok=True)
+        cached = cache / hashlib.sha1(url.encode()).hexdigest()  # the name tiktoken's cache gives `url`
         if not cached.is_file():
             partial = cached.with_suffix(f".{os.getpid()}.partial")
             partial.write_bytes(data)
             os.replace(partial, cached)
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
     try:
         return BPETokenizer(tiktoken.get_encoding(name), name)
     except (OSError, ValueError) as e:  # requests' errors are OSErrors; ValueError = bad download

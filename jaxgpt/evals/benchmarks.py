@@ -8,7 +8,8 @@ number nanoGPT-derived runs and llm.c report: GPT-2 124M scores about 0.295). Ea
 LAMBADA (OpenAI's test split, 5,153 passages): the last word of each passage given the rest; accuracy is
 whether greedy decoding produces all of the word's tokens, perplexity exp(-mean log-likelihood of the word).
 
-The data files download on first use into ~/.cache/jaxgpt (or are given with a path, for offline machines).
+The data files download on first use into $JAXGPT_CACHE (default ~/.cache/jaxgpt), or are given with a path, for
+offline machines.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.evals.loglik import Scorer
 from jaxgpt.model.config import ModelConfig
+from jaxgpt.storage import cache_root
 from jaxgpt.train.config import EvalConfig
 
-CACHE = Path.home() / ".cache" / "jaxgpt"
 SOURCES = {
     "hellaswag": "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl",
     "lambada": "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
@@ -59,8 +60,9 @@ def data_file(benchmark: str, path: str | None) -> Path:
             raise UserError(f"--data {path} does not exist: give the {benchmark} JSONL file ({SOURCES[benchmark]})")
         return Path(path)
     name = SOURCES[benchmark].rsplit("/", 1)[1]
-    return download(SOURCES[benchmark], CACHE / name, f"offline, download {name} elsewhere and pass --data PATH "
-                    f"(or put it at {CACHE / name})")
+    cached = cache_root() / name
+    return download(SOURCES[benchmark], cached, f"offline, download {name} elsewhere and pass --data PATH "
+                    f"(or put it at {cached})")
 
 
 def _records(path: Path) -> list[tuple[int, dict[str, Any]]]:

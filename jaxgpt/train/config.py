@@ -184,7 +184,7 @@ class EvalConfig:
     """Benchmarks scored at every evaluation of a language-modelling run (`jaxgpt.evals.benchmarks`)."""
 
     hellaswag: bool = False  # HellaSwag accuracy, logged as eval/hellaswag_acc_norm and eval/hellaswag_acc
-    hellaswag_data: str = ""  # its validation JSONL ("": downloaded once into ~/.cache/jaxgpt)
+    hellaswag_data: str = ""  # its validation JSONL ("": downloaded once into $JAXGPT_CACHE, ~/.cache/jaxgpt)
     hellaswag_examples: int = 0  # the first N examples (0: all of them)
 
     def __post_init__(self) -> None:

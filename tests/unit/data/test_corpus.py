@@ -91,9 +91,8 @@ def test_larger_tiktoken_encodings_offline_are_one_line_errors(tmp_path, monkeyp
     """cl100k_base / o200k_base take their ranks file from --bpe_file offline; a missing or wrong file is one line
     naming where to get the right one (the ranks themselves are not available to tests: no network)."""
     from jaxgpt.commands import data as data_command
-    from jaxgpt.data import tokenizer as tok
 
-    monkeypatch.setattr(tok, "TIKTOKEN_CACHE", tmp_path / "cache")
+    monkeypatch.setenv("JAXGPT_CACHE", str(tmp_path / "cache"))
     with pytest.raises(UserError, match=r"cannot read BPE ranks file .*cl100k_base\.tiktoken"):
         load_bpe("cl100k_base", tmp_path / "missing")
     wrong = tmp_path / "o200k_base.tiktoken"
