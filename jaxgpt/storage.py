@@ -213,18 +213,23 @@ def check_writable(where: Location, flag: str) -> None:
 
 
 def write_text(path: Location, text: str) -> None:
-    """Replace `path` with `text` all at once: a crash or a full disk leaves the old file or the new one.
+    """`write_bytes` of `text` in UTF-8."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: Location, data: bytes) -> None:
+    """Replace `path` with `data` all at once: a crash or a full disk leaves the old file or the new one.
 
     In a bucket one PUT replaces an object atomically; on disk a temporary file is synced and renamed.
     """
     if is_bucket(path):
         with guard(path, "writing"):
-            path.write_text(text)
+            path.write_bytes(data)
         return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

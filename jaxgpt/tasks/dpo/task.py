@@ -286,8 +286,6 @@ class DPO:
             np.savez(buffer, rows_sha256=digest, **self._reference)
             with storage.guard(path, "writing the reference log-probabilities to"):
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_bytes(buffer.getvalue())
-                tmp.rename(path)
+                storage.write_bytes(path, buffer.getvalue())
         self._reference_kept = True
         return self._reference

@@ -327,9 +327,7 @@ class RL:
         oldest = min([*steps, (g - 1) * self.rl.num_iterations]) // self.rl.num_iterations
         with storage.guard(path, "writing rollouts to"):
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(buffer.getvalue())
-            tmp.rename(path)
+            storage.write_bytes(path, buffer.getvalue())
             for name in storage.files(path.parent):
                 if name.split(".")[0].isdigit() and int(name.split(".")[0]) < oldest:
                     with contextlib.suppress(FileNotFoundError):
