@@ -17,7 +17,7 @@ from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError, optional_import
 from jaxgpt.generate import sampling
 from jaxgpt.generate.many import generate_many
-from jaxgpt.generate.text_stream import StreamDecoder
+from jaxgpt.generate.text_stream import StreamDecoder, until_eot
 from jaxgpt.model.config import ModelConfig
 
 NEW, SYSTEM = "/new", "/system "  # the terminal's commands: forget the conversation; start one with a system message
@@ -80,7 +80,7 @@ class ChatModel:
                                 max_new_tokens=[min(max_new_tokens, room) for _, room in prompts], seeds=seed,
                                 temperature=temperature, top_p=top_p, eot_token=self.end_id,
                                 vocab_limit=self.tokenizer.vocab_size, slots=slots, progress=True)
-        return [self.tokenizer.decode(ids[:ids.index(self.end_id)] if self.end_id in ids else ids) for ids in outputs]
+        return [self.tokenizer.decode(until_eot(ids, self.end_id)) for ids in outputs]
 
 
 def converse(model: ChatModel, lines: Iterable[str], out: TextIO, err: TextIO, ask: str = "",

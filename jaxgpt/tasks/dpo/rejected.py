@@ -21,6 +21,7 @@ from jaxgpt.data.preferences import Pair
 from jaxgpt.data.streams import REJECTED_STREAM
 from jaxgpt.data.tokenizer_base import Tokenizer
 from jaxgpt.generate.many import generate_many
+from jaxgpt.generate.text_stream import until_eot
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.prompts import Prompt
 from jaxgpt.tasks.rl.rollouts import encode_prompts, request_seed
@@ -53,7 +54,7 @@ def sample_rejections(pairs: list[Pair], params: Any, model_cfg: ModelConfig, to
     for i, tokens in zip(rows, replies, strict=True):
         if end_id not in tokens:
             continue  # cut at its room: not a reply the model finished
-        text = tokenizer.decode(tokens[:tokens.index(end_id)])
+        text = tokenizer.decode(until_eot(tokens, end_id))
         if text.strip() and text.strip() != pairs[i].chosen.strip() and not any(s in text for s in SPECIAL_TOKENS):
             rejected[i] = text
     return rejected

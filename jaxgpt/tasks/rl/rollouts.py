@@ -25,6 +25,7 @@ from jaxgpt.data.streams import RL_EVAL_STREAM
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.generate.many import generate_many
+from jaxgpt.generate.text_stream import until_eot
 from jaxgpt.model.config import ModelConfig
 from jaxgpt.tasks.rl.loss import group_advantages
 from jaxgpt.tasks.rl.prompts import Prompt
@@ -81,7 +82,7 @@ class Sampler:
                              eot_token=self.end_id, vocab_limit=self.tokenizer.vocab_size, slots=self.rl.slots)
 
     def text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens[:tokens.index(self.end_id)] if self.end_id in tokens else tokens)
+        return self.tokenizer.decode(until_eot(tokens, self.end_id))
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[list[int]]) -> np.ndarray:
         return np.array([total_reward(self.rewards, p.messages, self.text(c), p.answer, p.origin)
