@@ -26,6 +26,13 @@ class InterruptError(UserError):
         self.status = status
 
 
+def one_line(message: object, limit: int | None = None) -> str:
+    """`str(message)` (an exception, a prompt) on one line, cut at a word boundary past `limit` characters: library
+    errors can run to paragraphs, and a one-line error quotes them."""
+    text = " ".join(str(message).split())
+    return text if limit is None or len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def optional_import(module: str, needed_for: str, package: str | None = None, otherwise: str = "") -> ModuleType:
     """`module`, imported; when it is missing, a UserError saying what needs it, how to install it and,
     when there is one, the way to do without it (`otherwise`)."""

@@ -36,7 +36,7 @@ from jaxgpt.data.conversations import END, load_template
 from jaxgpt.data.tokenizer import WithSpecialTokens
 from jaxgpt.data.tokenizer_json import TYPE as JSON_TYPE
 from jaxgpt.data.tokenizer_json import JsonTokenizer
-from jaxgpt.errors import UserError, optional_import
+from jaxgpt.errors import UserError, one_line, optional_import
 from jaxgpt.io import peft, weights
 from jaxgpt.io.gguf_export import GGUF_TYPES, check_exportable, check_type, save_gguf
 from jaxgpt.io.hf import export_family, load_hf, save_hf
@@ -172,7 +172,7 @@ def push_to_hub(out: str, repo: str) -> str:
         api.create_repo(repo, exist_ok=True)
         commit = api.upload_folder(repo_id=repo, folder_path=out)
     except Exception as e:  # authentication, network and permission errors come in many types
-        raise UserError(f"pushing {out} to the Hub as {repo} failed ({type(e).__name__}: {weights.short(e)}); the "
+        raise UserError(f"pushing {out} to the Hub as {repo} failed ({type(e).__name__}: {one_line(e, 100)}); the "
                         f"export in {out} is complete: upload it later with `hf upload {repo} {out}`") from None
     return f"pushed {out} to {getattr(commit, 'commit_url', repo)}"
 

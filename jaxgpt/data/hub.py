@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, one_line
 
 HUB_SPEC = "hf:NAME[:SUBSET[:SPLIT]]"  # a config's data naming a Hub dataset; SPLIT defaults to train
 
@@ -43,7 +43,7 @@ def hub_rows(spec: str, key: str, columns: tuple[str, ...], form: str, file: str
     except ConnectionError:
         raise UserError(f"{key}={spec}: the Hugging Face Hub cannot be reached from here (offline); {route}") from None
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
-        message = " ".join(str(e).split())
+        message = one_line(e)
         raise UserError(f"{key}={spec}: {message} (the form is {HUB_SPEC})") from None
     missing = [c for c in columns if c not in rows.column_names]
     if missing:

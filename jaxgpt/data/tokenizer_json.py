@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.data.tokenizer_base import Tokenizer
-from jaxgpt.errors import UserError, optional_import
+from jaxgpt.errors import UserError, one_line, optional_import
 
 TYPE = "tokenizer.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -47,7 +47,7 @@ def _backend(json_text: str, where: str) -> Any:
     try:
         return tokenizers.Tokenizer.from_str(json_text)
     except Exception as e:  # the Rust library raises its own exception type for malformed files
-        raise UserError(f"{where} is not a tokenizer the `tokenizers` library reads: {' '.join(str(e).split())[:120]}"
+        raise UserError(f"{where} is not a tokenizer the `tokenizers` library reads: {one_line(e, 120)}"
                         ) from None
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.tokenizer import GPT2_TOKENIZER_META, GPT2_VOCAB_SIZE, Tokenizer, tokenizer_from_meta
-from jaxgpt.errors import UserError, optional_import
+from jaxgpt.errors import UserError, one_line, optional_import
 from jaxgpt.io.checkpoint import open_checkpoint
 from jaxgpt.model.config import RUNTIME_FIELDS, SEQ2SEQ_FIELDS, ModelConfig, Seq2SeqConfig, model_config_from_dict
 from jaxgpt.model.gpt import abstract_variables, init_params, stack_layers, unstack_layers
@@ -118,12 +118,6 @@ def _vocabulary_tokenizer(cfg: ModelConfig) -> dict[str, Any] | None:
     return dict(GPT2_TOKENIZER_META) if cfg.vocab_size == GPT2_VOCAB_SIZE else None
 
 
-def short(error: BaseException, limit: int = 100) -> str:
-    """An exception's message on one line, cut at a word boundary: library errors can run to paragraphs."""
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
-
-
 def hf_directory(arg: str, flag: str = "hf:") -> Path:
     """The local directory of `hf:ARG`: ARG itself, or a Hub repository's snapshot (downloaded once, cached).
 
@@ -150,7 +144,7 @@ def hf_directory(arg: str, flag: str = "hf:") -> Path:
             root = Path(snapshot_download(arg, allow_patterns=HUB_FILES + HUB_TORCH_FILES))
     except Exception as e:  # network, authentication and missing-repository errors come in many types
         raise UserError(f"hf:{arg} is not a local directory and could not be fetched from the Hugging Face Hub "
-                        f"({type(e).__name__}: {short(e)}): {offline}") from None
+                        f"({type(e).__name__}: {one_line(e, 100)}): {offline}") from None
     return root
 
 

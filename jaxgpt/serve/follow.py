@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from jaxgpt.errors import one_line
 from jaxgpt.generate.engine import Engine
 from jaxgpt.io import weights
 from jaxgpt.io.checkpoint import Checkpointer, CheckpointReadError
@@ -71,7 +72,7 @@ class Follower:
                 return
             loaded = weights.load(f"workdir:{self.workdir}", which=self.which)
         except Exception as e:  # a bucket's or orbax's failures come in many types: each is one line
-            message = f"{type(e).__name__}: {weights.short(e, 300)}"
+            message = f"{type(e).__name__}: {one_line(e, 300)}"
             if message != self.last_error:
                 self._say(f"{message}; still serving {version(self.step)}")
             self.last_error = message

@@ -42,7 +42,7 @@ from typing import Any
 import jax
 
 from jaxgpt import storage
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, one_line
 from jaxgpt.ops import splash
 from jaxgpt.tasks.lm import LanguageModelling
 from jaxgpt.tools import gpus, hlo
@@ -84,7 +84,7 @@ def topology_devices(topology: str) -> list[Any]:
     try:
         devices = list(topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs).devices)
     except RuntimeError as e:
-        raise UserError(f"libtpu could not describe topology {topology!r}: {' '.join(str(e).split())[:300]} "
+        raise UserError(f"libtpu could not describe topology {topology!r}: {one_line(e, 300)} "
                         f"(topologies look like {TOPOLOGY_HELP})") from None
     if len(devices) != math.prod(dims) or devices[0].device_kind != chip.device_kind:
         raise UserError(f"topology {topology!r} gave {len(devices)} devices of kind {devices[0].device_kind!r}; "
@@ -204,7 +204,7 @@ def analyze(cfg: TrainConfig, topology: str, extrapolate_scan: bool = True) -> d
         used = _OOM.search(str(e))
         scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
         report.update(compile_seconds=time.perf_counter() - t0, fits=False,
-                      oom_message=" ".join(str(e).split())[:400],
+                      oom_message=one_line(e, 400),
                       total_bytes=float(used.group(1)) * scale[used.group(2)] if used else None)
         return report
     report["compile_seconds"] = time.perf_counter() - t0

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, one_line
 from jaxgpt.tools import hlo
 from jaxgpt.train.chips import GPUS, Chip
 
@@ -72,7 +72,7 @@ def topology_devices(topology: str) -> list[Any]:
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(chip), topology=f"1x1x{n}")
     except Exception as e:  # a plugin that cannot read this target config, or a jax without the option
-        raise UserError(f"jax's CUDA plugin could not describe {topology!r}: {' '.join(str(e).split())[:300]} "
+        raise UserError(f"jax's CUDA plugin could not describe {topology!r}: {one_line(e, 300)} "
                         f"(upgrade it: {INSTALL})") from None
     return list(topo.devices)
 

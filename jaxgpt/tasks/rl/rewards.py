@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxgpt.data.conversations import Conversation
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, one_line
 
 EXACT = "exact"
 UserReward = Callable[[Conversation, str], float]
@@ -68,7 +68,8 @@ def _user_function(spec: str) -> UserReward:
     except UserError:
         raise
     except Exception as e:  # an import error, or the module raising while it loads
-        raise UserError(f"config.rl.reward={spec}: cannot load {where}: {type(e).__name__}: {_one_line(e)}") from None
+        raise UserError(f"config.rl.reward={spec}: cannot load {where}: {type(e).__name__}: "
+                        f"{one_line(e, 200)}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UserError(f"config.rl.reward={spec}: {where} has no function {name!r}")
@@ -96,11 +97,6 @@ def parse_rewards(spec: str) -> list[Reward]:
     return rewards
 
 
-def _one_line(error: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 class RewardError(UserError):
     """A reward function failed on a prompt: the run stops (its last checkpoint kept) with this one line."""
 
@@ -110,14 +106,14 @@ def total_reward(rewards: list[Reward], messages: Conversation, completion: str,
     """The weighted sum of the terms for one completion of the prompt `messages` (from `where`)."""
     total = 0.0
     for r in rewards:
-        asked = f"on prompt {where} ({_one_line(messages[-1]['content'], 60)!r})"
+        asked = f"on prompt {where} ({one_line(messages[-1]['content'], 60)!r})"
         try:
             value = r.score(messages, completion, answer)
         except Exception as e:
-            raise RewardError(f"reward {r.name} raised {type(e).__name__}: {_one_line(e)} {asked}: fix the function; "
-                              "the run's last checkpoint is kept") from None
+            raise RewardError(f"reward {r.name} raised {type(e).__name__}: {one_line(e, 200)} {asked}: fix the "
+                              "function; the run's last checkpoint is kept") from None
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise RewardError(f"reward {r.name} returned {_one_line(repr(value), 60)} {asked}: a reward must be a "
+            raise RewardError(f"reward {r.name} returned {one_line(repr(value), 60)} {asked}: a reward must be a "
                               "finite number; the run's last checkpoint is kept")
         total += r.weight * float(value)
     return total
