@@ -15,7 +15,6 @@ its traceback.
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import os
 import platform
@@ -183,7 +182,7 @@ def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | 
 def os_error_line(e: OSError) -> str:
     """One line for a file-system fault: what failed, on which path, and what to do."""
     where = f" ({e.filename})" if e.filename else ""
-    if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    if e.errno in storage.DISK_FULL:
         return f"{e.strerror}{where}: free space there (or raise the file-size limit), then run the command again"
     return f"{e.strerror or one_line(e)}{where}"
 

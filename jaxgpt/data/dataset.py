@@ -13,7 +13,6 @@ The batches drawn from them are `jaxgpt.data.batches`: a pure function of (seed,
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -153,9 +152,9 @@ def install(workspace: Path, out_dir: Path, meta: dict[str, Any], overwrite: boo
 
 def write_error(out_dir: Path, workspace: Path, e: OSError) -> UserError:
     """A failed write as one line; the completed shards stay in the workspace for the next run to resume."""
-    if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    if e.errno in storage.DISK_FULL:
         written = sum(p.stat().st_size for p in workspace.iterdir()) if workspace.is_dir() else 0
-        free = shutil.disk_usage(out_dir.parent).free
+        free = storage.free_bytes(out_dir)
         return UserError(f"preparing the dataset in {out_dir} failed ({e.strerror}): it needs more than "
                          f"{written / 2**20:,.1f} MiB ({free / 2**20:,.1f} MiB free there, or a file-size limit "
                          f"applies); {out_dir} was not changed. Free space and run the same command (it resumes from "
