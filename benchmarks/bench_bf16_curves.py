@@ -26,14 +26,13 @@ running means at most 1.59%.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from jaxgpt.commands import use_huge_pages
+from jaxgpt.commands import load_config_file, use_huge_pages
 from jaxgpt.tasks import build
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
@@ -46,10 +45,7 @@ FINAL_STEPS = 10
 
 def quick_start_config(workdir: Path, steps: int, dtype: str):
     """configs/stdlib_char.py for `steps` steps at `dtype`, logging every step into `workdir`."""
-    spec = importlib.util.spec_from_file_location("stdlib_char", QUICK_START)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load_config_file(str(QUICK_START), "configs/stdlib_char.py")
     c.optim.decay_steps = c.optim.decay_steps or c.max_steps  # the quick start's schedule, not one over `steps`
     c.workdir, c.max_steps, c.log_interval = str(workdir), steps, 1
     c.eval_interval = c.ckpt_interval = steps

@@ -16,7 +16,6 @@ match after the last step (one conversation per row either way); then packed ove
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxgpt.commands import load_config_file
 from jaxgpt.tasks import build
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
@@ -32,10 +32,7 @@ from jaxgpt.train.loop import train
 
 def load_config(path: str, workdir: Path, steps: int, total: int, pack: bool) -> ConfigDict:
     """The config file's config with `pack`, in `workdir`, trained to step `steps` of a `total`-step schedule."""
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load_config_file(path, path)
     c.workdir, c.max_steps, c.optim.decay_steps, c.eval_interval = str(workdir), steps, total, total
     c.chat.pack = pack
     return c

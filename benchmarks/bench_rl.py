@@ -32,7 +32,6 @@ second of each (target: the task at 0.8x the engine or better).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ from pathlib import Path
 import jax
 from ml_collections import ConfigDict
 
+from jaxgpt.commands import load_config_file
 from jaxgpt.data.conversations import BUILTIN_DATASETS
 from jaxgpt.generate.many import generate_many
 from jaxgpt.io import weights
@@ -61,10 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(path: str, **overrides: object) -> ConfigDict:
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load_config_file(path, path)
     c.update_from_flattened_dict(overrides)
     return c
 
