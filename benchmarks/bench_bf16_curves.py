@@ -26,7 +26,6 @@ running means at most 1.59%.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import numpy as np
 
 from jaxgpt.commands import load_config_file, use_huge_pages
 from jaxgpt.tasks import build
+from jaxgpt.tools.plots import read_metrics
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
 
@@ -56,7 +56,7 @@ def quick_start_config(workdir: Path, steps: int, dtype: str):
 
 def losses(workdir: Path) -> tuple[np.ndarray, float, float]:
     """(training loss per step, last validation loss, median tokens/s) from a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(workdir)
     train_rows = [r for r in rows if "lr" in r]
     val = [r["val_loss"] for r in rows if "val_loss" in r][-1]
     tok_s = float(np.median([r["tokens_per_sec"] for r in train_rows]))

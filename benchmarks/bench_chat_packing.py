@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ml_collections import ConfigDict
 
 from jaxgpt.commands import load_config_file
 from jaxgpt.tasks import build
+from jaxgpt.tools.plots import read_metrics
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
 
@@ -41,7 +41,7 @@ def load_config(path: str, workdir: Path, steps: int, total: int, pack: bool) ->
 def step_seconds(workdir: Path, after: int) -> list[float]:
     """Seconds per step between the periodic train records (those with an `lr`) past step `after`: from the first
     of them, so the steps before it, which hold the compilation, are left out."""
-    logs = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    logs = read_metrics(workdir)
     logs = [row for row in logs if "lr" in row and row["step"] > after]
     return [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in itertools.pairwise(logs)]
 

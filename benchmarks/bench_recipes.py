@@ -29,7 +29,6 @@ its last step shows that `--fraction` of the steps suffice. Every evaluation use
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 
 from jaxgpt.commands import load_config_file, use_huge_pages
 from jaxgpt.tasks import build
+from jaxgpt.tools.plots import read_metrics
 from jaxgpt.train.config import from_config_dict
 from jaxgpt.train.loop import train
 
@@ -61,7 +61,7 @@ def run(workdir: Path, recipe: str, steps: int, seed: int, args: argparse.Namesp
     cfg = from_config_dict(recipe_config(workdir, recipe, steps, seed, args.eval_interval, args.eval_batches))
     start = time.time()
     train(cfg, build)
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(workdir)
     evals = [r for r in rows if "val_loss" in r]
     return {"step": [r["step"] for r in evals], "val_loss": [r["val_loss"] for r in evals],
             "seconds": [r["time"] - start for r in evals]}

@@ -53,6 +53,7 @@ from jaxgpt.tasks.rl.prompts import Prompt, load_prompts, split_prompts
 from jaxgpt.tasks.rl.rewards import parse_rewards
 from jaxgpt.tasks.rl.rollouts import PromptSet, Sampler, encode_prompts, pass_rates
 from jaxgpt.tasks.rl.task import local_weights
+from jaxgpt.tools.plots import read_metrics
 from jaxgpt.train.config import RLConfig, from_config_dict
 from jaxgpt.train.loop import train
 
@@ -91,7 +92,7 @@ def sft_start(args: argparse.Namespace, datasets: list[str]) -> tuple[Path, floa
         run = Path(args.sft) / f"steps{n}"
         minutes += trained(run, "configs/chat_sft.py", max_steps=n, init_from=f"workdir:{args.base}",
                            eval_interval=n)
-        final = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r][-1]
+        final = [r for r in read_metrics(run) if "val_loss" in r][-1]
         best[n] = max(final[f"val_exact_match_by_dataset/{d}"] for d in datasets
                       if f"val_exact_match_by_dataset/{d}" in final)
     n = min(best, key=lambda k: abs(best[k] - START))

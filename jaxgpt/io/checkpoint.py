@@ -25,6 +25,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from jaxgpt import storage
 from jaxgpt.errors import StorageError, UserError
 
+CHECKPOINT_DIR = "checkpoints"  # in the work directory (`checkpoint_dir`)
 CORRUPT_DIR = "corrupt-checkpoints"  # where an opted-in fallback moves checkpoints that cannot be read
 _LISTING_ATTEMPTS = 5  # a reader lists again when a step vanishes under it (another process's cleanup)
 
@@ -108,7 +109,7 @@ def state_bytes(tree: Any) -> int:
 
 def checkpoint_dir(workdir: str | os.PathLike[str]) -> storage.Location:
     """WORKDIR/checkpoints: an absolute local path (orbax insists) or a bucket URL (an `epath.Path`)."""
-    return storage.location(workdir, "the work directory") / "checkpoints"
+    return storage.location(workdir, "the work directory") / CHECKPOINT_DIR
 
 
 class Checkpointer:

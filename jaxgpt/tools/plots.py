@@ -19,8 +19,8 @@ import numpy as np
 from jaxgpt import storage
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.train.logs import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 Series = tuple[np.ndarray, np.ndarray]  # (steps, values)
 
 

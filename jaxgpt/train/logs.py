@@ -23,6 +23,8 @@ from jaxgpt.errors import optional_import
 # Periodic (training) values whose tag is not train/<name>.
 TRAIN_TAGS = {"train_loss": "train/loss", "tokens_per_sec": "perf/tokens_per_s", "mfu": "perf/mfu"}
 
+METRICS_FILE = "metrics.jsonl"  # in the work directory: one JSON record a line
+
 
 def tag(name: str, kind: str) -> str:
     """The TensorBoard / W&B tag of a value of a periodic ("train") or evaluation ("eval") record."""
@@ -73,8 +75,8 @@ class MetricsLog:
         if storage.is_bucket(workdir):
             self.mirror = storage.Mirror(workdir)
             local = self.mirror.local
-            self.mirror.fetch("metrics.jsonl")
-        self.path = Path(local) / "metrics.jsonl"
+            self.mirror.fetch(METRICS_FILE)
+        self.path = Path(local) / METRICS_FILE
         if self.path.exists():
             storage.write_text(self.path, "".join(line + "\n" for line in kept_records(self.path, resume_step)))
         from tensorboardX import SummaryWriter

@@ -18,14 +18,16 @@ from typing import Any
 
 from jaxgpt import storage
 from jaxgpt.errors import UserError
+from jaxgpt.io.checkpoint import CHECKPOINT_DIR, CORRUPT_DIR
 from jaxgpt.train.lease import LEASE_FILE, BucketLease
+from jaxgpt.train.logs import METRICS_FILE
 
 LOCK_FILE = "jaxgpt.lock"
 CONFIG_FILE = "config.json"
 STARTS_DIR = "starts"
 # Everything a run writes at the top of its work directory: a directory holding only these is a run's.
-RUN_FILES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", CONFIG_FILE, STARTS_DIR, LOCK_FILE,
-                       LEASE_FILE, "corrupt-checkpoints", "wandb"})
+RUN_FILES = frozenset({CHECKPOINT_DIR, METRICS_FILE, "tensorboard", CONFIG_FILE, STARTS_DIR, LOCK_FILE,
+                       LEASE_FILE, CORRUPT_DIR, "wandb"})
 
 
 def is_run_config(path: storage.Location) -> bool:
@@ -44,7 +46,7 @@ def check_not_foreign(workdir: storage.Location) -> None:
     if config.exists() and not is_run_config(config):
         raise UserError(f"{workdir} holds a config.json that jaxgpt did not write (a Hugging Face checkpoint?): "
                         "choose another --config.workdir; nothing was changed")
-    is_run = any(name in entries for name in ("checkpoints", CONFIG_FILE, "metrics.jsonl"))
+    is_run = any(name in entries for name in (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE))
     foreign = [name for name in entries if name not in RUN_FILES]
     if foreign and not is_run:
         raise UserError(f"{workdir} already holds files a jaxgpt run did not write ({', '.join(foreign[:3])}"
