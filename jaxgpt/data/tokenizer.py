@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tiktoken
 
-from jaxgpt.data.tokenizer_base import Tokenizer
+from jaxgpt.data.tokenizer_base import Tokenizer, check_ids
 from jaxgpt.errors import UserError
 from jaxgpt.storage import cache_root
 
@@ -50,12 +50,6 @@ HOW_TO_GET_BPE = (
     f"run `jaxgpt bpe fetch` (it extracts whisper/assets/gpt2.tiktoken from `pip download --no-deps "
     f"openai-whisper==20250625` into {DEFAULT_BPE_FILE}), or point {BPE_FILE_ENV} or --bpe_file at a copy"
 )
-
-
-def _check_ids(ids: Sequence[int], vocab_size: int) -> None:
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {vocab_size})")
 
 
 class CharTokenizer(Tokenizer):
@@ -106,7 +100,7 @@ class CharTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Out-of-range ids are a bug (e.g. a model with the wrong vocab size), so they raise."""
-        _check_ids(ids, self.vocab_size)
+        check_ids(ids, self.vocab_size)
         return "".join(self.chars[i] for i in ids)
 
     def to_meta(self) -> dict[str, Any]:
@@ -228,7 +222,7 @@ class WordTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Out-of-range ids are a bug (e.g. a model with the wrong vocab size), so they raise."""
-        _check_ids(ids, self.vocab_size)
+        check_ids(ids, self.vocab_size)
         return " ".join(self.tokens[i] for i in ids)
 
     def to_meta(self) -> dict[str, Any]:
@@ -271,7 +265,7 @@ class WithSpecialTokens(Tokenizer):
                 for i in ([self.special_ids[piece]] if n % 2 else self.base.encode_continuation(piece))]
 
     def decode(self, ids: Sequence[int]) -> str:
-        _check_ids(ids, self.vocab_size)
+        check_ids(ids, self.vocab_size)
         n = self.base.vocab_size
         return "".join(self.base.decode(list(run)) if ordinary else "".join(self.specials[i - n] for i in run)
                        for ordinary, run in itertools.groupby((int(i) for i in ids), key=lambda i: i < n))

@@ -10,6 +10,18 @@ from typing import Any
 import numpy as np
 
 
+def out_of_range(ids: Sequence[int] | np.ndarray, vocab_size: int) -> list[int]:
+    """The distinct ids of `ids` outside [0, vocab_size), sorted, at most five: what an error about them quotes."""
+    ids_N = np.asarray(ids, np.int64).ravel()
+    return sorted(set(ids_N[(ids_N < 0) | (ids_N >= vocab_size)].tolist()))[:5]
+
+
+def check_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """A ValueError, for `decode`, when an id is outside the vocabulary (no tokenizer can say what it stands for)."""
+    if bad := out_of_range(ids, vocab_size):
+        raise ValueError(f"token ids {bad} are outside the vocabulary range [0, {vocab_size})")
+
+
 class Tokenizer(ABC):
     """Text <-> token ids. Subclasses set `name`, `vocab_size` and `eot_token` in `__init__`."""
 

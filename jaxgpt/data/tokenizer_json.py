@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.data.tokenizer_base import Tokenizer
+from jaxgpt.data.tokenizer_base import Tokenizer, check_ids
 from jaxgpt.errors import UserError, one_line, optional_import
 
 TYPE = "tokenizer.json"
@@ -85,8 +85,7 @@ class JsonTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]
-        if bad := [i for i in ids if not 0 <= i < self.vocab_size]:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary range [0, {self.vocab_size})")
+        check_ids(ids, self.vocab_size)
         return self._backend.decode(ids, skip_special_tokens=False)
 
     def to_meta(self) -> dict[str, Any]:

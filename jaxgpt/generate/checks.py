@@ -3,6 +3,7 @@ queued, so that a server answers a bad one with a 400 and the engine's thread ne
 
 from __future__ import annotations
 
+from jaxgpt.data.tokenizer_base import out_of_range
 from jaxgpt.errors import UserError
 from jaxgpt.generate.sampling import validate_options
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
@@ -27,5 +28,5 @@ def check_request(cfg: ModelConfig | Seq2SeqConfig, prompt: list[int], max_new_t
                         f"context of {cfg.block_size}: shorten the prompt or ask for fewer tokens")
     else:
         vocab_size = cfg.vocab_size
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise UserError(f"prompt token ids must be in [0, {vocab_size})")
+    if bad := out_of_range(prompt, vocab_size):
+        raise UserError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size})")

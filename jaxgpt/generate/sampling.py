@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.data.batches import bucket
+from jaxgpt.data.tokenizer_base import out_of_range
 from jaxgpt.errors import UserError
 from jaxgpt.generate.decode_weights import (
     DECODE_OPTIONS,
@@ -178,9 +179,8 @@ def request(cfg: ModelConfig, prompt: PromptLike, *, num_samples: int | None, ma
     validate_options(max_new_tokens, temperature, top_k, top_p)
     prompt_BT = _prompt_array(prompt, num_samples)
     V, S = cfg.vocab_size, cfg.block_size
-    bad = prompt_BT[(prompt_BT < 0) | (prompt_BT >= V)]
-    if bad.size:
-        raise UserError(f"prompt token ids {sorted(set(bad.tolist()))[:5]} are outside the vocabulary [0, {V})")
+    if bad := out_of_range(prompt_BT, V):
+        raise UserError(f"prompt token ids {bad} are outside the vocabulary [0, {V})")
     if cfg.pad_id is not None and np.any(prompt_BT == cfg.pad_id):
         raise UserError(f"the prompt contains the model's padding id {cfg.pad_id}, which it never attends to")
     if eot_token is not None and not 0 <= eot_token < V:

@@ -52,6 +52,7 @@ from starlette.exceptions import HTTPException
 
 from jaxgpt.data.conversations import ChatTemplate
 from jaxgpt.data.pairs import PairText
+from jaxgpt.data.tokenizer_base import out_of_range
 from jaxgpt.errors import UserError
 from jaxgpt.generate.checks import check_request
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
@@ -248,8 +249,8 @@ def _tokenizer_routes(app: FastAPI, tokenizer: Codec, context: int, chat_templat
 
     @app.post("/detokenize", responses=responses(400, *guarded))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
-            raise UserError(f"tokens: every id must be in [0, {tokenizer.vocab_size})")
+        if bad := out_of_range(body.tokens, tokenizer.vocab_size):
+            raise UserError(f"tokens: ids {bad} are outside the vocabulary [0, {tokenizer.vocab_size})")
         return {"prompt": tokenizer.decode(body.tokens)}
 
 
@@ -330,8 +331,8 @@ def _prompts(body: CompletionRequest, tokenizer: Codec, capacity: int) -> tuple[
             texts.append(p)
             encoded.append(tokenizer.encode(p) if p else starts)
         else:
-            if any(not 0 <= t < tokenizer.vocab_size for t in p):
-                raise UserError(f"prompt: token ids must be in [0, {tokenizer.vocab_size})", )
+            if bad := out_of_range(p, tokenizer.vocab_size):
+                raise UserError(f"prompt: token ids {bad} are outside the vocabulary [0, {tokenizer.vocab_size})")
             texts.append(tokenizer.decode(p))
             encoded.append(list(p) or starts)
     return texts, encoded
