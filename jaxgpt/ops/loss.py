@@ -76,6 +76,12 @@ def token_cross_entropy(logits_BTV: Array, targets_BT: Array, label_smoothing: f
     return (1.0 - label_smoothing) * nll_BT + label_smoothing * uniform_BT
 
 
+def masked_mean(values: Array, mask: Array) -> Array:
+    """The mean of `values` where `mask` weighs them (0 leaves one out), 0 when nothing is weighed: a batch made
+    only of filler rows or masked positions contributes no loss rather than a division by zero."""
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
 def cross_entropy(logits_BTV: Array, targets_BT: Array, label_smoothing: float = 0.0) -> Array:
     return token_cross_entropy(logits_BTV, targets_BT, label_smoothing).mean()
 

@@ -56,7 +56,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.config import ModelConfig, comma_names
 from jaxgpt.model.gpt import GPT, check_segments, dummy_tokens
-from jaxgpt.ops.loss import token_cross_entropy
+from jaxgpt.ops.loss import masked_mean, token_cross_entropy
 from jaxgpt.train.config import ChatConfig, TrainConfig, base_config
 
 # x, y (B, W) int32; loss_mask, answer_mask (B, W) float32 over the targets y; segments (B, W) int32 of the inputs
@@ -68,7 +68,7 @@ def chat_loss(logits_BWV: jax.Array, batch: Batch, label_smoothing: float = 0.0)
     """Mean (smoothed) cross-entropy over the assistant's target tokens; everything else counts nothing."""
     mask_BW = batch["loss_mask"]
     tok_BW = token_cross_entropy(logits_BWV, batch["y"], label_smoothing)
-    return jnp.sum(tok_BW * mask_BW) / jnp.maximum(jnp.sum(mask_BW), 1.0)
+    return masked_mean(tok_BW, mask_BW)
 
 
 def configured_conversations(c: Conversations, seed: int) -> tuple[list[Conversation], list[str], list[str], str]:

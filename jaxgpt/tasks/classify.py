@@ -41,7 +41,7 @@ from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError
 from jaxgpt.io import weights
 from jaxgpt.model.gpt import GPTClassifier, dummy_tokens
-from jaxgpt.ops.loss import token_nll
+from jaxgpt.ops.loss import masked_mean, token_nll
 from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # x (B, T) int32, mask (B, T) bool, label (B,) int32, weight (B,) float32
@@ -58,13 +58,13 @@ def classification_loss(lm_logits_BTV: jax.Array, cls_logits_BK: jax.Array, batc
     """
     w_B = batch["weight"]
     cls_B = token_nll(cls_logits_BK, batch["label"])
-    cls_loss = jnp.sum(cls_B * w_B) / jnp.maximum(jnp.sum(w_B), 1.0)
+    cls_loss = masked_mean(cls_B, w_B)
     # Position t predicts t+1 for t < T-2: the last column holds the classification token, never a target.
     mask_BT = batch["mask"]
     target_BT = mask_BT[:, :-2] & mask_BT[:, 1:-1]
     tok_BT = token_nll(lm_logits_BTV[:, :-2], batch["x"][:, 1:-1])
     tok_w_BT = target_BT * w_B[:, None]
-    lm_loss = jnp.sum(tok_BT * tok_w_BT) / jnp.maximum(jnp.sum(tok_w_BT), 1.0)
+    lm_loss = masked_mean(tok_BT, tok_w_BT)
     return cls_loss + lm_weight * lm_loss, {"cls_loss": cls_loss, "lm_loss": lm_loss}
 
 

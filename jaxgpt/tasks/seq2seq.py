@@ -41,7 +41,7 @@ from jaxgpt.generate.seq2seq import greedy
 from jaxgpt.io import weights
 from jaxgpt.model.config import Seq2SeqConfig
 from jaxgpt.model.encdec import Seq2SeqModel, dummy_batch
-from jaxgpt.ops.loss import token_cross_entropy
+from jaxgpt.ops.loss import masked_mean, token_cross_entropy
 from jaxgpt.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # src (B, S), tgt_in / tgt_out (B, T) int32, weight (B,) float32
@@ -51,7 +51,7 @@ def seq2seq_loss(logits_BTV: jax.Array, batch: Batch, label_smoothing: float = 0
     """Mean (smoothed) cross-entropy over the real target tokens of the real rows."""
     mask_BT = (batch["tgt_out"] != SPECIALS["pad_id"]) * batch["weight"][:, None]
     tok_BT = token_cross_entropy(logits_BTV, batch["tgt_out"], label_smoothing)
-    return jnp.sum(tok_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
+    return masked_mean(tok_BT, mask_BT)
 
 
 
