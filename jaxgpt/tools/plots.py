@@ -19,7 +19,7 @@ import numpy as np
 from jaxgpt import storage
 from jaxgpt.errors import UserError
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
-from jaxgpt.train.logs import METRICS_FILE
+from jaxgpt.train.rundir import METRICS_FILE
 
 Series = tuple[np.ndarray, np.ndarray]  # (steps, values)
 

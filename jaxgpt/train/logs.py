@@ -19,11 +19,10 @@ import jax
 
 from jaxgpt import storage
 from jaxgpt.errors import optional_import
+from jaxgpt.train.rundir import METRICS_FILE
 
 # Periodic (training) values whose tag is not train/<name>.
 TRAIN_TAGS = {"train_loss": "train/loss", "tokens_per_sec": "perf/tokens_per_s", "mfu": "perf/mfu"}
-
-METRICS_FILE = "metrics.jsonl"  # in the work directory: one JSON record a line
 
 
 def tag(name: str, kind: str) -> str:

@@ -18,16 +18,15 @@ from typing import Any
 
 from jaxgpt import storage
 from jaxgpt.errors import UserError
-from jaxgpt.io.checkpoint import CHECKPOINT_DIR, CORRUPT_DIR
 from jaxgpt.train.lease import LEASE_FILE, BucketLease
-from jaxgpt.train.logs import METRICS_FILE
 
 LOCK_FILE = "jaxgpt.lock"
 CONFIG_FILE = "config.json"
 STARTS_DIR = "starts"
-# Everything a run writes at the top of its work directory: a directory holding only these is a run's.
-RUN_FILES = frozenset({CHECKPOINT_DIR, METRICS_FILE, "tensorboard", CONFIG_FILE, STARTS_DIR, LOCK_FILE,
-                       LEASE_FILE, CORRUPT_DIR, "wandb"})
+METRICS_FILE = "metrics.jsonl"  # one JSON record a line (`train.logs.MetricsLog`, `tools.plots.read_metrics`)
+# What a run writes at the top of its work directory besides its checkpoints (`check_not_foreign` adds
+# io.checkpoint's two directories): a directory holding only these is a run's.
+RUN_FILES = frozenset({METRICS_FILE, "tensorboard", CONFIG_FILE, STARTS_DIR, LOCK_FILE, LEASE_FILE, "wandb"})
 
 
 def is_run_config(path: storage.Location) -> bool:
@@ -41,13 +40,15 @@ def is_run_config(path: storage.Location) -> bool:
 
 def check_not_foreign(workdir: storage.Location) -> None:
     """Refuse a directory holding files a run did not write: training would overwrite or mix with them."""
+    from jaxgpt.io.checkpoint import CHECKPOINT_DIR, CORRUPT_DIR  # orbax and jax: this module stays light to import
+
     entries = [name for name in storage.names(workdir) if not name.startswith(".")]
     config = workdir / CONFIG_FILE
     if config.exists() and not is_run_config(config):
         raise UserError(f"{workdir} holds a config.json that jaxgpt did not write (a Hugging Face checkpoint?): "
                         "choose another --config.workdir; nothing was changed")
     is_run = any(name in entries for name in (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE))
-    foreign = [name for name in entries if name not in RUN_FILES]
+    foreign = [name for name in entries if name not in RUN_FILES | {CHECKPOINT_DIR, CORRUPT_DIR}]
     if foreign and not is_run:
         raise UserError(f"{workdir} already holds files a jaxgpt run did not write ({', '.join(foreign[:3])}"
                         f"{', ...' if len(foreign) > 3 else ''}): choose an empty or new --config.workdir")
