@@ -12,8 +12,11 @@ import numpy as np
 
 def out_of_range(ids: Sequence[int] | np.ndarray, vocab_size: int) -> list[int]:
     """The distinct ids of `ids` outside [0, vocab_size), sorted, at most five: what an error about them quotes.
-    Compared as Python ints, so an id past int64 (a request's JSON can hold one) is reported, not overflowed."""
-    return sorted({int(i) for i in np.asarray(ids).ravel().tolist() if not 0 <= i < vocab_size})[:5]
+    An array is compared at once; a list as Python ints, so an id past int64 (a request's JSON can hold one) is
+    reported, not overflowed, and a tokenizer's `decode` converts nothing."""
+    if isinstance(ids, np.ndarray):
+        ids = ids[(ids < 0) | (ids >= vocab_size)].tolist()
+    return sorted({int(i) for i in ids if not 0 <= i < vocab_size})[:5]
 
 
 def check_ids(ids: Sequence[int], vocab_size: int) -> None:
