@@ -25,7 +25,7 @@ from absl import flags
 from ml_collections import ConfigDict, config_flags
 
 from jaxgpt import storage
-from jaxgpt.errors import InterruptError, StorageError, UserError
+from jaxgpt.errors import InterruptError, StorageError, UserError, one_line
 
 # Each command: its one line, and the guide (in the source tree) that covers it. `jaxgpt --help` lists both.
 COMMANDS = {
@@ -69,8 +69,10 @@ def use_huge_pages() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).replace("\\n", " ").replace("'", "").split())
+def error_line(error: BaseException) -> str:
+    """How a command prints an error: `errors.one_line` of its message without the quotes and escaped newlines
+    that KeyError's and absl's messages carry."""
+    return one_line(str(error).replace("\\n", " ").replace("'", ""))
 
 
 def define_config(flags_: flags.FlagValues, argv: Sequence[str], example: str) -> None:
@@ -94,7 +96,7 @@ def require_config(flags_: flags.FlagValues, example: str) -> ConfigDict:
         try:
             config.keys()  # ml_collections defers a failed load: any use of the placeholder raises
         except Exception as e:
-            raise UserError(f"cannot load the --config file {path}: {one_line(e)}") from None
+            raise UserError(f"cannot load the --config file {path}: {error_line(e)}") from None
     if not isinstance(config, ConfigDict):
         raise UserError(f"{path}: get_config() returned a {type(config).__name__}, not an ml_collections "
                         f"ConfigDict: start it from jaxgpt.train.config.base_config() (see {example})")
@@ -120,7 +122,7 @@ def parse_error(e: Exception) -> str:
     if isinstance(e, KeyError | AttributeError) and e.args:
         text = str(e.args[0]).replace("\\n", " ").translate(str.maketrans("", "", "\\'\""))
         return "unknown config key " + " ".join(text.split())
-    return one_line(e)
+    return error_line(e)
 
 
 def check_locations(flags_: flags.FlagValues, locations: Mapping[str, str]) -> None:
@@ -161,7 +163,7 @@ def run_command(doc: str, define: Define, action: Action, argv: Sequence[str] | 
         check_locations(flags_, locations or {})
         action(flags_, args)
     except InterruptError as e:  # a run that saved its state on SIGINT / SIGTERM
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return e.status
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -184,7 +186,7 @@ def os_error_line(e: OSError) -> str:
     where = f" ({e.filename})" if e.filename else ""
     if e.errno in storage.DISK_FULL:
         return f"{e.strerror}{where}: free space there (or raise the file-size limit), then run the command again"
-    return f"{e.strerror or one_line(e)}{where}"
+    return f"{e.strerror or error_line(e)}{where}"
 
 
 def no_arguments(args: list[str]) -> None:
