@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 from absl import flags
@@ -31,6 +30,7 @@ from absl import flags
 from jaxgpt import storage
 from jaxgpt.commands import run_command
 from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.data.user_files import read_text
 from jaxgpt.errors import UserError
 from jaxgpt.evals import benchmarks, text
 from jaxgpt.io import weights
@@ -42,7 +42,8 @@ LOCATIONS = {"workdir": storage.ANYWHERE, "init_from": storage.SOURCE, "text": s
 
 def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("workdir", None, "a jaxgpt run to evaluate", flag_values=flags_)
-    flags.DEFINE_string("init_from", None, "or weights from elsewhere: hf:PATH, hf:OWNER/NAME, preset:NAME",
+    flags.DEFINE_string("init_from", None, "or weights from elsewhere: hf:PATH, hf:OWNER/NAME, gguf:PATH, "
+                        "peft:DIR, preset:NAME",
                         flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["workdir", "init_from"], required=True, flag_values=flags_)
     flags.DEFINE_enum("which", "latest", ("latest", "best"), "which checkpoint of --workdir", flag_values=flags_)
@@ -68,12 +69,7 @@ def read_texts(paths: Sequence[str]) -> list[str]:
     texts = []
     for path in paths:
         storage.check(path, "--text", storage.LOCAL)  # (also the files after the first, given as arguments)
-        try:
-            texts.append(Path(path).read_bytes().decode("utf-8"))
-        except OSError as e:
-            raise UserError(f"cannot read --text {path} ({e.strerror}): check the path") from None
-        except UnicodeDecodeError as e:
-            raise UserError(f"--text {path} is not UTF-8 (bad byte at offset {e.start}): convert it to UTF-8") from None
+        texts.append(read_text(path, "--text"))
     return texts
 
 
@@ -142,7 +138,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     if flags_.trainer_batches and (paths or flags_.block_size is not None):
         raise UserError("--trainer_batches evaluates the run's own batches of a prepared dataset: leave out --text "
                         "and --block_size")
-    source = f"workdir:{flags_.workdir}" if flags_.workdir is not None else flags_.init_from
+    source = weights.source_of(flags_.workdir, flags_.init_from)
     if name := benchmark_name(flags_):
         return run_benchmark(flags_, name, source, paths)
     texts = read_texts(paths)  # a wrong path fails before a model is read

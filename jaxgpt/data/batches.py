@@ -177,6 +177,20 @@ def fixed_batches(idx: np.ndarray, batch_size: int) -> list[tuple[np.ndarray, in
             for i in range(0, len(idx), batch_size)]
 
 
+def filler_batches(data: dict[str, np.ndarray], idx: np.ndarray, batch_size: int, zeroed: tuple[str, ...],
+                   share: slice = slice(None)) -> list[dict[str, np.ndarray]]:
+    """Rows `idx` of `data` (arrays of one length) in `fixed_batches`, each cut to this process's `share` of its
+    rows, with the `zeroed` arrays (a weight, loss masks) zero on the filler rows so that those count nothing."""
+    out = []
+    for picked, n_real in fixed_batches(idx, batch_size):
+        real_B = np.arange(batch_size) < n_real
+        rows = {k: v[picked] for k, v in data.items()}
+        for k in zeroed:
+            rows[k] = rows[k] * real_B.reshape(-1, *[1] * (rows[k].ndim - 1)).astype(rows[k].dtype)
+        out.append({k: v[share] for k, v in rows.items()})
+    return out
+
+
 def bucket(length: int, block_size: int, shortest: int = 16) -> int:
     """The padded length of a row of `length` inputs: the next power of two from `shortest`, at most block_size,
     so rows of any length compile one program per bucket (the evaluations' scorer, the engine's prefill, the

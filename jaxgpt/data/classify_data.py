@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
-import json
+import io
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.data.batches import fixed_batches, permutation
+from jaxgpt.data.batches import permutation
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
 from jaxgpt.data.streams import SPLIT_STREAM
 from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.data.user_files import jsonl_objects, read_text
 from jaxgpt.errors import UserError
 
 Label = int | str
@@ -69,12 +70,9 @@ def read_csv(path: Path) -> Examples:
     numerically and come back from `predict` as numbers.
     """
     try:
-        with path.open(newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            columns = reader.fieldnames
-            rows = list(reader)
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}): convert it to UTF-8") from None
+        reader = csv.DictReader(io.StringIO(read_text(path), newline=""))
+        columns = reader.fieldnames
+        rows = list(reader)
     except csv.Error as e:
         raise UserError(f"{path} is not valid CSV ({e})") from None
     if not columns:
@@ -98,20 +96,9 @@ def read_csv(path: Path) -> Examples:
 def read_jsonl(path: Path) -> Examples:
     """One JSON object per non-blank line with a string `text` and a string or integer `label`."""
     texts, labels = [], []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}): convert it to UTF-8") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{where} is not valid JSON ({e})") from None
+    for where, row in jsonl_objects(path):
         if not isinstance(row, dict) or "text" not in row or "label" not in row:
-            raise UserError(f"{where} must be an object with keys `text` and `label`")
+            raise UserError(f"{where}: not an object with keys `text` and `label`")
         if not isinstance(row["text"], str):
             raise UserError(f"{where}: text must be a string, got {type(row['text']).__name__}")
         texts.append(row["text"])
@@ -317,21 +304,6 @@ def encode_texts(texts: Sequence[str], tokenizer: Tokenizer, cls_id: int, width:
 # Batches
 
 
-def make_batch(data: dict[str, np.ndarray], idx: np.ndarray, n_real: int | None = None) -> dict[str, np.ndarray]:
-    """Rows `idx` of the encoded data; rows past `n_real` are filler with weight 0 (a short last eval batch)."""
-    weight = np.ones(len(idx), np.float32)
-    if n_real is not None:
-        weight[n_real:] = 0.0
-    return {"x": data["x"][idx], "mask": data["mask"][idx], "label": data["label"][idx], "weight": weight}
-
-
-def padded_batches(data: dict[str, np.ndarray], batch_size: int,
-                 idx: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
-    """Examples `idx` (default all) in fixed-shape batches; the last one is padded with zero-weight rows."""
-    idx = np.arange(len(data["x"])) if idx is None else idx
-    return [make_batch(data, rows, n_real) for rows, n_real in fixed_batches(idx, batch_size)]
-
-
 def majority_baseline(train_ids: np.ndarray, val_ids: np.ndarray) -> tuple[int, float]:
     """(class, held-out accuracy) of always predicting the training set's most frequent class."""
     majority = Counter(train_ids.tolist()).most_common(1)[0][0]
@@ -346,7 +318,7 @@ def majority_baseline(train_ids: np.ndarray, val_ids: np.ndarray) -> tuple[int, 
 class EncodedTask:
     """A task ready for the model: token arrays per split, the label names, and the row width W."""
 
-    data: dict[str, dict[str, np.ndarray]]  # split -> {"x" (N, W), "mask" (N, W), "label" (N,)}
+    data: dict[str, dict[str, np.ndarray]]  # split -> {"x" (N, W), "mask" (N, W), "label" (N,), "weight" (N,)}
     names: list[Label]
     width: int
     description: str
@@ -365,5 +337,5 @@ def encode_task(task: tuple[Examples, Examples, list[Label], str], tokenizer: To
     data = {}
     for part, ex in parts.items():
         x, mask = pad_rows(tokens[part], cls_id, width)
-        data[part] = {"x": x, "mask": mask, "label": label_ids(ex.labels, names)}
+        data[part] = {"x": x, "mask": mask, "label": label_ids(ex.labels, names), "weight": np.ones(len(x), np.float32)}
     return EncodedTask(data, names, width, description)

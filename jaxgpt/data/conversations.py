@@ -44,6 +44,7 @@ from jaxgpt.data.batches import held_out_split
 from jaxgpt.data.hub import hub_rows
 from jaxgpt.data.streams import BUILTIN_STREAM
 from jaxgpt.data.tokenizer import Tokenizer, WithSpecialTokens
+from jaxgpt.data.user_files import jsonl_objects
 from jaxgpt.errors import UserError
 
 Message = dict[str, str]
@@ -189,32 +190,14 @@ def conversation_error(obj: object, prompt: bool = False) -> str | None:
     return None
 
 
-def jsonl_objects(path: str | Path) -> list[tuple[int, Any]]:
-    """(line number, parsed object) of every non-blank line of a .jsonl file; a line that is not JSON is a
-    UserError FILE:LINE. Each reader checks the objects it takes (`load_jsonl`; task rl's prompts)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read conversations from {path}: {e}") from None
-    objects = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            objects.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
-    return objects
-
-
-def load_jsonl(path: str | Path, prompt: bool = False) -> list[tuple[int, Conversation]]:
-    """(line number, conversation) of every conversation of a .jsonl file (blank lines skipped); the first bad line
+def load_jsonl(path: str | Path, prompt: bool = False) -> list[tuple[str, Conversation]]:
+    """("FILE:LINE", conversation) of every conversation of a .jsonl file (blank lines skipped); the first bad line
     is a UserError FILE:LINE. `prompt`: conversations to answer (see `conversation_error`)."""
     conversations = []
-    for n, obj in jsonl_objects(path):
+    for where, obj in jsonl_objects(path):
         if (error := conversation_error(obj, prompt)) is not None:
-            raise UserError(f"{path}:{n}: {error}")
-        conversations.append((n, [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]))
+            raise UserError(f"{where}: {error}")
+        conversations.append((where, [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]))
     if not conversations:
         raise UserError(f"{path} holds no conversations: give one JSON object per line, "
                         '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}')

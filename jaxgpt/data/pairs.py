@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Sequence
@@ -24,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.data.batches import fixed_batches, held_out_split, spread_indices
+from jaxgpt.data.batches import held_out_split
 from jaxgpt.data.corpora import stdlib_files, stdlib_root
 from jaxgpt.data.streams import BUILTIN_STREAM
 from jaxgpt.data.tokenizer import CharTokenizer, Tokenizer, WordTokenizer
+from jaxgpt.data.user_files import jsonl_objects, read_text
 from jaxgpt.errors import UserError
 
 Pair = tuple[str, str]
@@ -90,25 +90,21 @@ def build_tokenizer(kind: str, texts: Sequence[str], word_vocab: int) -> Tokeniz
 # Files
 
 
-def _read_lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(encoding="utf-8-sig").splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}): convert it to UTF-8") from None
+def _tsv_pairs(path: Path) -> list[tuple[str, Pair]]:
+    """("FILE:LINE", (source, target)) of each non-blank line of source<TAB>target."""
+    rows = []
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        fields = line.split("\t")
+        if len(fields) < 2:
+            raise UserError(f"{where}: expected source<TAB>target, found no tab")
+        rows.append((where, (fields[0], fields[1])))
+    return rows
 
 
-def _tsv_pair(line: str, where: str) -> Pair:
-    fields = line.split("\t")
-    if len(fields) < 2:
-        raise UserError(f"{where}: expected source<TAB>target, found no tab")
-    return fields[0], fields[1]
-
-
-def _jsonl_pair(line: str, where: str) -> Pair:
-    try:
-        row = json.loads(line)
-    except ValueError as e:
-        raise UserError(f"{where}: not valid JSON ({e})") from None
+def _jsonl_pair(row: Any, where: str) -> Pair:
     if not isinstance(row, dict) or not isinstance(row.get("source"), str) or not isinstance(row.get("target"), str):
         raise UserError(f'{where}: expected an object with string keys "source" and "target"')
     return row["source"], row["target"]
@@ -122,13 +118,12 @@ def read_pairs(path: str | Path) -> list[Pair]:
                         f"{'/'.join(FILE_SUFFIXES)} file of source/target pairs")
     if not path.is_file():
         raise UserError(f"pair file {path} not found: check --config.seq2seq.data")
-    parse = _jsonl_pair if path.suffix.lower() == ".jsonl" else _tsv_pair
+    if path.suffix.lower() == ".jsonl":
+        rows = [(where, _jsonl_pair(row, where)) for where, row in jsonl_objects(path)]
+    else:
+        rows = _tsv_pairs(path)
     pairs = []
-    for number, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        source, target = parse(line, where)
+    for where, (source, target) in rows:
         if not source.strip() or not target.strip():
             raise UserError(f"{where}: the {'source' if not source.strip() else 'target'} is empty")
         pairs.append((source, target))
@@ -235,18 +230,3 @@ def encode_pairs(ids: Sequence[tuple[list[int], list[int]]], src_len: int, tgt_l
         tgt_in[i, :len(t) + 1] = [SPECIALS["bos_id"], *t]
         tgt_out[i, :len(t) + 1] = [*t, SPECIALS["eos_id"]]
     return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out, "weight": np.ones(n, np.float32)}
-
-
-def rows(data: dict[str, np.ndarray], idx: np.ndarray, n_real: int | None = None) -> dict[str, Any]:
-    """Rows `idx` of encoded pairs; rows past `n_real` are filler (weight 0)."""
-    out = {k: v[idx] for k, v in data.items()}
-    if n_real is not None:
-        out["weight"] = np.where(np.arange(len(idx)) < n_real, out["weight"], 0.0).astype(np.float32)
-    return out
-
-
-def eval_rows(data: dict[str, np.ndarray], batch_size: int, n_batches: int) -> list[dict[str, np.ndarray]]:
-    """At most `n_batches * batch_size` rows spread evenly over the data (all of it if fewer), in fixed-shape
-    batches; the last one is completed with zero-weight filler rows."""
-    idx = spread_indices(len(data["src"]), n_batches * batch_size)
-    return [rows(data, part, n_real) for part, n_real in fixed_batches(idx, batch_size)]

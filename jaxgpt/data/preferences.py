@@ -40,13 +40,13 @@ from jaxgpt.data.conversations import (
     Conversations,
     builtin_conversations,
     conversation_error,
-    jsonl_objects,
     prompt_key,
 )
 from jaxgpt.data.hub import hub_rows
 from jaxgpt.data.model_chat import encode_chat
 from jaxgpt.data.streams import PREFERENCE_STREAM
 from jaxgpt.data.tokenizer_base import Tokenizer
+from jaxgpt.data.user_files import jsonl_objects
 from jaxgpt.errors import UserError
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
@@ -169,7 +169,7 @@ def checked_pairs(objects: Iterable[tuple[str, object]], where: str) -> list[Pai
 
 def load_pairs(path: str) -> list[Pair]:
     """The pairs of a .jsonl file in TRL's preference format; the first bad line is a UserError FILE:LINE."""
-    return checked_pairs(((f"{path}:{n}", obj) for n, obj in jsonl_objects(path)), path)
+    return checked_pairs(jsonl_objects(path), path)
 
 
 def hub_pairs(spec: str) -> list[Pair]:

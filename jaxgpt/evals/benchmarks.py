@@ -15,7 +15,6 @@ offline machines.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 
 from jaxgpt.data.corpora import download
 from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.data.user_files import jsonl_objects
 from jaxgpt.errors import UserError
 from jaxgpt.evals.loglik import Scorer
 from jaxgpt.model.config import ModelConfig
@@ -65,17 +65,6 @@ def data_file(benchmark: str, path: str | None) -> Path:
                     f"(or put it at {cached})")
 
 
-def _records(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n} is not valid JSON ({e.msg}): one object per line") from None
-    return rows
-
-
 @dataclasses.dataclass(frozen=True)
 class Example:
     context: str
@@ -86,12 +75,12 @@ class Example:
 def read(path: str | Path) -> list[Example]:
     """HellaSwag examples from its JSONL (fields ctx, endings, label), each line checked."""
     examples = []
-    for n, row in _records(Path(path)):
-        endings, label = row.get("endings"), row.get("label")
-        if not (isinstance(row.get("ctx"), str) and isinstance(endings, list) and endings
+    for where, row in jsonl_objects(path):
+        endings, label = (row.get("endings"), row.get("label")) if isinstance(row, dict) else (None, None)
+        if not (isinstance(row, dict) and isinstance(row.get("ctx"), str) and isinstance(endings, list) and endings
                 and all(isinstance(e, str) for e in endings)
                 and isinstance(label, int) and 0 <= label < len(endings)):
-            raise UserError(f"{path}:{n} is not a HellaSwag example: it needs a string ctx, a list of string "
+            raise UserError(f"{where}: not a HellaSwag example: it needs a string ctx, a list of string "
                             "endings and an integer label indexing them")
         examples.append(Example(row["ctx"], tuple(endings), label))
     return examples
@@ -116,13 +105,13 @@ def hellaswag(scorer: Scorer, examples: Sequence[Example], requests: Sequence[tu
     return Result("hellaswag", len(examples), hits / len(examples), accuracy_norm=hits_norm / len(examples))
 
 
-def lambada(scorer: Scorer, tokenizer: Tokenizer, records: Sequence[tuple[int, dict[str, Any]]], path: Path
-            ) -> Result:
+def lambada(scorer: Scorer, tokenizer: Tokenizer, records: Sequence[tuple[str, Any]]) -> Result:
+    """LAMBADA's last-word accuracy and perplexity over ("FILE:LINE", {"text": ...}) records."""
     requests = []
-    for n, row in records:
-        text = row.get("text")
+    for where, row in records:
+        text = row.get("text") if isinstance(row, dict) else None
         if not isinstance(text, str) or " " not in text.strip():
-            raise UserError(f"{path}:{n} is not a LAMBADA passage: it needs a text field of several words")
+            raise UserError(f"{where}: not a LAMBADA passage: it needs a text field of several words")
         context, word = text.strip().rsplit(" ", 1)
         requests.append((tokenizer.encode(context), tokenizer.encode_continuation(" " + word)))
     scores = scorer.score(requests)
@@ -161,7 +150,7 @@ def evaluate(benchmark: str, params: Any, cfg: ModelConfig, tokenizer: Tokenizer
         if not examples:
             raise UserError(f"{path} holds no HellaSwag example")
         return hellaswag(scorer, examples, hellaswag_requests(tokenizer, examples))
-    records = _records(path)[:limit]
+    records = jsonl_objects(path)[:limit]
     if not records:
         raise UserError(f"{path} holds no LAMBADA passage")
-    return lambada(scorer, tokenizer, records, path)
+    return lambada(scorer, tokenizer, records)

@@ -32,15 +32,6 @@ from jaxgpt.generate.sampling import generate
 from jaxgpt.io import weights
 
 
-def weights_source(workdir: str | None, init_from: str | None, preset: str | None) -> str:
-    """The weight loader's source for exactly one of the three ways to name a model."""
-    given = {k: v for k, v in (("workdir", workdir), ("init_from", init_from), ("preset", preset)) if v}
-    if len(given) != 1:
-        raise UserError(f"name the model with exactly one of workdir=, init_from= or preset= (got {sorted(given)})")
-    key, value = next(iter(given.items()))
-    return {"workdir": f"workdir:{value}", "preset": f"preset:{value}"}.get(key, value)
-
-
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:
     """The text before the first occurrence of any stop string."""
     for stop in stops:
@@ -57,7 +48,7 @@ class JaxGPTLM(TemplateLM):
                  which: str = "latest", dtype: str | None = None, batch_size: int | str = 8,
                  max_gen_toks: int = 256, bpe_file: str | None = None, **_harness: Any) -> None:
         super().__init__()
-        source = weights_source(workdir, init_from, preset)
+        source = weights.source_of(workdir, init_from, preset)
         loaded = weights.load(source, which=which)
         self.cfg = weights.require_gpt(source, loaded.model, "be evaluated as a language model")
         if dtype not in (None, "float32", "bfloat16"):

@@ -230,6 +230,16 @@ def describe_chat(source: str) -> dict[str, Any] | None:
     return None
 
 
+def source_of(workdir: str | None = None, init_from: str | None = None, preset: str | None = None) -> str:
+    """The source `load` takes for a model named the way the commands name it: exactly one of a run's work
+    directory, a source of any kind (`init_from`) or a preset's name."""
+    given = {k: v for k, v in (("workdir", workdir), ("init_from", init_from), ("preset", preset)) if v}
+    if len(given) != 1:
+        raise UserError(f"name the model with exactly one of workdir, init_from or preset (got {sorted(given)})")
+    key, value = next(iter(given.items()))
+    return {"workdir": f"workdir:{value}", "preset": f"preset:{value}"}.get(key, value)
+
+
 def load(source: str, *, which: str = "latest", seed: int = 0, block_size: int | None = None,
          merge_lora: bool = True) -> Weights:
     """Weights from `source` (see the module docstring).

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
+from jaxgpt.data.batches import batch_indices, filler_batches, process_share, rows_sha256, spread_indices
 from jaxgpt.data.conversations import (
     TEMPLATE_FILE,
     Conversation,
@@ -85,7 +85,7 @@ def configured_conversations(c: Conversations, seed: int) -> tuple[list[Conversa
         origins = [f"{c.data} row {n}" for n, _ in numbered]
     elif c.data.endswith(".jsonl"):
         numbered = load_jsonl(c.data)
-        origins = [f"{c.data}:{n}" for n, _ in numbered]
+        origins = [where for where, _ in numbered]
     else:
         raise UserError(f"config.{c.group}.data={c.data!r} is neither 'builtin' nor a .jsonl file of "
                         f"{{\"messages\": [...]}} objects (OpenAI's format) nor a Hub dataset, {HUB_SPEC}")
@@ -259,19 +259,9 @@ class Chat:
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
         """Fixed batches of the sampled conversations; the last is completed by filler rows whose masks are 0."""
-        B = self.cfg.batch_size
-        part = process_share(B, process_index, process_count)
-        out = {}
-        for split, idx in self.eval_idx.items():
-            batches = []
-            for picked, n_real in fixed_batches(idx, B):
-                rows = {k: v[picked] for k, v in self.data[split].items()}
-                real_B = np.arange(B) < n_real
-                for k in ("loss_mask", "answer_mask"):
-                    rows[k] = rows[k] * real_B[:, None]
-                batches.append({k: v[part] for k, v in rows.items()})
-            out[split] = batches
-        return out
+        share = process_share(self.cfg.batch_size, process_index, process_count)
+        return {split: filler_batches(self.data[split], idx, self.cfg.batch_size, ("loss_mask", "answer_mask"), share)
+                for split, idx in self.eval_idx.items()}
 
     def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
         """Per split: loss over assistant tokens (val_loss: the best-checkpoint metric), token accuracy, exact

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, spread_indices
+from jaxgpt.data.batches import batch_indices, filler_batches, fixed_batches, process_share, spread_indices
 from jaxgpt.data.classify_data import (
     Label,
     cls_token_id,
@@ -34,8 +34,6 @@ from jaxgpt.data.classify_data import (
     encode_texts,
     load_task,
     majority_baseline,
-    make_batch,
-    padded_batches,
 )
 from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_meta
 from jaxgpt.errors import UserError
@@ -138,12 +136,12 @@ class Classification:
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["x"]), self.cfg.batch_size)
-        return make_batch(self.data["train"], idx[process_share(self.cfg.batch_size, process_index, process_count)])
+        idx = idx[process_share(self.cfg.batch_size, process_index, process_count)]
+        return {k: v[idx] for k, v in self.data["train"].items()}
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
-        rows = process_share(self.cfg.batch_size, process_index, process_count)
-        return {part: [{k: v[rows] for k, v in b.items()} for b in padded_batches(self.data[part], self.cfg.batch_size,
-                                                                                   idx)]
+        share = process_share(self.cfg.batch_size, process_index, process_count)
+        return {part: filler_batches(self.data[part], idx, self.cfg.batch_size, ("weight",), share)
                 for part, idx in self.eval_idx.items()}
 
     def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:

@@ -23,17 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, process_share, rows_sha256
+from jaxgpt.data.batches import batch_indices, filler_batches, process_share, rows_sha256, spread_indices
 from jaxgpt.data.pairs import (
     SPECIALS,
     Pair,
     build_tokenizer,
     decode_ids,
     encode_pairs,
-    eval_rows,
     fitting,
     load_pairs,
-    rows,
     to_ids,
 )
 from jaxgpt.errors import UserError
@@ -94,7 +92,9 @@ class Seq2Seq:
         self.tokens_per_row = src_len + tgt_len
         self.eval_rows_per_batch = cfg.batch_size
         self._dropout = cfg.model.any_dropout
-        self._evals = {split: eval_rows(self.data[split], cfg.batch_size, cfg.eval_batches) for split in self.data}
+        # at most eval_batches of rows spread evenly over each split (all of it if fewer)
+        self.eval_idx = {split: spread_indices(len(part["src"]), cfg.eval_batches * cfg.batch_size)
+                         for split, part in self.data.items()}
         skipped = len(train) + len(val) - len(train_kept) - len(val_kept)
         self._description = (f"{description}\n{tokenizer.name} vocabulary of {tokenizer.vocab_size} tokens + "
                              f"{SPECIALS['offset']} specials; rows of {src_len} source / {tgt_len} target tokens"
@@ -138,11 +138,13 @@ class Seq2Seq:
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
         idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["src"]), self.cfg.batch_size)
-        return rows(self.data["train"], idx[process_share(self.cfg.batch_size, process_index, process_count)])
+        idx = idx[process_share(self.cfg.batch_size, process_index, process_count)]
+        return {k: v[idx] for k, v in self.data["train"].items()}
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
-        part = process_share(self.cfg.batch_size, process_index, process_count)
-        return {split: [{k: v[part] for k, v in b.items()} for b in batches] for split, batches in self._evals.items()}
+        share = process_share(self.cfg.batch_size, process_index, process_count)
+        return {split: filler_batches(self.data[split], idx, self.cfg.batch_size, ("weight",), share)
+                for split, idx in self.eval_idx.items()}
 
     def summarize(self, outputs: dict[str, list[Any]]) -> dict[str, Any]:
         """Per split: loss (plain cross-entropy, the best-checkpoint metric for val), token accuracy, exact

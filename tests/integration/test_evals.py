@@ -110,8 +110,15 @@ def test_hellaswag_errors_are_one_line(tmp_path: Path) -> None:
     bad.write_text('{"ctx": "a", "endings": ["b", "c"], "label": 5}\n')
     with pytest.raises(UserError, match=r"bad.jsonl:1"):
         benchmarks.read(bad)
-    with pytest.raises(UserError, match="not valid JSON"):
+    bad.write_text('{"ctx": "a", "endings": ["b"], "label": 0}\n[1, 2]\n')  # JSON, but not an object
+    with pytest.raises(UserError, match=r"bad.jsonl:2: not a HellaSwag example"):
+        benchmarks.read(bad)
+    with pytest.raises(UserError, match=r"bad.jsonl:1: not valid JSON"):
         bad.write_text("{oops\n")
+        benchmarks.read(bad)
+    bad.unlink()
+    bad.mkdir()  # unreadable: one line, where a directory used to raise IsADirectoryError
+    with pytest.raises(UserError, match=r"cannot read .*bad.jsonl"):
         benchmarks.read(bad)
 
 

@@ -21,9 +21,9 @@ from jaxgpt.data.conversations import (
     Conversation,
     Conversations,
     conversation_error,
-    jsonl_objects,
     prompt_key,
 )
+from jaxgpt.data.user_files import jsonl_objects
 from jaxgpt.errors import UserError
 from jaxgpt.tasks.chat import configured_conversations
 
@@ -51,7 +51,7 @@ def _jsonl_prompt(obj: object, origin: str) -> Prompt:
 
 
 def _load_jsonl(path: str) -> list[Prompt]:
-    prompts = [_jsonl_prompt(obj, f"{path}:{n}") for n, obj in jsonl_objects(path)]
+    prompts = [_jsonl_prompt(obj, where) for where, obj in jsonl_objects(path)]
     if not prompts:
         raise UserError(f'{path} holds no prompts: give one JSON object per line, {{"messages": [{{"role": "user", '
                         '"content": ...}], "answer": ...}')

@@ -16,7 +16,7 @@ from jaxgpt.data import corpora as datasets
 from jaxgpt.data import dataset as data
 from jaxgpt.data import streams
 from jaxgpt.data import tokenizer as tok
-from jaxgpt.data.batches import batch_for_step, eval_batches
+from jaxgpt.data.batches import batch_for_step, eval_batches, filler_batches
 from jaxgpt.data.corpora import prepare_builtin
 from jaxgpt.data.dataset import load_dataset
 from jaxgpt.data.prepare import prepare_text
@@ -383,6 +383,16 @@ def test_eval_batches_are_fixed_and_separate_from_training():
     assert not np.array_equal(first[0][0], train_x)
     halves = [eval_batches(TOKENS, process_index=p, process_count=2, **kw) for p in range(2)]
     assert np.array_equal(np.concatenate([halves[0][1][0], halves[1][1][0]]), first[1][0])
+
+
+def test_filler_rows_complete_the_last_batch_and_count_nothing():
+    data = {"x": np.arange(10).reshape(5, 2), "weight": np.ones(5, np.float32), "mask": np.ones((5, 3), np.int32)}
+    batches = filler_batches(data, np.array([4, 0, 2]), 2, ("weight", "mask"))
+    assert [b["x"][:, 0].tolist() for b in batches] == [[8, 0], [4, 4]]  # the last row repeated, one shape
+    assert [b["weight"].tolist() for b in batches] == [[1, 1], [1, 0]]
+    assert batches[1]["mask"].tolist() == [[1, 1, 1], [0, 0, 0]] and batches[1]["mask"].dtype == np.int32
+    halves = [filler_batches(data, np.array([4, 0, 2]), 2, ("weight",), slice(p, p + 1)) for p in range(2)]
+    assert [h[1]["weight"].tolist() for h in halves] == [[1], [0]]  # each process its share of every batch
 
 
 def test_random_stream_ids_are_one_table_of_distinct_non_zero_numbers():

@@ -611,7 +611,7 @@ def test_cli_samples_from_a_hugging_face_gpt2_directory(tmp_path: Path, capsys) 
     if tok.eot_token in want:
         want = want[: want.index(tok.eot_token)]
     assert out.rstrip("\n") == "A long time ago" + tok.decode(want)
-    code, _, err = run_cli(["--init_from", "workdir:x", "--prompt", "a"], capsys)
+    code, _, err = run_cli(["--init_from", "nowhere:x", "--prompt", "a"], capsys)
     assert code == 2 and "hf:PATH" in err
 
 

@@ -147,7 +147,7 @@ def test_template_rendered_and_encoded_gives_the_python_side_ids(kind: str) -> N
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ('{"messages": [{"role": "user", "content": "hi"}', "not JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}', "not valid JSON"),
     ('{"messages": [{"role": "robot", "content": "hi"}]}', "unknown role 'robot'"),
     ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
     ('{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "yo"}]}', "out of order"),
@@ -167,7 +167,7 @@ def test_a_malformed_conversation_is_one_line_naming_file_and_line(tmp_path: Pat
         load_jsonl(path)
     assert "\n" not in str(info.value)
     path.write_text(f"{good}\n\n{good}\n")
-    assert [n for n, _ in load_jsonl(path)] == [1, 3]
+    assert [where for where, _ in load_jsonl(path)] == [f"{path}:1", f"{path}:3"]
 
 
 def test_long_conversations_are_cut_at_a_turn_boundary_or_dropped() -> None:

@@ -68,7 +68,7 @@ def test_jsonl_int_and_string_labels(tmp_path: Path) -> None:
     ("short.csv", "text,label\nhi\n", "fewer fields"),
     ("blank.csv", "text,label\nhi,\n", "label '' must be"),
     ("empty.jsonl", "\n\n", "is empty"),
-    ("bad.jsonl", '{"text": "a", "label": 1}\n{oops\n', "line 2 is not valid JSON"),
+    ("bad.jsonl", '{"text": "a", "label": 1}\n{oops\n', "bad.jsonl:2: not valid JSON"),
     ("keys.jsonl", '{"text": "a"}\n', "keys `text` and `label`"),
     ("float.jsonl", '{"text": "a", "label": 1.5}\n', "must be a non-empty string or an integer"),
     ("data.txt", "whatever", "neither a built-in dataset"),

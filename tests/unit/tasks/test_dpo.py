@@ -88,7 +88,7 @@ def _tokenizer():
 
 
 @pytest.mark.parametrize(("line", "says"), [
-    ('{"prompt": "hi", "chosen": "a"', "not JSON"),
+    ('{"prompt": "hi", "chosen": "a"', "not valid JSON"),
     ('{"prompt": "hi", "chosen": "a"}', "no 'rejected'"),
     ('{"prompt": "hi", "chosen": "", "rejected": "b"}', '"chosen" is empty'),
     ('{"prompt": "hi", "chosen": "a", "rejected": [{"role": "user", "content": "b"}]}', "one assistant message"),
