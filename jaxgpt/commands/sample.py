@@ -136,7 +136,7 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
 
 
 def read_prompt(flags_: flags.FlagValues) -> str:
-    return flags_.prompt or "" if flags_.prompt_file is None else read_text(flags_.prompt_file, "--prompt_file")
+    return (flags_.prompt or "") if flags_.prompt_file is None else read_text(flags_.prompt_file, "--prompt_file")
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -177,6 +177,15 @@ def fixed_batches(idx: np.ndarray, batch_size: int) -> list[tuple[np.ndarray, in
             for i in range(0, len(idx), batch_size)]
 
 
+def step_rows(data: dict[str, np.ndarray], seed: int, step: int, batch_size: int, process_index: int,
+              process_count: int) -> dict[str, np.ndarray]:
+    """This process's share of the training batch of `step`: the rows of `data` (arrays of one length) at
+    `batch_indices`, so that the batch is a pure function of (seed, step) whatever the process count."""
+    idx = batch_indices(seed, step, len(next(iter(data.values()))), batch_size)
+    idx = idx[process_share(batch_size, process_index, process_count)]
+    return {k: v[idx] for k, v in data.items()}
+
+
 def filler_batches(data: dict[str, np.ndarray], idx: np.ndarray, batch_size: int, zeroed: tuple[str, ...],
                    share: slice = slice(None)) -> list[dict[str, np.ndarray]]:
     """Rows `idx` of `data` (arrays of one length) in `fixed_batches`, each cut to this process's `share` of its

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, filler_batches, process_share, rows_sha256, spread_indices
+from jaxgpt.data.batches import filler_batches, process_share, rows_sha256, spread_indices, step_rows
 from jaxgpt.data.conversations import (
     TEMPLATE_FILE,
     Conversation,
@@ -253,9 +253,7 @@ class Chat:
                                  tokenizer=(saved_meta.get("tokenizer"), self.tokenizer_meta))
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
-        idx = batch_indices(self.cfg.seed, step, len(self.train["x"]), self.cfg.batch_size)
-        idx = idx[process_share(self.cfg.batch_size, process_index, process_count)]
-        return {k: v[idx] for k, v in self.train.items()}
+        return step_rows(self.train, self.cfg.seed, step, self.cfg.batch_size, process_index, process_count)
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
         """Fixed batches of the sampled conversations; the last is completed by filler rows whose masks are 0."""

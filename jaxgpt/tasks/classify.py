@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.data.batches import batch_indices, filler_batches, fixed_batches, process_share, spread_indices
+from jaxgpt.data.batches import filler_batches, fixed_batches, process_share, spread_indices, step_rows
 from jaxgpt.data.classify_data import (
     Label,
     cls_token_id,
@@ -135,9 +135,7 @@ class Classification:
                                     for k in ("labels", "cls_token_id", "max_len")})
 
     def train_rows(self, step: int, process_index: int, process_count: int) -> dict[str, np.ndarray]:
-        idx = batch_indices(self.cfg.seed, step, len(self.data["train"]["x"]), self.cfg.batch_size)
-        idx = idx[process_share(self.cfg.batch_size, process_index, process_count)]
-        return {k: v[idx] for k, v in self.data["train"].items()}
+        return step_rows(self.data["train"], self.cfg.seed, step, self.cfg.batch_size, process_index, process_count)
 
     def eval_rows(self, process_index: int, process_count: int) -> dict[str, list[dict[str, np.ndarray]]]:
         share = process_share(self.cfg.batch_size, process_index, process_count)
