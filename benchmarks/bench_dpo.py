@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from bench_rl import config, int_list, trained
 
-from jaxgpt.data.conversations import BUILTIN_DATASETS
+from jaxgpt.data.conversations import BUILTIN_DATASETS, by_kind_text
 from jaxgpt.io import weights
 from jaxgpt.io.checkpoint import Checkpointer
 from jaxgpt.model.config import comma_names
@@ -85,7 +85,7 @@ def left_out_scores(c, seed: int, out: Path) -> tuple[dict, dict] | None:
 
 
 def by_dataset(metrics: dict, key: str) -> str:
-    return ", ".join(f"{k} {v:.2f}" for k, v in metrics[f"val_{key}_by_dataset"].items())
+    return by_kind_text(metrics[f"val_{key}_by_dataset"])
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ import numpy as np
 import optax
 from bench_rl import config, trained
 
+from jaxgpt.data.conversations import by_kind_text
 from jaxgpt.io.checkpoint import Checkpointer, checkpoint_dir
 from jaxgpt.model import lora, quant
 from jaxgpt.model.gpt import GPT, abstract_variables, init_params
@@ -148,7 +149,7 @@ def quality(args: argparse.Namespace) -> None:
           "|---|---|---|---|---|---|---|")
     names = {"full": "full", "lora": f"LoRA rank {args.rank}", "lora_save": f"LoRA rank {args.rank} + {args.lora_save}"}
     for name, r in results.items():
-        per = ", ".join(f"{k} {v:.2f}" for k, v in r["val_exact_match_by_dataset"].items())
+        per = by_kind_text(r["val_exact_match_by_dataset"])
         print(f"| {names[name]} | {runs[name]['optim.lr']:g} | {r['val_exact_match']:.3f} | {per} | "
               f"{r['val_loss']:.4f} | {r['bytes'] / 1024:,.0f} | {r['minutes']:.1f} |")
     for name in results.keys() - {"full"}:

@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))  # jaxgpt and configs/ from the checkout, installe
 PARTS = ("env", "train", "torch_train", "train_medium", "generate", "serve", "tests", "train_sweep", "hf_generate")
 # jaxgpt's imports that accelerator images often lack (docs/accelerators.md lists what must travel as wheels)
 OFTEN_MISSING = ("ml_collections", "tensorboardX", "torch", "transformers", "fastapi", "uvicorn", "pydantic",
-                 "openai")
+                 "prometheus_client", "openai")
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu", "flax", "optax", "orbax-checkpoint",
             "numpy", "tiktoken", "torch", "transformers", "ml_collections", "tensorboardX")
 

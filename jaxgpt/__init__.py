@@ -1,7 +1,8 @@
 """jaxgpt: GPT language models in JAX/Flax, from one CPU to TPU pods.
 
 The packages form layers: a module imports only from its own package and the layers listed before it (listed
-bottom first; `check_layout.py` fails on any import that goes up).
+bottom first, two packages on a line being one layer; `tests/unit/test_layers.py` reads this table and fails on any
+import that goes up or sideways).
 
     errors, storage  user-facing errors, and where files live (local or a bucket): every layer after them reports and
                      reads through them, so they import nothing of jaxgpt but errors
@@ -17,7 +18,7 @@ bottom first; `check_layout.py` fails on any import that goes up).
     train      the one training loop, its contract with a task (`train.task.Task`), sharding, optimizer, logs
     evals      scores of a model: text loss, benchmarks, lm-evaluation-harness; they use the loop's sharding and
                the samplers
-    tasks      the training objectives (lm, classify, seq2seq, chat, rl): each builds a `train.task.Task` from
+    tasks      the training objectives (lm, classify, seq2seq, chat, rl, dpo): each builds a `train.task.Task` from
                data, io and generate, and `tasks.build` picks one and gives it what it is evaluated on
     serve, tools  the OpenAI-compatible server; compiling without devices, summaries and plots: programs over all
                   of the above, independent of each other

@@ -30,12 +30,13 @@ from jaxgpt.errors import InterruptError, StorageError, UserError, one_line
 # Each command: its one line, and the guide (in the source tree) that covers it. `jaxgpt --help` lists both.
 COMMANDS = {
     "train": ("train or resume a run: --config configs/NAME.py [--config.KEY=VALUE ...]", "docs/training.md"),
-    "sample": ("generate text from a run, a Hugging Face GPT-2 or NanoChat directory or a preset", "docs/sampling.md"),
+    "sample": ("generate text (or chat) from a run, Hugging Face weights, a GGUF file or a preset", "docs/sampling.md"),
     "data": ("prepare a dataset from text files, a corpus or a built-in dataset", "docs/data.md"),
     "serve": ("an OpenAI-compatible completions and chat server (continuous batching)", "docs/serving.md"),
     "eval": ("loss, perplexity, bits per token/character; HellaSwag, LAMBADA", "docs/evaluation.md"),
     "harness": ("lm-evaluation-harness with --model jaxgpt", "docs/evaluation.md"),
-    "hf": ("Hugging Face GPT-2 and NanoChat directories in and out: `hf inspect`, `hf export`", "docs/huggingface.md"),
+    "hf": ("Hugging Face directories (GPT-2, NanoChat, Llama, Mistral, Qwen, Gemma 3) in and out: `hf inspect`, "
+           "`hf export`", "docs/huggingface.md"),
     "bpe": ("the GPT-2 BPE ranks file for offline machines: `bpe fetch`, `bpe verify`", "docs/data.md"),
     "summary": ("parameter table of a preset, config or Hugging Face directory", "docs/models.md"),
     "plots": ("figures: `plots curves`, `plots attention`, `plots positions`", "docs/models.md"),

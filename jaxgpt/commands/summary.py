@@ -36,7 +36,8 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_string("preset", None, f"one of {', '.join([*PRESETS, *SEQ2SEQ_PRESETS])}", flag_values=flags_)
     flags.DEFINE_string("config", None, "a training config file (configs/*.py with get_config()) or a JSON file "
                         "of model fields", flag_values=flags_)
-    flags.DEFINE_string("hf", None, "a Hugging Face GPT-2 or NanoChat directory (only its config.json is read)",
+    flags.DEFINE_string("hf", None, "a Hugging Face directory, any family `jaxgpt hf` reads (only its config.json "
+                        "is read)",
                         flag_values=flags_)
     flags.mark_flags_as_mutual_exclusive(["preset", "config", "hf"], required=True, flag_values=flags_)
     flags.DEFINE_integer("vocab_size", None, "vocabulary size, for configs that take it from the dataset",

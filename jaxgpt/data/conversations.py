@@ -68,6 +68,11 @@ def mean_by_kind(kinds: np.ndarray, values: np.ndarray) -> dict[str, float]:
     return {kind: float(np.mean(values[kinds == kind])) for kind in sorted(set(kinds.tolist()))}
 
 
+def by_kind_text(scores: dict[str, float]) -> str:
+    """`mean_by_kind`'s scores as runs print them, and the benchmarks' tables: "arithmetic 0.52, count 0.31"."""
+    return ", ".join(f"{kind} {score:.2f}" for kind, score in scores.items())
+
+
 @dataclasses.dataclass(frozen=True)
 class Conversations:
     """Which conversations a run reads: the settings config.chat (a chat run's data) and config.rl (an RL run's

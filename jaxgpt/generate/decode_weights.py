@@ -35,8 +35,8 @@ def output_major_for(batch: int) -> bool:
     multiply and a reduction (its dot strength reduction, below ten million weights): over the declared
     (inputs, outputs) kernel that is a column reduction, which it did not fuse with the multiply for the MLP's
     output projection, so each token wrote and read back a product as large as the kernel; over an
-    output-major kernel it is a row reduction, one kernel reading the weights once (tests/test_decode_program.py).
-    TPUs choose their own layouts.
+    output-major kernel it is a row reduction, one kernel reading the weights once
+    (tests/compile/test_decode_program.py). TPUs choose their own layouts.
     """
     return batch == 1 and (current_platform() == "cpu" or on_gpu())
 

@@ -130,7 +130,7 @@ def hf_directory(arg: str, flag: str = "hf:") -> Path:
         names = storage.files(where)
         if "config.json" not in names:
             raise UserError(f"hf:{arg} holds no config.json: pass the --out of `jaxgpt hf export` (or another Hugging "
-                            "Face GPT-2 or NanoChat directory)")
+                            "Face directory)")
         return storage.stage(where, names)
     if where.exists() or not HUB_ID.fullmatch(arg):
         return where

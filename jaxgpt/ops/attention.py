@@ -301,7 +301,7 @@ def attend_written(q_B1HD: Array, k_BKSD: Array, v_BKSD: Array, index: Array, dt
 
     XLA:GPU updates the cache in place either way, and attending over the written cache spares `attend_one`'s
     separate product with the new key, the concatenation of its score and the sum of two value products: a
-    batch-1 GPT-2 token launched 278.5 kernels with `attend_one`, 206.5 with this (tests/test_decode_program.py;
+    batch-1 GPT-2 token launched 278.5 kernels with `attend_one`, 206.5 with this (tests/compile/test_decode_program.py;
     218 and 169 at batch 64). G query heads per key/value head, `scores` and `visible_B1S` as in `attend_one`.
     """
     H, K = q_B1HD.shape[2], k_BKSD.shape[1]
@@ -348,7 +348,8 @@ def attend_qkv(qkv_B13HD: Array, cache: Cache, index: Array, impl: str, dtype: s
 
     The kernel reads the three parts from the projection as it is (`decode_attention.decode_attention_qkv`), so
     XLA computes the projection as one fusion: with XLA's Triton fusion a batch-1 GPT-2 token launched 103 kernels
-    when the kernel took three slices of it, each a fusion of its own, and 79 this way (tests/test_decode_program.py).
+    when the kernel took three slices of it, each a fusion of its own, and 79 this way
+    (tests/compile/test_decode_program.py).
     """
     H, D = qkv_B13HD.shape[3:]
     if qkv_B13HD.shape[1] != 1 or not one_kernel_decode(resolve_impl(impl, dtype, scores), H, H, D, scores):

@@ -3,8 +3,8 @@
 Shapes: B batch, K key/value heads, G query heads per key/value head, S cache slots, D head_dim.
 
 XLA:GPU decodes a layer's attention in four kernels (the key's and the value's cache writes, the scores, the
-softmax with the value product: tests/test_decode_program.py), and its products read all S slots of the cache,
-written or not: with the serving engine's block_size slots per row, a short reply reads the whole cache every
+softmax with the value product: tests/compile/test_decode_program.py), and its products read all S slots of the
+cache, written or not: with the serving engine's block_size slots per row, a short reply reads the whole cache every
 token. `decode_attention` is one Pallas (Triton) kernel per (row, key/value head): it writes the new key and value
 at their slot in place (the caches are aliased to its outputs) and runs an online softmax over the written
 slots only, block by block up to the row's index, with the new key and value taken from registers. Rows decode
@@ -12,13 +12,13 @@ at their own index (the engine's slots), since the kernel is vmapped like any ja
 
 Multi-head attention's queries, keys and values come from one fused projection (`model.attention.Attention`'s
 `qkv`), and `decode_attention_qkv` reads the three from that array as it is: handed three slices of it, XLA's
-Triton fusion computes the projection as one fusion per slice, two kernels a layer more (tests/test_decode_program.py;
-its default fusion launches the projection's bias add as a kernel of its own either way). The queries are scaled
-by 1/sqrt(D) in the kernel.
+Triton fusion computes the projection as one fusion per slice, two kernels a layer more
+(tests/compile/test_decode_program.py; its default fusion launches the projection's bias add as a kernel of its own
+either way). The queries are scaled by 1/sqrt(D) in the kernel.
 
 It is a Triton kernel: jax 0.12 deprecates Pallas's Triton backend in favour of Mosaic GPU, but its pallas_call
 lowers only Triton kernels for GPUs (0.12.0.1); where the backend is gone, decoding takes XLA's path (`fits`).
-On a CPU it runs in Pallas interpret mode, which is how tests/test_decode_attention.py proves it equal to
+On a CPU it runs in Pallas interpret mode, which is how tests/unit/ops/test_decode_attention.py proves it equal to
 `attention.write_cache` followed by `attention.attend_written`; `attention.attend` runs it on GPUs where it fits
 (`fits`).
 """

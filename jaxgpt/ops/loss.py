@@ -15,7 +15,7 @@ path; unrolled, the chunks are plain kernels of the step. Each chunk's input and
 through an `optimization_barrier` together with the running total, so chunk i+1 cannot start before chunk i's sum
 exists, and in the backward pass chunk i's gradients wait for chunk i+1's (the barrier's transpose joins them):
 the compiler can neither hold several chunks' logits at once nor every chunk's head-weight gradient before
-summing them, and the memory bound stays the scan's (tests/test_gpu_program.py reads it from programs compiled
+summing them, and the memory bound stays the scan's (tests/compile/test_gpu_program.py reads it from programs compiled
 for an H100).
 """
 

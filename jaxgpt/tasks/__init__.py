@@ -1,9 +1,10 @@
 """Tasks: the training objectives the one training loop (`jaxgpt.train.loop`) trains.
 
 Language modelling (`lm`), seed 001's classification fine-tuning (`classify`), the encoder-decoder on text pairs
-(`seq2seq`), supervised fine-tuning on conversations (`chat`) and reinforcement learning on checkable rewards
-(`rl`, a subpackage) are tasks; their data readers are in `jaxgpt.data`. A new task implements the loop's contract
-(`jaxgpt.train.task.Task`) and is listed in `jaxgpt.train.task.TASKS`.
+(`seq2seq`), supervised fine-tuning on conversations (`chat`), reinforcement learning on checkable rewards
+(`rl`, a subpackage) and preference tuning (`dpo`, a subpackage) are tasks; their data readers are in
+`jaxgpt.data`. A new task implements the loop's contract (`jaxgpt.train.task.Task`) and is listed in
+`jaxgpt.train.task.TASKS`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Chat: supervised fine-tuning (SFT) of a language model on conversations, on the one loop.
 
-The model and base tokenizer come from `init_from` (a jaxgpt run, a Hugging Face GPT-2 or NanoChat directory or a
-preset); the chat format's special tokens are added to that tokenizer (`jaxgpt.data.conversations`), and when they
-do not fit the model's vocabulary its token table (and untied head) grows by their rows, started at the mean of the
-existing rows plus noise of their spread, so the new tokens begin as typical tokens rather than as outliers.
+The model and base tokenizer come from `init_from` (any source of `jaxgpt.io.weights`: a jaxgpt run, Hugging Face
+weights, a GGUF file or a preset). A model with its own chat template (Llama, Qwen, Gemma, SmolLM2 and kin) is tuned
+in that template (`chat_architecture`); any other gets the chat format's special tokens added to its tokenizer
+(`jaxgpt.data.conversations`), and when they do not fit the model's vocabulary its token table (and untied head)
+grows by their rows, started at the mean of the existing rows plus noise of their spread, so the new tokens begin
+as typical tokens rather than as outliers.
 
 Rows are as wide as the longest conversation that fits `model.block_size` (longer ones are cut after their last
 assistant turn that fits, or dropped; both counted). By default a training row holds one conversation,
@@ -39,6 +41,7 @@ from jaxgpt.data.conversations import (
     Conversations,
     Encoded,
     builtin_conversations,
+    by_kind_text,
     chat_tokenizer,
     fit_context,
     load_hub,
@@ -280,7 +283,7 @@ class Chat:
         return self._description
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        by_dataset = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_exact_match_by_dataset"].items())
+        by_dataset = by_kind_text(metrics["val_exact_match_by_dataset"])
         return (f"step {step}: val loss {metrics['val_loss']:.4f}, exact match {metrics['val_exact_match']:.3f} "
                 f"({by_dataset}; {metrics['val_conversations']} held-out conversations); train loss "
                 f"{metrics['train_loss']:.4f}, exact match {metrics['train_exact_match']:.3f}")

@@ -7,7 +7,7 @@ new linear head (`GPTClassifier.cls_head`), and train on
 
 the language-model term acting as a regularizer that keeps the pretrained features (GPT-1 used 0.5).
 The model, tokenizer and body weights come from `init_from` (a jaxgpt run, a classifier run, or a
-Hugging Face GPT-2 or NanoChat directory); the data from `jaxgpt.data.classify_data`. It trains on the one loop:
+Hugging Face directory, `jaxgpt.io.weights`); the data from `jaxgpt.data.classify_data`. It trains on the one loop:
 
     python train.py --config configs/classify_stdlib.py [--config.key=value ...]
 
@@ -70,7 +70,7 @@ def language_model(source: str, max_len: int | None) -> weights.Weights:
     """The body to fine-tune: a language model, or a classifier's body without its head."""
     if not source:
         raise UserError("config.init_from is empty: pass --config.init_from=workdir:PATH (a jaxgpt language model "
-                        "run) or hf:PATH (a Hugging Face GPT-2 or NanoChat directory)")
+                        "run) or hf:PATH (a Hugging Face directory)")
     loaded = weights.load(source, block_size=max_len if source.startswith(weights.CROPPED) else None)
     weights.require_gpt(source, loaded.model, "be fine-tuned as a classifier")
     if "cls_head" not in loaded.params:

@@ -229,7 +229,7 @@ class TrainConfig:
     seed: int = 0  # data order, init and dropout all derive from it
     # GPT-2's shape; vocab_size unset in the ConfigDict: the dataset's (`vocab_from_data`)
     model: ModelConfig = dataclasses.field(default_factory=_default_model)
-    init_from: str = ""  # "", "hf:PATH" (a Hugging Face GPT-2 or NanoChat directory) or "workdir:PATH" (a jaxgpt run)
+    init_from: str = ""  # "" or a source of `jaxgpt.io.weights`: hf:, gguf:, peft:, workdir: (a jaxgpt run), preset:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     classify: ClassifyConfig = dataclasses.field(default_factory=ClassifyConfig)
     seq2seq: Seq2SeqTaskConfig = dataclasses.field(default_factory=Seq2SeqTaskConfig)

@@ -5,7 +5,7 @@
 - RL's prompts moved from `config.chat` to `config.rl` (`data`, `datasets`, `examples`, `val_fraction`): a run of
   task rl whose config sets them under chat only, as configs did before, reads them from there and says so once;
   a run saved before the move resumes against the chat settings it saved (`saved_rl_settings`).
-tests/test_legacy_runs.py resumes and samples runs saved before these renames.
+tests/integration/test_legacy_runs.py resumes and samples runs saved before these renames.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import numpy as np
 from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
 
 # The objectives this loop trains (config.task): each one's line for `jaxgpt train --help`, the guide that covers it
-# (tests/test_docs.py holds the guides to this list) and what `jaxgpt.tasks.build` calls with the run's config. The
+# (tests/unit/test_docs.py holds the guides to this list) and what `jaxgpt.tasks.build` calls with the run's config. The
 # makers are named, not imported: they sit in the tasks layer above this one.
 TASKS = {
     "lm": ("language modelling on a token dataset (the default)", "docs/training.md", "jaxgpt.tasks.lm.from_config"),
@@ -30,7 +30,7 @@ TASKS = {
     "seq2seq": ("the encoder-decoder on source/target pairs", "docs/seq2seq.md", "jaxgpt.tasks.seq2seq.Seq2Seq"),
     "chat": ("supervised fine-tuning on conversations", "docs/chat.md", "jaxgpt.tasks.chat.Chat"),
     "rl": ("reinforcement learning (GRPO) on rewards a program checks", "docs/rl.md", "jaxgpt.tasks.rl.task.RL"),
-    "dpo": ("preference tuning (DPO, IPO, SimPO, ORPO) on chosen and rejected replies", "docs/dpo.md",
+    "dpo": ("preference tuning (DPO, IPO, hinge, SimPO, ORPO) on chosen and rejected replies", "docs/dpo.md",
             "jaxgpt.tasks.dpo.task.DPO"),
 }
 

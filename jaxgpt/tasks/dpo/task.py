@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, rows_sha256, spread_indices
-from jaxgpt.data.conversations import TEMPLATE_FILE, mean_by_kind
+from jaxgpt.data.conversations import TEMPLATE_FILE, by_kind_text, mean_by_kind
 from jaxgpt.data.hub import HUB_SPEC
 from jaxgpt.data.model_chat import chat_format
 from jaxgpt.data.preferences import (
@@ -214,7 +214,7 @@ class DPO:
         return self._description
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        by_dataset = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_exact_match_by_dataset"].items())
+        by_dataset = by_kind_text(metrics["val_exact_match_by_dataset"])
         return (f"step {step}: held-out loss {metrics['val_loss']:.4f}, reward accuracy "
                 f"{metrics['val_rewards/accuracies']:.3f}, margin {metrics['val_rewards/margins']:.3f} (chosen "
                 f"{metrics['val_rewards/chosen']:.3f}, rejected {metrics['val_rewards/rejected']:.3f}); exact match "

@@ -15,7 +15,7 @@ The variants differ in how token losses become one number, which decides how lon
 `grpo` averages each completion's tokens, then the completions (a long completion's tokens count less); `dr_grpo`
 sums them over a constant, rows x max_new_tokens (every token counts the same, whatever the lengths); `dapo`
 averages over all completion tokens of the batch. With `beta` 0 the task runs no reference model at all (as TRL):
-the KL is then neither a term nor a metric. tests/numpy_reference_rl.py is the float64 reference of all three
+the KL is then neither a term nor a metric. tests/reference/numpy_reference_rl.py is the float64 reference of all three
 (values and gradients).
 """
 

@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 
 from jaxgpt import storage
 from jaxgpt.data.batches import batch_indices, fixed_batches, process_share, spread_indices
-from jaxgpt.data.conversations import TEMPLATE_FILE
+from jaxgpt.data.conversations import TEMPLATE_FILE, by_kind_text
 from jaxgpt.data.model_chat import chat_format
 from jaxgpt.data.streams import ROLLOUT_STREAM
 from jaxgpt.errors import UserError
@@ -221,7 +221,7 @@ class RL:
         return self._description
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> str:
-        by_dataset = ", ".join(f"{k} {v:.2f}" for k, v in metrics["val_pass_at_1_by_dataset"].items())
+        by_dataset = by_kind_text(metrics["val_pass_at_1_by_dataset"])
         return (f"step {step}: held-out pass@1 {metrics['val_pass_at_1']:.3f} (greedy; {by_dataset}), "
                 f"pass@{metrics['pass_k']} {metrics['val_pass_at_k']:.3f}, sampled pass@1 "
                 f"{metrics['val_sampled_pass_at_1']:.3f}, mean reward {metrics['val_reward']:.3f} "
