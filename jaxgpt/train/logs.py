@@ -62,12 +62,13 @@ def _wandb_run(project: str, name: str, workdir: storage.Location, settings: dic
 
 
 class MetricsLog:
-    """metrics.jsonl, TensorBoard events and (optionally) W&B, written by process 0 only."""
+    """metrics.jsonl, TensorBoard events (unless config.tensorboard is off) and optionally W&B, written by process 0
+    only."""
 
     def __init__(self, workdir: storage.Location, resume_step: int, settings: dict[str, Any],
-                 wandb_project: str = "", wandb_name: str = "") -> None:
+                 wandb_project: str = "", wandb_name: str = "", tensorboard: bool = True) -> None:
         self.enabled = jax.process_index() == 0
-        self.wandb = self.mirror = None
+        self.wandb = self.mirror = self.tb = None
         if not self.enabled:
             return
         local = workdir
@@ -78,9 +79,10 @@ class MetricsLog:
         self.path = Path(local) / METRICS_FILE
         if self.path.exists():
             storage.write_text(self.path, "".join(line + "\n" for line in kept_records(self.path, resume_step)))
-        from tensorboardX import SummaryWriter
+        if tensorboard:
+            from tensorboardX import SummaryWriter
 
-        self.tb = SummaryWriter(str(Path(local) / "tensorboard"), purge_step=resume_step)
+            self.tb = SummaryWriter(str(Path(local) / "tensorboard"), purge_step=resume_step)
         if wandb_project:
             self.wandb = _wandb_run(wandb_project, wandb_name, workdir, settings, local)
 
@@ -96,20 +98,23 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values, "time": round(time.time(), 3)}) + "\n")
         tagged = {tag(name, kind): value for name, value in values.items()}
-        for name, value in tagged.items():
-            self.tb.add_scalar(name, value, step)
+        if self.tb is not None:
+            for name, value in tagged.items():
+                self.tb.add_scalar(name, value, step)
         if self.wandb is not None:
             self.wandb.log(tagged, step=step)
 
     def sync(self) -> None:
         """Upload what changed to the bucket (nothing to do for a local work directory)."""
         if self.mirror is not None:
-            self.tb.flush()
+            if self.tb is not None:
+                self.tb.flush()
             self.mirror.sync()
 
     def close(self, upload: bool = True) -> None:
         if self.enabled:
-            self.tb.close()
+            if self.tb is not None:
+                self.tb.close()
             if self.wandb is not None:
                 self.wandb.finish()
             if self.mirror is not None and upload:

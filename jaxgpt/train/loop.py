@@ -218,7 +218,7 @@ class Meter:
     def __init__(self, cfg: TrainConfig, task: Task, workdir: storage.Location, start: int,
                  is_main: bool) -> None:
         self.cfg, self.task, self.is_main = cfg, task, is_main
-        self.log = MetricsLog(workdir, start, cfg.settings, cfg.wandb.project, cfg.wandb.name)
+        self.log = MetricsLog(workdir, start, cfg.settings, cfg.wandb.project, cfg.wandb.name, cfg.tensorboard)
         self.plain = is_main and not sys.stderr.isatty()  # a log file gets lines, not a bar's \r updates
         self.bar = tqdm(total=cfg.max_steps, initial=start, disable=not is_main or self.plain, unit="step",
                         dynamic_ncols=True)
@@ -323,9 +323,11 @@ def _finished(cfg: TrainConfig, task: Task, workdir: storage.Location, state: di
 def _outputs_report(cfg: TrainConfig, workdir: storage.Location) -> str:
     """Where the run's outputs are, and the commands that use them."""
     figure = "curves.png" if storage.is_bucket(workdir) else workdir / "curves.png"
-    lines = [f"outputs in {workdir}: checkpoints/, metrics.jsonl, tensorboard/, config.json",
-             f"  plot:   jaxgpt plots curves --workdir {workdir} --out {figure}",
-             f"  logs:   tensorboard --logdir {workdir / 'tensorboard'}"]
+    outputs = "checkpoints/, metrics.jsonl, tensorboard/, config.json" if cfg.tensorboard else (
+        "checkpoints/, metrics.jsonl, config.json")
+    lines = [f"outputs in {workdir}: {outputs}", f"  plot:   jaxgpt plots curves --workdir {workdir} --out {figure}"]
+    if cfg.tensorboard:
+        lines.append(f"  logs:   tensorboard --logdir {workdir / 'tensorboard'}")
     if cfg.task == "lm":
         lines.insert(1, f"  sample: jaxgpt sample --workdir {workdir} --prompt \"...\"")
     return "\n".join(lines)

@@ -102,7 +102,8 @@ def test_wall_clock_cadence_saves_between_step_checkpoints(tmp_path: Path, data_
 def test_train_in_process_learns_and_writes_outputs(tmp_path: Path, data_dir: Path) -> None:
     from helpers import load_tiny, train_run
 
-    c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=60, eval_interval=30)
+    c = load_tiny(workdir=str(tmp_path / "run"), data_dir=str(data_dir), max_steps=60, eval_interval=30,
+                  tensorboard=True)
     out = train_run(c)
     rows = logged_records(tmp_path / "run")
     evals = [r for r in rows if "val_loss" in r]
