@@ -89,7 +89,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
     """In a CI lane, a test that skips for want of a package only the oldest lane installs, without the marker that
     sends it there, fails instead: it would otherwise run in neither lane (tests/helpers/lanes.py)."""
     report = (yield).get_result()

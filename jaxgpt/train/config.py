@@ -261,12 +261,9 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
     compilation_cache_dir: str = "~/.cache/jaxgpt/xla"  # persistent XLA cache ("" disables)
-    # GPUs: compile the step with XLA's deterministic ops (sums in a fixed order, no atomics), so that a resumed
-    # run equals an uninterrupted one bit for bit; CPUs and TPUs are deterministic without it
+    # GPUs: XLA's deterministic ops (fixed-order sums, no atomics) for a bit-exact resume; CPUs and TPUs always are
     deterministic: bool = False
-    # TensorBoard event files in WORKDIR/tensorboard (metrics.jsonl holds the same values either way). Off, a run
-    # starts without tensorboardX, which imports torch wherever torch is installed: 1.8 s of a 10 s tiny run here.
-    tensorboard: bool = True
+    tensorboard: bool = True  # event files in WORKDIR/tensorboard; off: no tensorboardX, whose torch import is slow
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     # Derived by from_config_dict, not keys: the vocabulary comes from the dataset; the ConfigDict as JSON.
     vocab_from_data: bool = dataclasses.field(default=False, metadata={"derived": True})

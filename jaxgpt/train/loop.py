@@ -323,9 +323,9 @@ def _finished(cfg: TrainConfig, task: Task, workdir: storage.Location, state: di
 def _outputs_report(cfg: TrainConfig, workdir: storage.Location) -> str:
     """Where the run's outputs are, and the commands that use them."""
     figure = "curves.png" if storage.is_bucket(workdir) else workdir / "curves.png"
-    outputs = "checkpoints/, metrics.jsonl, tensorboard/, config.json" if cfg.tensorboard else (
-        "checkpoints/, metrics.jsonl, config.json")
-    lines = [f"outputs in {workdir}: {outputs}", f"  plot:   jaxgpt plots curves --workdir {workdir} --out {figure}"]
+    outputs = ["checkpoints/", "metrics.jsonl", *["tensorboard/"] * cfg.tensorboard, "config.json"]
+    lines = [f"outputs in {workdir}: {', '.join(outputs)}",
+             f"  plot:   jaxgpt plots curves --workdir {workdir} --out {figure}"]
     if cfg.tensorboard:
         lines.append(f"  logs:   tensorboard --logdir {workdir / 'tensorboard'}")
     if cfg.task == "lm":

@@ -41,10 +41,10 @@ def fixed_lanes(markers: Iterable[str]) -> tuple[str, ...] | None:
 
 
 def unmarked_skip(reason: str, markers: Iterable[str]) -> str | None:
-    """The oldest lane's package a test skipped for (`reason`, importorskip's) without the `torch` marker that sends
-    it there, or None: such a test is skipped in the newest lane and runs in neither."""
+    """The oldest lane's package a test skipped for (`reason`, importorskip's) without a marker that fixes it to that
+    lane (`fixed_lanes`), or None: such a test is skipped in the newest lane and runs in neither."""
     missing = _IMPORT_SKIP.search(reason)
-    if missing is None or "torch" in set(markers):
+    if missing is None or fixed_lanes(markers) == ("oldest",):
         return None
     package = missing.group(1).split(".")[0]
     return package if package in TORCH_LANE_PACKAGES else None
