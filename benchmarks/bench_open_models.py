@@ -60,7 +60,7 @@ from jaxgpt.io.hf import hf_config_to_model_config, hf_family
 from jaxgpt.train.flops import measure_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT, RAGGED, THREADS, CONTEXT = 32, 16, 2, 256
+PROMPT, RAGGED, THREADS = 32, 16, 2
 SETTLE_S = 1.0  # idle seconds before each timed run (`rounds`)
 TARGETS = {"batch-1 decode vs llama.cpp (F32 file)": 1.0, "batch-1 decode vs transformers": 2.5,
            "16 ragged prompts vs transformers": 3.0, "training tokens/s vs eager PyTorch": 1.2,
@@ -281,7 +281,7 @@ def run_part(part: str, quick: bool) -> None:
 
     torch.set_num_threads(THREADS)
     path = gguf_path("smollm2")
-    loaded = weights.load("gguf:smollm2", block_size=CONTEXT)  # the engine's 16 caches at 8k positions: 6 GB
+    loaded = weights.load("gguf:smollm2")  # its own 8k context: the engine's caches hold what the requests write
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                               dtype=torch.float32).eval()
     PARTS[part](loaded, model, torch, batch if part == "training" else new, n_rounds)

@@ -24,8 +24,8 @@ An encoder-decoder's prompt is its source: a slot also holds the source's mask a
 values (the source padded to src_block_size with the padding id, which the encoder masks), and its decoder
 starts from bos, as `seq2seq.generate` starts a row.
 
-Sampling is `generate`'s (`jaxgpt.generate.slots`), so a seeded request samples what `generate` samples for its
-prompt alone. The context does not slide: a request's prompt and new tokens must fit in block_size.
+Sampling is `generate`'s (`jaxgpt.generate.slots`): a seeded request samples what `generate` samples for its
+prompt alone. The context does not slide: prompt and new tokens must fit in the slots' positions (block_size).
 
 What a server's clients ask for beyond sampling rides on the same programs: a request's `logit_bias` is a row
 added to its logits before the pick (the reported log-probabilities stay the model's own, as vLLM's default),
@@ -93,11 +93,11 @@ class Request:
     """One generation. `emit(token, logprob, top, end)` is called from the engine's thread for every token, `end`
     saying whether it is an end token (end-of-text or a stop id: no text, whether it ended the request or
     `ignore_eos` decoded past it), and `done(reason)` once ("stop": end of text or a stop id, "length":
-    max_new_tokens, "cancelled", "error": the engine failed). `prompt_logprobs`, when set, is called once after
-    the prefill with (logprob, top) of prompt tokens 1.. (the first has no context); `logit_bias` maps token ids
-    to what is added to their logits before each pick; `stop_ids` end the request like end-of-text (emitted,
-    then done("stop")), whatever `ignore_eos` says. With `logprobs` False, emit's logprob is 0.0 and top empty,
-    which spares the decode their cost."""
+    max_new_tokens, "cancelled", "error": the engine failed). `prompt_logprobs`, when set, is called once after the
+    prefill with (logprob, top) of prompt tokens 1.. (the first has no context); `logit_bias` maps token ids to what
+    is added to their logits before each pick; `stop_ids` end the request like end-of-text (emitted, then
+    done("stop")), whatever `ignore_eos` says. With `logprobs` False, emit's logprob is 0.0 and top empty, which
+    spares the decode their cost."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -136,11 +136,12 @@ class Engine:
     def __init__(self, params: Any, cfg: ModelConfig | Seq2SeqConfig, *, slots: int = 8, max_waiting: int = 64,
                  eot_token: int | None = None, vocab_limit: int | None = None,
                  specials: dict[str, int] | None = None, version: str | None = None, chunk: int = CHUNK,
-                 adapters: Stack | None = None) -> None:
+                 adapters: Stack | None = None, positions: int | None = None) -> None:
         """`specials`: an encoder-decoder's pad_id, bos_id and eos_id (its run's meta["seq2seq"]); eos ends a row.
         `version` names the weights (each request admitted records it). `vocab_limit`: the tokenizer's vocabulary
         size; only a model vocabulary padded beyond it limits the picks (else it is dropped). `adapters`: LoRA
-        adapters of a GPT's weights that requests may name."""
+        adapters of a GPT's weights that requests may name. `positions`: what each slot's cache holds (None: the
+        context; `generate_many` gives what its requests write, not 8k positions a slot for a short reply)."""
         if chunk < 1:
             raise UserError(f"chunk={chunk}: a decode chunk needs at least one step")
         self.n_slots, self.max_waiting, self.eot_token = slots, max_waiting, eot_token
@@ -148,20 +149,20 @@ class Engine:
         self.held = 0  # requests submitted and not yet done
         self.version, self.chunk, self.adapters = version, chunk, adapters
         self.pending: tuple[Any, str] | None = None  # weights `swap` gave, and their version
+        memory, columns = None, 0  # an encoder-decoder's source state (one slot's shapes); adapters' rank columns
         if isinstance(cfg, Seq2SeqConfig):
             if specials is None:
                 raise UserError("an encoder-decoder needs its pad, bos and eos ids (the run's meta['seq2seq'])")
             self.params, self.cfg, self.specials, self.eot_token = params, cfg, specials, specials["eos_id"]
             model = cfg.model
             memory = jax.eval_shape(lambda: seq2seq.encode(params, cfg, jnp.zeros((1, cfg.src_block_size), jnp.int32)))
-            self._empty = lambda: jax.device_put(empty_slots(cfg, slots, jax.tree.map(
-                lambda c: jnp.zeros((slots, *c.shape), c.dtype), memory)), self.home)
         else:
             self.params = beside(decoding_weights(params, cfg, None, output_major=False)[0], adapters)
             self.cfg, model, self.specials = cfg, cfg, None
             columns = adapters.width if adapters else 0
-            self._empty = lambda: jax.device_put(empty_slots(cfg, slots, adapter_columns=columns), self.home)
         self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
+        self.positions = model.block_size if positions is None else cache_slots(model, positions, 1)  # `_span` rounds
+        self._empty = lambda: jax.device_put(empty_slots(cfg, slots, memory, columns, self.positions), self.home)
         self.banned, self.vocab_size = model.pad_id, model.vocab_size
         self.vocab_limit = vocab_limit if vocab_limit is not None and vocab_limit < model.vocab_size else None
         leaf = jax.tree.leaves(self.params)[0]  # `_empty` commits to its device: warm-up compiles what calls use
@@ -170,24 +171,22 @@ class Engine:
         self.active: list[_Busy | None] = [None] * slots  # the busy slots come first
         self.unread: deque[tuple[Callable[..., None], Any, Any]] = deque()  # dispatched, not yet read: oldest first
         self.waiting: deque[Request] = deque()
-        self.wake = threading.Condition()
-        self.stopping = False
+        self.wake, self.stopping = threading.Condition(), False
 
     def warm_up(self, needs: Sequence[Needs] = WARM_NEEDS, prompt_lengths: Sequence[int] | None = None,
                 max_new_tokens: int | None = None) -> float:
         """Compile, before any request, the decode chunk of every row count (each power of two up to the slots)
-        and span for each of `needs`, and a decoder's prefill of every row count of the buckets of
-        `prompt_lengths` (for prompts that do not ask for their log-probabilities), and the move that frees a
-        slot; seconds taken.
-        Spans: those of requests with `prompt_lengths` and up to `max_new_tokens` new tokens (None: every
-        prompt length, and up to the context). Without this the first time a load reaches a row count or span
-        it stalls every busy request for that compile (on a GPU a server under 64 clients spent most of its
-        time there). Call before `run`, on the empty state: every slot is done, so each chunk's loop ends at
-        once, and the warm-up's prefills write no slot."""
+        and span for each of `needs`, a decoder's prefill of every row count of the buckets of `prompt_lengths`
+        (for prompts that ask for no log-probabilities), and the move that frees a slot of each span; seconds
+        taken. Spans: those of requests with `prompt_lengths` and up to `max_new_tokens` new tokens (None: every
+        length, up to the cache's positions). Without this the first time a load reaches a row count or span it
+        stalls every busy request for that compile (on a GPU a server under 64 clients spent most of its time
+        there). Call before `run`, on the empty state: every slot is done, so each chunk's loop ends at once, and
+        the warm-up's prefills write no slot."""
         t = time.perf_counter()
         limits = {"banned": self.banned, "vocab_limit": self.vocab_limit}
-        lengths = range(1, self.decoder.block_size + 1) if prompt_lengths is None else prompt_lengths
-        longest = self._span(max(map(self._cached, lengths)), max_new_tokens or self.decoder.block_size)
+        lengths = range(1, self.positions + 1) if prompt_lengths is None else prompt_lengths
+        longest = self._span(max(map(self._cached, lengths)), max_new_tokens or self.positions)
         spans = sorted({min(longest, self._span(1, 1) << i) for i in range(longest.bit_length())})
         for rows in sorted({min(self.n_slots, 1 << i) for i in range(self.n_slots.bit_length() + 1)}):
             for span, need in itertools.product(spans, needs):
@@ -197,12 +196,15 @@ class Engine:
         for P in sorted({bucket(n, self.cfg.block_size) for n in lengths} if self.specials is None else ()):
             for rows in (1 << i for i in range(self._prefill_rows(P, score=False).bit_length())):
                 self._prefill([nowhere] * rows, P, score=False)
-        self.state = move_slot(self.state, np.int32(0), np.int32(0))  # what frees a slot: slot 0, free already
+        for span in spans:  # slot 0, free already, freed again
+            self.state = move_slot(self.state, np.int32(0), np.int32(0), span=span)
         jax.block_until_ready(self.state)
         return time.perf_counter() - t
 
     def check(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
         check_request(self.cfg, prompt, max_new_tokens, temperature, top_p)
+        if (written := self._cached(len(prompt)) + max_new_tokens - 1) > self.positions:
+            raise UserError(f"the request writes {written} cache positions, past the engine's {self.positions}")
 
     def submit(self, *requests: Request) -> bool:
         """Queue checked requests, all or none: False when they do not all fit beside those held (the free slots
@@ -347,10 +349,9 @@ class Engine:
             end_NV[i, list(self._ends(r))] = True
         adapter_NR = None if self.adapters is None else np.stack([columns_of(self.adapters, r.adapter)
                                                                   for r in requests])
-        return Setting(jnp.stack([jax.random.key(r.seed) for r in requests]),
-                       np.array([r.temperature for r in requests], np.float32),
-                       np.array([r.top_p for r in requests], np.float32),
-                       np.array([r.max_new_tokens for r in requests], np.int32), bias_NV, end_NV, adapter_NR)
+        column = lambda field, dtype: np.array([getattr(r, field) for r in requests], dtype)
+        return Setting(jnp.stack([jax.random.key(r.seed) for r in requests]), column("temperature", np.float32),
+                       column("top_p", np.float32), column("max_new_tokens", np.int32), bias_NV, end_NV, adapter_NR)
 
     def _step(self) -> None:
         """Dispatch a chunk for the busy slots (rows: the next power of two), with what their settings need."""
@@ -369,10 +370,10 @@ class Engine:
         self.unread.append((self._take_chunk, self.active[:rows], out))
 
     def _span(self, start: int, new_tokens: int) -> int:
-        """The cache positions a chunk attends over for a request with `start` positions cached and up to
-        `new_tokens` picked by the end of the chunk: `cache_slots`'s power of two, so that short requests read a
-        short prefix of the cache (its reads grow with the span, not with block_size) with a few programs."""
-        return cache_slots(self.decoder, start, new_tokens)
+        """The cache positions a chunk attends over (and a move copies) for a request with `start` positions cached
+        and up to `new_tokens` picked by the chunk's end: `cache_slots`'s power of two, so that short requests read
+        a short prefix of the cache (the reads grow with the span, not with block_size) with a few programs."""
+        return min(cache_slots(self.decoder, start, new_tokens), self.positions)
 
     def _cached(self, prompt_length: int) -> int:
         """The cache positions a request's prefill fills: its prompt, or an encoder-decoder's bos (the source
@@ -424,8 +425,9 @@ class Engine:
         """End a request and free its slot: the last busy slot moves into it, keeping the busy ones in front."""
         busy.finished = True
         last = self.n_slots - self.active.count(None) - 1
-        self.state = move_slot(self.state, np.int32(last), np.int32(busy.slot))
         moved, self.active[last] = self.active[last], None
+        self.state = move_slot(self.state, np.int32(last), np.int32(busy.slot),
+                               span=self._span(moved.start, moved.dispatched + 1))
         if moved is not busy:
             self.active[busy.slot], moved.slot = moved, busy.slot
         self._end(busy.request, reason)

@@ -28,8 +28,10 @@ def generate_many(params: Any, cfg: ModelConfig | Seq2SeqConfig, prompts: Sequen
     n = len(prompts)
     per_row = lambda v: list(v) if isinstance(v, Sequence) else [v] * n
     settings = list(zip(per_row(max_new_tokens), per_row(seeds), per_row(temperature), per_row(top_p), strict=True))
+    # caches of the positions these requests write, not of the model's whole context (8k for SmolLM2)
+    positions = max((len(p) + count for p, (count, *_) in zip(prompts, settings, strict=True)), default=1)
     engine = Engine(params, cfg, slots=slots, max_waiting=n, eot_token=eot_token, vocab_limit=vocab_limit,
-                    specials=specials)
+                    specials=specials, positions=positions)
     out: list[list[int]] = [[] for _ in range(n)]
     bar = tqdm(total=n, unit="request", disable=not progress, dynamic_ncols=True)
     for r, (prompt, (count, seed, temp, p)) in enumerate(zip(prompts, settings, strict=True)):

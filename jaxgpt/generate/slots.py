@@ -12,7 +12,9 @@ Every slot's state lives on the device, stacked on a leading slot axis (`Slots`)
   weights when many rows decode). A slot stops advancing at its end (a token of its end set: end-of-text unless
   ignored, a stop id; or its last token); on CPUs the loop stops early once every row has ended, elsewhere it
   runs its `steps` (a known trip count: `decode_weights.token_loop`).
-* `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front.
+* `move_slot`: a busy slot copied onto a freed one, which keeps the busy slots at the front: its cache's first
+  `span` positions only, those its request wrote (a copy of every position cost more than the decoding once the
+  context is long).
 
 A slot holds the token it picked last, not yet fed to the model: a decode step feeds it at the slot's length and
 picks the next from the logits that come out. Token i of a request draws its noise from `fold_in(key, i)`,
@@ -100,17 +102,20 @@ class Picked(NamedTuple):
     top_id: Array | None = None
 
 
-def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None, adapter_columns: int = 0) -> Slots:
-    """Every slot free (ended), its cache zeroed; `memory`: an encoder-decoder's per-slot source state;
-    `adapter_columns`: the rank columns of the LoRA adapters served (`adapters.Stack.width`; 0: none, no adapter
-    state)."""
+def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None, adapter_columns: int = 0,
+                positions: int | None = None) -> Slots:
+    """Every slot free (ended), its cache of `positions` (None: block_size) zeroed; `memory`: the shapes of one
+    slot's source state (an encoder-decoder's); `adapter_columns`: the rank columns of the LoRA adapters served
+    (`adapters.Stack.width`; 0: none, no adapter state)."""
     model = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
     V = model.vocab_size
-    cache = jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), init_cache(model, 1))
+    per_slot = lambda tree: jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), tree)
+    cache = per_slot(init_cache(model, 1, positions))
     zeros = lambda: jnp.zeros(slots, jnp.int32)  # a buffer each: the programs donate the state
     return Slots(cache, zeros(), zeros(), zeros(), zeros(), jnp.ones(slots, bool),
                  jax.random.split(jax.random.key(0), slots), jnp.zeros(slots, jnp.float32),
-                 jnp.ones(slots, jnp.float32), jnp.zeros((slots, V), jnp.float32), jnp.zeros((slots, V), bool), memory,
+                 jnp.ones(slots, jnp.float32), jnp.zeros((slots, V), jnp.float32), jnp.zeros((slots, V), bool),
+                 per_slot(memory),
                  jnp.zeros((slots, adapter_columns), jnp.float32) if adapter_columns else None)
 
 
@@ -209,11 +214,13 @@ def encode_slot(params: Any, state: Slots, s: Array, src_1L: Array, setting: Set
                   jax.tree.map(one_row, memory), banned, vocab_limit)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def move_slot(state: Slots, src: Array, dst: Array) -> Slots:
-    """Slot `src` copied onto `dst`, and `src` freed (with src == dst: that slot freed)."""
-    state = jax.tree.map(lambda x: x.at[dst].set(x[src]), state)
-    return state._replace(done_S=state.done_S.at[src].set(True))
+@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("state",))
+def move_slot(state: Slots, src: Array, dst: Array, *, span: int) -> Slots:
+    """Slot `src` copied onto `dst`, the first `span` positions of its cache (which must hold every position its
+    request wrote: the rest are stale, never read), and `src` freed (with src == dst: that slot freed)."""
+    cache = jax.tree.map(lambda c: c.at[dst, ..., :span, :].set(c[src, ..., :span, :]), state.cache)
+    state = jax.tree.map(lambda x: x.at[dst].set(x[src]), state._replace(cache=None))
+    return state._replace(cache=cache, done_S=state.done_S.at[src].set(True))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rows", "span", "steps", "needs", "banned", "vocab_limit"),

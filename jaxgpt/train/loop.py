@@ -354,8 +354,12 @@ def _initial_state(cfg: TrainConfig, task: Task, ckpt: Checkpointer, prog: layou
     param_sh = prog.state_sh["params"]
     example = task.example_inputs()
     missing = sorted(set(param_sh) - set(pretrained or {})) if pretrained is not None else sorted(param_sh)
-    fresh = jax.jit(lambda k: {name: nn.unbox(task.model.init(k, *example)["params"])[name] for name in missing},
-                    out_shardings={name: param_sh[name] for name in missing})(key)
+
+    def init(k: jax.Array) -> dict:  # the model traced once, not once per name
+        full = nn.unbox(task.model.init(k, *example)["params"])
+        return {name: full[name] for name in missing}
+
+    fresh = jax.jit(init, out_shardings={name: param_sh[name] for name in missing})(key)
     params = {**fresh, **(jax.device_put({k: v for k, v in pretrained.items() if k in param_sh},
                                          {k: param_sh[k] for k in pretrained if k in param_sh})
                           if pretrained is not None else {})}

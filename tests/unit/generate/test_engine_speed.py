@@ -5,12 +5,14 @@ through the server ending at the chat's end-of-turn token, which stays out of it
 
 from __future__ import annotations
 
+import jax
 import pytest
 
+from jaxgpt.errors import UserError
 from jaxgpt.generate import engine as engine_module
 from jaxgpt.generate import sampling
 from jaxgpt.generate.engine import Engine, Request
-from jaxgpt.generate.slots import decode_chunk, prefill_slots
+from jaxgpt.generate.slots import decode_chunk, move_slot, prefill_slots
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -132,6 +134,29 @@ def test_chunks_attend_over_the_span_their_rows_fill_and_a_reused_slot_sees_none
     assert spans[0] == (2, 32)  # 18 + 4 positions of the long prompt, 1 + 4 of the short one
     want = [alone(long_, 40, 1.0, 5), alone(short, 20), alone(short, 6)]
     assert [tokens for _, tokens, _ in cases] == want
+
+
+def test_slots_of_fewer_positions_answer_as_the_whole_context_and_a_move_copies_what_was_written(monkeypatch):
+    """`positions` sizes every slot's cache (`generate_many` gives its requests' own, not the model's context):
+    requests that fit get `generate`'s tokens, one that would write past them is refused, and a freed slot takes
+    only the positions its new request wrote (copying every position cost more than decoding at an 8k context)."""
+    monkeypatch.setattr(sampling, "SHORTEST_CACHE", 8)
+    moves: list[int] = []
+
+    def spy(state, src, dst, *, span):
+        moves.append(span)
+        return move_slot(state, src, dst, span=span)
+
+    monkeypatch.setattr(engine_module, "move_slot", spy)
+    cases = [collecting(PROMPTS[2], 10, temperature=0.0), collecting(PROMPTS[1], 3, temperature=0.0),
+             collecting(PROMPTS[0], 12, temperature=1.0, seed=2)]  # the third takes a freed slot
+    engine = run([r for r, _, _ in cases], slots=2, chunk=3, positions=30)
+    assert {leaf.shape[-2] for leaf in jax.tree.leaves(engine.state.cache)} == {32}  # 30 to a power of two
+    assert [tokens for _, tokens, _ in cases] == [alone(PROMPTS[2], 10), alone(PROMPTS[1], 3),
+                                                  alone(PROMPTS[0], 12, 1.0, 2)]
+    assert len(moves) == 3 and min(moves) < 32  # the short request's slot: 8 positions of the 32
+    with pytest.raises(UserError, match="writes 33 cache positions, past the engine's 32"):
+        engine.check(PROMPTS[2], 16, 0.0, 1.0)  # 18 prompt positions and 15 fed tokens
 
 
 def test_an_encoder_decoder_warms_up_the_spans_of_its_decoder_not_of_its_sources(monkeypatch):
