@@ -10,7 +10,8 @@ Any OpenAI client talks to it (base_url http://HOST:PORT/v1; with --api_key or J
 else any; --open_paths=/tokenizer_info,/tokenize,/detokenize leaves those outside the key, for tools such as
 lm-evaluation-harness's remote tokenizer that send none). /v1/chat/completions renders messages with the run's
 chat_template.jinja or --chat_template FILE; /metrics is Prometheus's text format. A request's prompt and
-max_tokens must fit in the model's context. An encoder-decoder run (task seq2seq) takes the source as the
+max_tokens must fit in the model's context, or in --max_model_len (what each slot's KV cache holds: a long-context
+model's slots x context may not fit in memory). An encoder-decoder run (task seq2seq) takes the source as the
 prompt. A request is admitted whole or not at all: more completions (prompts x n) than --slots + --max_waiting
 is a 400, more than there is room for now a 429 (docs/serving.md's limits and refusals). SIGTERM (or Ctrl-C)
 stops accepting requests, finishes those in flight, exits.
@@ -88,6 +89,9 @@ def define(flags_: flags.FlagValues, argv: Sequence[str]) -> None:
     flags.DEFINE_multi_string("adapter", [], "NAME=PATH: also serve a LoRA adapter of these weights (a jaxgpt LoRA "
                               "run's work directory, or a PEFT adapter directory: peft:DIR) to requests whose model "
                               "is NAME (repeatable)", flag_values=flags_)
+    flags.DEFINE_integer("max_model_len", None, "the most positions a request's prompt and new tokens may take, and "
+                         "what each slot's KV cache holds (default: the model's context, whose slots x positions "
+                         "may not fit in memory for a long-context model)", lower_bound=1, flag_values=flags_)
     flags.DEFINE_integer("max_body_bytes", None, "larger request bodies are a 413 (default: 1 MiB)", lower_bound=1,
                          flag_values=flags_)
 
@@ -118,8 +122,12 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     stacked = stack([adapters.load(spec, loaded) for spec in specs], cfg) if specs else None
     if isinstance(cfg, Seq2SeqConfig):  # an encoder-decoder run: the prompt is the source
         tokenizer = PairText(tokenizer, specials)
+    context = (cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg).block_size
+    if flags_.max_model_len is not None and flags_.max_model_len > context:
+        raise UserError(f"--max_model_len={flags_.max_model_len} is past the model's context of {context}: give at "
+                        "most that, or leave it out")
     engine = Engine(loaded.params, cfg, slots=flags_.slots, max_waiting=flags_.max_waiting, chunk=flags_.chunk,
-                    eot_token=tokenizer.eot_token, specials=specials,
+                    eot_token=tokenizer.eot_token, specials=specials, positions=flags_.max_model_len,
                     vocab_limit=tokenizer.vocab_size, adapters=stacked,
                     version=version(loaded.meta["step"]) if flags_.workdir is not None else None)
     if flags_.warm_up:
@@ -136,7 +144,8 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
         template = chat.get("template")
     served = Served(tokenizer, name, cfg, flags_.slots, chat_template=template, chat_stop_ids=chat_stop_ids,
                     chat_tokens=chat.get("tokens"), adapters=tuple((s.name, adapters.root(s)) for s in specs),
-                    api_key=api_key, open_paths=tuple(flags_.open_paths), **limit)
+                    api_key=api_key, open_paths=tuple(flags_.open_paths), max_model_len=flags_.max_model_len,
+                    **limit)
     with listen(flags_.host, flags_.port) as sock:  # open while serving: a front end that dies is replaced
         front_ends = FrontEnds(served, engine.version, sock)
         serve(engine, front_ends, front_ends.start(flags_.api_servers), follower, flags_, name, api_key, template)

@@ -98,6 +98,11 @@ class Served:
     open_paths: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the engine serves: (name, where it was read from)
+    max_model_len: int | None = None  # the positions a request may use (`jaxgpt serve --max_model_len`; None: all)
+
+    def context(self) -> int:
+        """The positions a request's prompt and new tokens may take: --max_model_len, else the model's context."""
+        return self.max_model_len or (self.cfg.model if isinstance(self.cfg, Seq2SeqConfig) else self.cfg).block_size
 
     def resolve(self, model: str | None) -> tuple[str, str | None]:
         """(the name an answer reports, the adapter its choices decode with) for a request's `model`. With
@@ -154,8 +159,7 @@ def create_app(engine: EngineClient, served: Served) -> FastAPI:
     paths = lambda: {route.path for route in app.routes}
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=served.max_body_bytes, metrics=metrics, paths=paths,
                        open_paths=OPEN_PATHS + served.open_paths)
-    cfg = served.cfg
-    context = cfg.model.block_size if isinstance(cfg, Seq2SeqConfig) else cfg.block_size
+    context = served.context()
     eos = tokenizer.decode([tokenizer.eot_token]) if tokenizer.eot_token is not None else ""
     tokens = served.chat_tokens if served.chat_tokens is not None else {"bos_token": eos, "eos_token": eos}
     chat_template = ChatTemplate(served.chat_template, **tokens) if served.chat_template is not None else None
@@ -373,7 +377,7 @@ async def _start(body: CompletionRequest | ChatRequest, encoded: list[list[int]]
         raise UserError("logprobs: not available with stream=true here; ask without streaming")
     bias = _logit_bias(body, tokenizer.vocab_size)
     for ids in encoded:
-        check_request(served.cfg, ids, max_tokens, body.temperature, body.top_p)
+        check_request(served.cfg, ids, max_tokens, body.temperature, body.top_p, served.context())
     capacity = await engine.capacity()
     _check_size(len(encoded), body.n, capacity)
     seed = body.seed if body.seed is not None else secrets.randbits(31)

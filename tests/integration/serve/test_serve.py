@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import signal
+import sys
 import time
 import types
 
@@ -19,6 +20,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from helpers import serving  # noqa: E402
 from helpers.models import CountingDecodes, bpe_or_skip, random_params, save_run  # noqa: E402
+from helpers.runs import run as run_command  # noqa: E402
 from helpers.server import CFG, CHARS, TOKENIZER, Server  # noqa: E402
 
 from jaxgpt.data.tokenizer import CharTokenizer  # noqa: E402
@@ -213,14 +215,21 @@ def test_full_queue_is_a_429(monkeypatch):
 
 def test_serve_command_finishes_requests_in_flight_on_sigterm(tmp_path):
     """With two HTTP front ends, each finishes its requests in flight before the engine's process exits. Also: the
-    run's chat_template.jinja serves chat, and JAXGPT_API_KEY guards the server."""
+    run's chat_template.jinja serves chat, JAXGPT_API_KEY guards the server, and --max_model_len caps a request's
+    positions (a 400 past it; /v1/models says it), where a value past the model's context is one line at start."""
     run = save_run(tmp_path / "run", CFG, random_params(CFG), TOKENIZER.to_meta())
     (run / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     log = tmp_path / "stderr.txt"
-    with serving(f"--workdir={run}", "--api_servers=2", log=log,
+    refused = run_command([sys.executable, "-m", "jaxgpt", "serve", f"--workdir={run}", "--max_model_len=65"])
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: --max_model_len=65 is past the model's context of 64: give at most that, or leave it out"]
+    with serving(f"--workdir={run}", "--api_servers=2", "--max_model_len=48", log=log,
                  env={"JAX_PLATFORMS": "cpu", "JAXGPT_API_KEY": "k"}) as (proc, url):
         assert httpx.get(f"{url}/v1/models").status_code == 401
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=60)
+        assert client.models.list().data[0].model_extra["max_model_len"] == 48
+        with pytest.raises(openai.BadRequestError, match="plus max_tokens=46 exceed the model's context of 48"):
+            client.completions.create(model="run", prompt="abc", max_tokens=46, temperature=0)
         chat = client.chat.completions.create(model="run", messages=[{"role": "user", "content": "abc"}],
                                               max_tokens=3, temperature=0)
         assert len(chat.choices[0].message.content) == 3
