@@ -49,7 +49,7 @@ from jaxgpt.commands import no_arguments, run_command
 from jaxgpt.commands.sample import MODEL_LOCATIONS, define_model, load_model
 from jaxgpt.data.pairs import PairText
 from jaxgpt.errors import UserError, optional_import
-from jaxgpt.model.config import Seq2SeqConfig
+from jaxgpt.model.config import Seq2SeqConfig, decoder_of
 from jaxgpt.ops.platform import keep_freed_memory
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def run(flags_: flags.FlagValues, args: list[str]) -> None:
     stacked = stack([adapters.load(spec, loaded) for spec in specs], cfg) if specs else None
     if isinstance(cfg, Seq2SeqConfig):  # an encoder-decoder run: the prompt is the source
         tokenizer = PairText(tokenizer, specials)
-    context = (cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg).block_size
+    context = decoder_of(cfg).block_size
     if flags_.max_model_len is not None and flags_.max_model_len > context:
         raise UserError(f"--max_model_len={flags_.max_model_len} is past the model's context of {context}: give at "
                         "most that, or leave it out")

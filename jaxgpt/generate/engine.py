@@ -76,7 +76,7 @@ from jaxgpt.generate.slots import (
     move_slot,
     prefill_slots,
 )
-from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, decoder_of
 
 __all__ = ["TOP_LOGPROBS", "Engine", "Request", "check_request"]
 CHUNK = 8  # tokens a decode chunk gives each busy slot (fewer once they all end)
@@ -154,13 +154,13 @@ class Engine:
             if specials is None:
                 raise UserError("an encoder-decoder needs its pad, bos and eos ids (the run's meta['seq2seq'])")
             self.params, self.cfg, self.specials, self.eot_token = params, cfg, specials, specials["eos_id"]
-            model = cfg.model
             memory = jax.eval_shape(lambda: seq2seq.encode(params, cfg, jnp.zeros((1, cfg.src_block_size), jnp.int32)))
         else:
             self.params = beside(decoding_weights(params, cfg, None, output_major=False)[0], adapters)
-            self.cfg, model, self.specials = cfg, cfg, None
+            self.cfg, self.specials = cfg, None
             columns = adapters.width if adapters else 0
-        self.given_cfg, self.decoder = cfg, model  # what `swap`'s weights are laid out for; the decoder's config
+        self.given_cfg, self.decoder = cfg, decoder_of(cfg)  # what `swap`'s weights are laid out for; the decoder
+        model = self.decoder
         self.positions = model.block_size if positions is None else cache_slots(model, positions, 1)  # `_span` rounds
         self._empty = lambda: jax.device_put(empty_slots(cfg, slots, memory, columns, self.positions), self.home)
         self.banned, self.vocab_size = model.pad_id, model.vocab_size

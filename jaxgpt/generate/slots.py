@@ -44,7 +44,7 @@ from jaxgpt.generate.decode_weights import token_loop
 from jaxgpt.generate.sampling import _decode
 from jaxgpt.generate.strategies import gumbel_noise, pick_tokens
 from jaxgpt.model.attention import init_cache
-from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, decoder_of
 from jaxgpt.ops.loss import target_logit
 
 Array = jax.Array
@@ -107,7 +107,7 @@ def empty_slots(cfg: ModelConfig | Seq2SeqConfig, slots: int, memory: Any = None
     """Every slot free (ended), its cache of `positions` (None: block_size) zeroed; `memory`: the shapes of one
     slot's source state (an encoder-decoder's); `adapter_columns`: the rank columns of the LoRA adapters served
     (`adapters.Stack.width`; 0: none, no adapter state)."""
-    model = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
+    model = decoder_of(cfg)
     V = model.vocab_size
     per_slot = lambda tree: jax.tree.map(lambda c: jnp.zeros((slots, *c.shape), c.dtype), tree)
     cache = per_slot(init_cache(model, 1, positions))

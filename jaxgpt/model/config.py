@@ -380,3 +380,9 @@ class Seq2SeqConfig:
     def to_dict(self) -> dict[str, Any]:
         """One flat dict: the ModelConfig fields and the encoder's."""
         return {**self.model.to_dict(), **{name: getattr(self, name) for name in SEQ2SEQ_FIELDS}}
+
+
+def decoder_of(cfg: ModelConfig | Seq2SeqConfig) -> ModelConfig:
+    """The config of the stack that decodes: a GPT's own, an encoder-decoder's `model` (whose block_size, vocabulary
+    and KV cache are what generation, serving and sharding read)."""
+    return cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg

@@ -55,7 +55,7 @@ from jaxgpt.data.pairs import PairText
 from jaxgpt.data.tokenizer_base import out_of_range
 from jaxgpt.errors import UserError
 from jaxgpt.generate.checks import check_request
-from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, decoder_of
 from jaxgpt.serve.choices import Choice, Codec, collect, stream, usage
 from jaxgpt.serve.client import EngineClient, EngineLostError
 from jaxgpt.serve.guard import OPEN_PATHS, Guard
@@ -102,7 +102,7 @@ class Served:
 
     def context(self) -> int:
         """The positions a request's prompt and new tokens may take: --max_model_len, else the model's context."""
-        return self.max_model_len or (self.cfg.model if isinstance(self.cfg, Seq2SeqConfig) else self.cfg).block_size
+        return self.max_model_len or decoder_of(self.cfg).block_size
 
     def resolve(self, model: str | None) -> tuple[str, str | None]:
         """(the name an answer reports, the adapter its choices decode with) for a request's `model`. With

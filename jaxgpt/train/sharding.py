@@ -29,7 +29,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxgpt.errors import UserError
-from jaxgpt.model.config import ModelConfig, Seq2SeqConfig
+from jaxgpt.model.config import ModelConfig, Seq2SeqConfig, decoder_of
 from jaxgpt.ops.platform import is_gpu
 from jaxgpt.train.optim import make_optimizer
 from jaxgpt.train.step import make_train_step
@@ -119,7 +119,7 @@ class ModelSizes:
 
 def model_sizes(cfg: ModelConfig | Seq2SeqConfig) -> ModelSizes:
     """A GPT's sizes, or an encoder-decoder's: both stacks share the width and heads, not the vocabularies."""
-    mc = cfg.model if isinstance(cfg, Seq2SeqConfig) else cfg
+    mc = decoder_of(cfg)
     vocabs = (mc.vocab_size, cfg.src_vocab_size) if isinstance(cfg, Seq2SeqConfig) else (mc.vocab_size,)
     return ModelSizes(mc.attention_impl, mc.n_head, mc.n_kv_head, mc.d_ff, mc.n_embd, vocabs)
 
