@@ -30,13 +30,16 @@ Under each decode row, its bound: the most this machine allows now, as far as ja
 measured in the same process (a float32 2048^3 product's rate, `jaxgpt.train.flops.measure_matmul_peak`, and
 weight streaming's, `bench_sample.memory_bandwidth_gb_s`: a one-row product over 256 MiB). Batch 1 reads every
 weight once a token; the ragged prompts' products run at the peak rate, each decode step taking at least one read
-of every weight. A target past its row's bound is out of reach on this machine; one within it, a matter of the
-program.
+of every weight. The ragged row has a second bound, what the products reach here: one decode step's products
+alone (the model's shapes, 16 rows, no attention, norm or sampling) timed in jax and in PyTorch, the faster of the
+two taken for every step. A target past its row's bound is out of reach on this machine; one within it, a matter
+of the program.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -49,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.generate.many import generate_many
@@ -171,6 +175,46 @@ def batched(loaded: weights.Weights, model, torch, new: int, n_rounds: int) -> N
     bound = RAGGED * new / (prefill_s + (new - 1) * step_s)
     print(f"{'  bound: the roofline of the products':<40} {bound:16.1f} tokens/s at {flops / 1e9:.0f} GFLOP/s and "
           f"{stream / 1e9:.1f} GB/s = {bound / best['transformers']:.2f}x transformers")
+    chains = step_products_s(loaded.model, RAGGED, n_rounds * 3, torch)
+    chain_s = min(chains.values())  # the fastest library's
+    reached = RAGGED * new / (prefill_s + (new - 1) * chain_s)
+    print(f"{'  bound: the products as they run here':<40} {reached:16.1f} tokens/s, a decode step's products "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in chains.items())
+          + f" ({2 * P * RAGGED / chain_s / 1e9:.0f} GFLOP/s) = {reached / best['transformers']:.2f}x transformers")
+
+
+def step_products_s(cfg, rows: int, repeats: int, torch) -> dict[str, float]:
+    """Seconds a decode step's products alone take at `rows` rows, in jax and in PyTorch on this machine (the best
+    of `repeats` rounds of 10 steps in a row): every layer's q, k/v, output, MLP and head products of the model's
+    shapes (random float32 weights, the same on both sides), chained as the model chains them, with no attention,
+    norm or sampling. Where the roofline assumes the peak rate of a 2048^3 product, this is what the libraries
+    reach at 16 rows, and no engine decodes a step faster than its products run (docs/benchmarks.md: no XLA:CPU
+    option and not OpenBLAS ran them faster than jax's default)."""
+    C, H, K = cfg.n_embd, cfg.n_head, cfg.n_kv_head or cfg.n_head
+    D, F = cfg.head_dim or C // H, cfg.d_ff or 4 * C
+    rng = np.random.default_rng(0)
+    weight = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02)
+    layers = [(weight(C, H * D), weight(C, 2 * K * D), weight(H * D, C), weight(C, F), weight(C, F), weight(F, C))
+              for _ in range(cfg.n_layer)]
+    head = weight(cfg.vocab_size, C)  # (V, C): the tied embedding, as the engine's head reads it
+    act = {"jax": jax.nn.silu if cfg.gated_mlp else jax.nn.gelu, "torch": torch.nn.functional.silu if cfg.gated_mlp
+           else torch.nn.functional.gelu}
+
+    def step(side: str, layers, head, x_NC):
+        for q, kv, out, fc, gate, proj in layers:
+            x_NC = x_NC + (x_NC @ q + (x_NC @ kv).sum()) @ out
+            x_NC = x_NC + (act[side](x_NC @ gate) * (x_NC @ fc) if cfg.gated_mlp else act[side](x_NC @ fc)) @ proj
+        return (x_NC @ head.T).argmax(-1)
+
+    def side(run: Callable, *args: object) -> Callable[[], int]:  # 10 steps in a row, as a decode runs them
+        return lambda: sum((jax.block_until_ready(run(*args)), 1)[1] for _ in range(10))
+
+    sides = {"jax": side(jax.jit(functools.partial(step, "jax")), *jax.device_put((layers, head)), jnp.ones((rows, C))),
+             "torch": side(torch.no_grad()(functools.partial(step, "torch")),
+                           *jax.tree.map(torch.as_tensor, (layers, head)), torch.ones(rows, C))}
+    for run in sides.values():
+        run()  # compiles
+    return {name: 1 / per_s for name, per_s in rounds(sides, repeats).items()}
 
 
 def parameters(loaded: weights.Weights) -> tuple[int, int]:

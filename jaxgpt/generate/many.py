@@ -37,7 +37,7 @@ def generate_many(params: Any, cfg: ModelConfig | Seq2SeqConfig, prompts: Sequen
     for r, (prompt, (count, seed, temp, p)) in enumerate(zip(prompts, settings, strict=True)):
         engine.check(list(prompt), count, temp, p)
         request = Request(list(prompt), count, temperature=temp, top_p=p, seed=seed, emit=lambda *_: None,
-                          done=lambda _: bar.update())
+                          done=lambda _: bar.update(), logprobs=False)  # tokens only: no log-softmax, no top-k
 
         def emit(token: int, _logprob: float, _top: list, _end: bool, r: int = r, request: Request = request) -> None:
             out[r].append(token)
